@@ -1,0 +1,125 @@
+"""Shared pieces of the parity tests: synthetic packs and the plain-transformers reference.
+
+The reference never touches vlmcp's model code: a separate, untouched transformers model forwards
+every sample alone (batch of one, no packing), and the step loss is sum(CE) / N over all samples.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from transformers import Qwen3_5ForConditionalGeneration
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForConditionalGeneration
+
+from vlmcp.data.batch import IGNORE_INDEX, PackedBatch
+from vlmcp.model.tiny import tiny_qwen3_5_config
+
+
+@dataclass
+class RawSample:
+    """One sample: input_ids [L], labels [L] (HF convention), its images' pixels and grids."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    pixel_values: torch.Tensor | None
+    image_grid_thw: torch.Tensor | None
+
+
+def build_model(moe: bool = False, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A random-init tiny Qwen3.5 VLM in fp32 with sdpa everywhere."""
+    config = tiny_qwen3_5_config(moe=moe, **overrides)
+    cls = Qwen3_5MoeForConditionalGeneration if moe else Qwen3_5ForConditionalGeneration
+    torch.manual_seed(seed)
+    model = cls._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.language_model.layers:
+            if hasattr(layer, "linear_attn"):
+                layer.linear_attn.conv1d.weight.normal_(0, 0.3)
+                layer.linear_attn.A_log.uniform_(-1.0, 1.0)
+        for name, p in model.named_parameters():
+            if "norm" in name and p.dim() == 1:
+                p.normal_(0, 0.1)
+    return model.eval()
+
+
+def make_sample(
+    gen: torch.Generator, config, length: int, grids: list[tuple[int, int, int]] = (), image_at: int = 3
+) -> RawSample:
+    """Random tokens with one `<vision_start> N*<image> <vision_end>` run per grid, placed from
+    `image_at`; labels on every later text token (like an answer) and none on image tokens."""
+    merge = config.vision_config.spatial_merge_size
+    specials = {config.image_token_id, config.video_token_id, config.vision_start_token_id, config.vision_end_token_id}
+    vocab = [t for t in range(8, config.text_config.vocab_size)]
+    ids: list[int] = [vocab[int(torch.randint(len(vocab), (1,), generator=gen))] for _ in range(image_at)]
+    for t, h, w in grids:
+        ids += [config.vision_start_token_id] + [config.image_token_id] * (t * h * w // merge**2) + [config.vision_end_token_id]
+    while len(ids) < length:
+        ids.append(vocab[int(torch.randint(len(vocab), (1,), generator=gen))])
+    if len(ids) != length:
+        raise ValueError(f"sample of {len(ids)} tokens does not fit length {length}")
+    input_ids = torch.tensor(ids)
+    labels = input_ids.clone()
+    labels[: length // 3] = IGNORE_INDEX
+    labels[torch.tensor([i in specials for i in ids])] = IGNORE_INDEX
+    pixel_values = grid = None
+    if grids:
+        patch_dim = 3 * config.vision_config.temporal_patch_size * config.vision_config.patch_size**2
+        n = sum(t * h * w for t, h, w in grids)
+        pixel_values = torch.randn(n, patch_dim, generator=gen)
+        grid = torch.tensor(grids)
+    return RawSample(input_ids, labels, pixel_values, grid)
+
+
+def mm_token_type_ids(sample: RawSample, config) -> torch.Tensor:
+    return (sample.input_ids == config.image_token_id).int()
+
+
+def pack(samples: list[RawSample], model) -> PackedBatch:
+    """PackedBatch of `samples`, positions from the model's own rope index for each sample alone."""
+    config = model.config
+    positions, targets = [], []
+    for s in samples:
+        pos, _ = model.model.get_rope_index(
+            s.input_ids[None], mm_token_type_ids(s, config)[None], image_grid_thw=s.image_grid_thw
+        )
+        positions.append(pos[:, 0])
+        shifted = torch.full_like(s.labels, IGNORE_INDEX)
+        shifted[:-1] = s.labels[1:]
+        targets.append(shifted)
+    pixels = [s.pixel_values for s in samples if s.pixel_values is not None]
+    grids = [s.image_grid_thw for s in samples if s.image_grid_thw is not None]
+    return PackedBatch(
+        input_ids=torch.cat([s.input_ids for s in samples]),
+        targets=torch.cat(targets),
+        position_ids=torch.cat(positions, dim=1),
+        mm_token_type_ids=torch.cat([mm_token_type_ids(s, config) for s in samples]),
+        seq_lens=[len(s.input_ids) for s in samples],
+        pixel_values=torch.cat(pixels) if pixels else None,
+        image_grid_thw=torch.cat(grids) if grids else None,
+        sample_ids=[f"sample{i}" for i in range(len(samples))],
+    )
+
+
+def reference_loss_and_grads(model, samples: list[RawSample]) -> tuple[float, dict[str, torch.Tensor]]:
+    """Plain transformers, each sample forwarded alone: loss = sum CE / N and its gradients."""
+    model = copy.deepcopy(model)
+    model.zero_grad(set_to_none=True)
+    n_total = sum(int((s.labels[1:] != IGNORE_INDEX).sum()) for s in samples)
+    total = 0.0
+    for s in samples:
+        n = int((s.labels[1:] != IGNORE_INDEX).sum())
+        kwargs = {}
+        if s.pixel_values is not None:
+            kwargs = dict(pixel_values=s.pixel_values, image_grid_thw=s.image_grid_thw,
+                          mm_token_type_ids=mm_token_type_ids(s, model.config)[None])
+        out = model(input_ids=s.input_ids[None], labels=s.labels[None], use_cache=False, **kwargs)
+        (out.loss * n / n_total).backward()
+        total += float(out.loss) * n / n_total
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    return total, grads
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))

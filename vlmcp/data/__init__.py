@@ -1,0 +1,1 @@
+"""Data path: JSONL lines -> samples -> packed micro-batches."""

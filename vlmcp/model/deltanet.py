@@ -1,0 +1,243 @@
+"""The DeltaNet context-parallel hook: a sharded Gated DeltaNet layer that computes exactly what
+the unsharded layer computes, in forward and backward.
+
+A Gated DeltaNet layer is a depthwise causal conv1d over the q/k/v projections, then the gated
+delta-rule recurrence, both of which must restart at every packed-sample boundary. Two modes:
+
+"state" (default): every rank keeps its own tokens.
+  * Conv halo: rank r prepends rank r-1's last (kernel-1) pre-conv tokens of the same sample.
+  * State chain: the recurrence is linear in its state, S_end = A S_start + B, with A [H_v, K, K]
+    and B [H_v, K, V] over a rank's last segment. One pre-pass with value columns [v | 0] and
+    initial state [0 | I] yields [B | A]; every rank all-gathers them, chains its predecessors
+    inside the same sample, and runs its first segment from the chained state. This is the scheme
+    of flash-linear-attention's `ops/cp`, written here with one all-gather per layer.
+"heads": an all-to-all moves q/k/v/a/b to head-sharded layout ([S, H/P, D]); each rank runs the
+  whole sequence for its heads, and a second all-to-all brings the output back. Needs the DeltaNet
+  key and value head counts divisible by P.
+
+Both modes read boundaries only from the batch's `ShardPlan` (global `seq_lens`). The hook is
+installed per layer instance (`install_deltanet_hooks`), and a layer called without a plan runs its
+original transformers forward (generation, plain inference).
+
+Legend: S_local tokens on this rank, C = 2*H_k*K + H_v*V conv channels, H_k/H_v key/value heads,
+K/V head dims, P SP size, w = kernel - 1 halo width.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+
+from vlmcp.model.delta_rule import delta_rule_segments
+from vlmcp.parallel import comm
+from vlmcp.parallel.shard import ShardPlan
+
+DELTANET_MODES = ("state", "heads")
+
+
+def is_gated_deltanet(module: nn.Module) -> bool:
+    """True for Qwen3.5's (dense or MoE) Gated DeltaNet token mixer."""
+    return type(module).__name__.endswith("GatedDeltaNet") and hasattr(module, "in_proj_qkv")
+
+
+def install_deltanet_hooks(model: nn.Module, mode: str = "state") -> list[nn.Module]:
+    """Give every Gated DeltaNet layer of `model` the packed/sharded forward. Returns the layers.
+
+    The original forward stays in use whenever a call has no `shard_plan`. Under ZeRO-3 the conv
+    weight, which the forward reads directly, is registered as an external parameter of its layer
+    so that DeepSpeed gathers it for the layer's forward.
+    """
+    if mode not in DELTANET_MODES:
+        raise ValueError(f"parallel.deltanet_cp must be one of {DELTANET_MODES}, got {mode!r}")
+    layers = [m for m in model.modules() if is_gated_deltanet(m)]
+    for layer in layers:
+        original = type(layer).forward.__get__(layer)
+        layer.forward = functools.partial(_hooked_forward, layer, original, mode)
+        if hasattr(layer.conv1d.weight, "ds_id"):
+            from deepspeed.zero import register_external_parameter
+
+            register_external_parameter(layer, layer.conv1d.weight)
+    return layers
+
+
+def uninstall_deltanet_hooks(layers: list[nn.Module]) -> None:
+    """Restore the transformers forward on layers returned by `install_deltanet_hooks`."""
+    for layer in layers:
+        if "forward" in layer.__dict__:
+            del layer.forward
+
+
+def _hooked_forward(layer, original, mode, hidden_states, *args, shard_plan: ShardPlan | None = None, **kwargs):
+    if shard_plan is None:
+        return original(hidden_states, *args, **kwargs)
+    return sharded_deltanet_forward(layer, hidden_states, shard_plan, mode)
+
+
+def sharded_deltanet_forward(
+    layer: nn.Module, hidden_states: torch.Tensor, plan: ShardPlan, mode: str = "state"
+) -> torch.Tensor:
+    """[1, S_local, hidden] (this rank's shard) -> [1, S_local, hidden], as the unsharded layer
+    would compute for these positions of the whole pack."""
+    x = hidden_states[0]
+    length = x.shape[0]
+    mixed = layer.in_proj_qkv(x)
+    z = layer.in_proj_z(x).reshape(length, -1, layer.head_v_dim)
+    b = layer.in_proj_b(x)
+    a = layer.in_proj_a(x)
+    if mode == "heads":
+        core = _heads_mode(layer, mixed, a, b, plan)
+    else:
+        core = _state_mode(layer, mixed, a, b, plan)
+    core = layer.norm(core.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
+    return layer.out_proj(core.reshape(length, -1)).unsqueeze(0)
+
+
+def _gates(layer: nn.Module, a: torch.Tensor, b: torch.Tensor, heads: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g, beta) [L, h] for value heads `heads`: log decay and write strength, as transformers computes them."""
+    g = -layer.A_log[heads].float().exp() * F.softplus(a.float() + layer.dt_bias[heads])
+    return g, b.sigmoid()
+
+
+def causal_conv_segments(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lengths: list[int],
+    left_context: torch.Tensor | None,
+) -> torch.Tensor:
+    """Depthwise causal conv restarted at every segment: [L, c] -> [L, c] (before activation).
+
+    weight: [c, 1, w+1]. Each segment sees w zero tokens before it, except the first when
+    `left_context` [w, c] is given (the previous rank's tokens, zeros where another sample).
+    """
+    width = weight.shape[-1] - 1
+    out, start = [], 0
+    for i, n in enumerate(lengths):
+        seg = x[start : start + n].to(weight.dtype)
+        ctx = left_context if (i == 0 and left_context is not None) else seg.new_zeros(width, seg.shape[1])
+        inp = torch.cat([ctx.to(weight.dtype), seg], dim=0).transpose(0, 1).unsqueeze(0)
+        out.append(F.conv1d(inp, weight, bias, groups=weight.shape[0])[0].transpose(0, 1))
+        start += n
+    return torch.cat(out, dim=0).to(x.dtype)
+
+
+def conv_halo(mixed: torch.Tensor, plan: ShardPlan, width: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The previous rank's last `width` pre-conv tokens of this rank's first sample.
+
+    mixed: [S_local, C]. Returns (halo [w, C] or None when the shard starts a sample, all ranks'
+    tails [P, w, C]). Rows of the halo that belong to another sample are zeros. Every rank takes
+    part; gradients flow back to the rank that owns the tokens.
+    """
+    tails = comm.all_gather_autograd(mixed[-width:], plan.group)
+    first = plan.local_segments[0]
+    if not first.continues:
+        return None, tails
+    halo = tails[plan.rank - 1]
+    foreign = width - min(width, first.offset)
+    if foreign:
+        halo = torch.cat([halo.new_zeros(foreign, halo.shape[1]), halo[foreign:]], dim=0)
+    return halo, tails
+
+
+def _split_qkv(layer: nn.Module, mixed: torch.Tensor, key_dim: int, value_dim: int):
+    q, k, v = torch.split(mixed, [key_dim, key_dim, value_dim], dim=-1)
+    n = mixed.shape[0]
+    return (
+        q.reshape(n, -1, layer.head_k_dim),
+        k.reshape(n, -1, layer.head_k_dim),
+        v.reshape(n, -1, layer.head_v_dim),
+    )
+
+
+def _state_mode(layer: nn.Module, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, plan: ShardPlan) -> torch.Tensor:
+    """Sequence-sharded DeltaNet: conv halo + state chain. Returns core output [S_local, H_v, V]."""
+    segments = plan.local_segments
+    lengths = [s.length for s in segments]
+    halo, tails = (None, None) if plan.size == 1 else conv_halo(mixed, plan, layer.conv_kernel_size - 1)
+    conv = causal_conv_segments(mixed, layer.conv1d.weight, layer.conv1d.bias, lengths, halo)
+    conv = ACT2FN[layer.activation](conv)
+    q, k, v = _split_qkv(layer, conv, layer.key_dim, layer.value_dim)
+    g, beta = _gates(layer, a, b, slice(None))
+    if plan.size == 1:
+        out, _ = delta_rule_segments(q, k, v, g, beta, lengths, [None] * len(lengths))
+        return out
+
+    last = segments[-1]
+    tail = slice(last.start, last.stop)
+    tail_out, transfer = _transition(q[tail], k[tail], v[tail], g[tail], beta[tail])
+    transfers = comm.all_gather_autograd(transfer, plan.group)
+    s_in = incoming_state(transfers, plan, v.shape[-1])
+    continues = segments[0].continues
+    if len(segments) == 1 and continues:
+        out, _ = delta_rule_segments(q, k, v, g, beta, lengths, [s_in])
+    elif len(segments) == 1:
+        out = tail_out
+    else:
+        head = slice(0, last.start)
+        inits = [s_in if i == 0 else None for i in range(len(segments) - 1)]
+        head_out, _ = delta_rule_segments(q[head], k[head], v[head], g[head], beta[head], lengths[:-1], inits)
+        out = torch.cat([head_out, tail_out], dim=0)
+    return comm.keep_in_graph(out, tails, transfers)
+
+
+def _transition(q, k, v, g, beta) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero-state output and affine state map of one segment.
+
+    q, k: [L, H_k, K]; v: [L, H_v, V]. Returns (out [L, H_v, V] from a zero initial state,
+    [H_v, K, V + K] = [B | A], where the segment maps an initial state X to A X + B).
+    """
+    heads, kdim, vdim = v.shape[1], q.shape[-1], v.shape[-1]
+    v_aug = torch.cat([v, v.new_zeros(v.shape[0], heads, kdim)], dim=-1)
+    eye = torch.eye(kdim, dtype=torch.float32, device=v.device).expand(heads, kdim, kdim)
+    init = torch.cat([eye.new_zeros(heads, kdim, vdim), eye], dim=-1)
+    out, (final,) = delta_rule_segments(q, k, v_aug, g, beta, [v.shape[0]], [init])
+    return out[..., :vdim], final
+
+
+def incoming_state(transfer: torch.Tensor, plan: ShardPlan, vdim: int) -> torch.Tensor | None:
+    """State entering this rank's first segment, chained from its predecessors in the same sample.
+
+    transfer: [P, H_v, K, V + K], rank j's [B_j | A_j] over its last segment. Returns [H_v, K, V],
+    or None when this rank's shard starts a sample.
+    """
+    state = None
+    for r in range(plan.rank):
+        pieces = plan.all_segments[r]
+        carried = state if (len(pieces) == 1 and pieces[0].continues) else None
+        b_r, a_r = transfer[r, ..., :vdim], transfer[r, ..., vdim:]
+        out = b_r if carried is None else a_r @ carried + b_r
+        state = out if plan.all_segments[r + 1][0].continues else None
+    return state
+
+
+def _heads_mode(layer: nn.Module, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, plan: ShardPlan) -> torch.Tensor:
+    """Head-parallel DeltaNet: all-to-all to [S, H/P, D], whole sequence per head group, back.
+    Returns core output [S_local, H_v, V]."""
+    group, p, r = plan.group, plan.size, plan.rank
+    hk, hv = layer.num_k_heads // p, layer.num_v_heads // p
+    q, k, v = _split_qkv(layer, mixed, layer.key_dim, layer.value_dim)
+    q, k, v = (comm.seq_to_heads_autograd(t, group) for t in (q, k, v))
+    a = comm.seq_to_heads_autograd(a.unsqueeze(-1), group).squeeze(-1)
+    b = comm.seq_to_heads_autograd(b.unsqueeze(-1), group).squeeze(-1)
+    kd, vd = layer.head_k_dim, layer.head_v_dim
+    channels = torch.cat(
+        [
+            torch.arange(r * hk * kd, (r + 1) * hk * kd),
+            layer.key_dim + torch.arange(r * hk * kd, (r + 1) * hk * kd),
+            2 * layer.key_dim + torch.arange(r * hv * vd, (r + 1) * hv * vd),
+        ]
+    ).to(mixed.device)
+    weight = layer.conv1d.weight.index_select(0, channels)
+    bias = None if layer.conv1d.bias is None else layer.conv1d.bias.index_select(0, channels)
+    total = q.shape[0]
+    conv_in = torch.cat([q.reshape(total, -1), k.reshape(total, -1), v.reshape(total, -1)], dim=-1)
+    lengths = list(plan.seq_lens)
+    conv = ACT2FN[layer.activation](causal_conv_segments(conv_in, weight, bias, lengths, None))
+    q, k, v = _split_qkv(layer, conv, hk * kd, hv * vd)
+    g, beta = _gates(layer, a, b, slice(r * hv, (r + 1) * hv))
+    out, _ = delta_rule_segments(q, k, v, g, beta, lengths, [None] * len(lengths))
+    return comm.heads_to_seq_autograd(out, group)

@@ -1,0 +1,115 @@
+"""PackedVLM: a Qwen3.5 VLM that trains on packed (and sequence-parallel) micro-batches.
+
+Data flow for one micro-batch, on every rank of an SP group of size P (all ranks get the same
+PackedBatch):
+
+    embeddings + vision tower on the whole pack     [S, hidden]        (model.merge; replicated)
+    pad to a multiple of P, keep this rank's shard  [S_local, hidden]  (parallel.shard)
+    decoder layers on the shard                     [1, S_local, hidden]
+        full attention: Ulysses all-to-all, causal per sample   (model.attention)
+        Gated DeltaNet: conv halo + state chain, or heads mode   (model.deltanet)
+    final norm, lm_head + CE on this shard's targets             (model.loss)
+
+With P == 1 the same code is the exact packed single-rank path.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from vlmcp.data.batch import IGNORE_INDEX, PackedBatch
+from vlmcp.model.attention import ATTENTION_KEY, register_attention
+from vlmcp.model.deltanet import install_deltanet_hooks
+from vlmcp.model.loss import shard_loss_sum
+from vlmcp.model.merge import merge_embeddings
+from vlmcp.parallel.groups import SequenceParallel
+from vlmcp.parallel.shard import ShardPlan
+from vlmcp.model.vision import replicated_copy
+
+logger = logging.getLogger(__name__)
+
+
+class PackedVLM(nn.Module):
+    """Wraps a `Qwen3_5ForConditionalGeneration` (dense or MoE) for packed training.
+
+    Registered submodules (what DeepSpeed sees): the text model and the lm_head, plus the vision
+    tower when it is trainable. A frozen vision tower is held outside the module tree: it is
+    replicated on every rank, never enters the optimizer and never gets ZeRO-3 partitioned (when
+    it was loaded partitioned, it is gathered once, here).
+
+    The wrapped model keeps working with plain transformers calls (`generate`, `save_pretrained`):
+    the text attention key and the DeltaNet hooks fall back to the stock computation whenever no
+    shard plan is passed.
+    """
+
+    def __init__(self, hf_model: nn.Module, sp: SequenceParallel | None = None, deltanet_cp: str = "state") -> None:
+        super().__init__()
+        object.__setattr__(self, "hf_model", hf_model)
+        self.sp = sp or SequenceParallel.single()
+        config = hf_model.config
+        self.image_token_id = config.image_token_id
+        text_config = config.text_config
+        self.conv_halo = text_config.linear_conv_kernel_dim - 1
+        if getattr(text_config, "output_router_logits", False):
+            logger.warning("output_router_logits is set, but vlmcp trains on token cross-entropy only (no router aux loss)")
+
+        register_attention()
+        hf_model.set_attn_implementation({"text_config": ATTENTION_KEY, "vision_config": "sdpa"})
+        self.language_model = hf_model.model.language_model
+        self.lm_head = hf_model.lm_head
+        vision = hf_model.model.visual
+        self.vision_trainable = any(p.requires_grad for p in vision.parameters())
+        if self.vision_trainable:
+            self.visual = vision
+        else:
+            vision = replicated_copy(vision)
+            hf_model.model.visual = vision
+            object.__setattr__(self, "frozen_visual", vision)
+        self.deltanet_layers = install_deltanet_hooks(self.language_model, deltanet_cp)
+
+    @property
+    def vision(self) -> nn.Module:
+        return self.visual if self.vision_trainable else self.frozen_visual
+
+    def plan(self, batch: PackedBatch) -> ShardPlan:
+        """This rank's shard of `batch` (built once per micro-batch, handed to every layer)."""
+        return ShardPlan.build(
+            batch.seq_lens, self.sp.size, self.sp.rank, self.sp.group, min_local_len=max(self.conv_halo, 1)
+        )
+
+    def forward(self, batch: PackedBatch) -> tuple[torch.Tensor, int]:
+        """Loss sum over this rank's shard of the pack, and its number of target tokens.
+
+        Returns (0-dim fp32 tensor, int). Divide by the global target count (model.loss) for the
+        step's mean.
+        """
+        plan = self.plan(batch)
+        embeds = merge_embeddings(
+            self.language_model.embed_tokens, self.vision, batch, self.image_token_id, self.vision_trainable
+        )
+        device = embeds.device
+        hidden = plan.shard(embeds, dim=0).unsqueeze(0)
+        positions = plan.shard(batch.position_ids.to(device), dim=1).unsqueeze(1)
+        targets = plan.shard(batch.targets.to(device), dim=0, pad_value=IGNORE_INDEX)
+        hidden = self.decode(hidden, positions, plan)
+        return shard_loss_sum(hidden[0], targets, self.lm_head)
+
+    def decode(self, hidden: torch.Tensor, positions: torch.Tensor, plan: ShardPlan) -> torch.Tensor:
+        """Decoder stack on one shard: [1, S_local, hidden] -> final-norm [1, S_local, hidden].
+
+        positions: [3, 1, S_local] MRoPE (t, h, w) positions of the shard's tokens.
+        """
+        lm = self.language_model
+        position_embeddings = lm.rotary_emb(hidden, positions)
+        for layer in lm.layers[: lm.config.num_hidden_layers]:
+            hidden = layer(
+                hidden,
+                position_embeddings=position_embeddings,
+                attention_mask=None,
+                position_ids=None,
+                shard_plan=plan,
+            )
+        return lm.norm(hidden)
