@@ -58,9 +58,9 @@ def install_deltanet_hooks(model: nn.Module, mode: str = "state") -> list[nn.Mod
         original = type(layer).forward.__get__(layer)
         layer.forward = functools.partial(_hooked_forward, layer, original, mode)
         if hasattr(layer.conv1d.weight, "ds_id"):
-            from deepspeed.zero import register_external_parameter
+            import deepspeed
 
-            register_external_parameter(layer, layer.conv1d.weight)
+            deepspeed.zero.register_external_parameter(layer, layer.conv1d.weight)
     return layers
 
 

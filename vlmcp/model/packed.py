@@ -80,6 +80,11 @@ class PackedVLM(nn.Module):
             batch.seq_lens, self.sp.size, self.sp.rank, self.sp.group, min_local_len=max(self.conv_halo, 1)
         )
 
+    def shard_target_count(self, batch: PackedBatch) -> int:
+        """Target tokens in this rank's shard of `batch` (what `forward` will return as its count)."""
+        targets = self.plan(batch).shard(batch.targets, dim=0, pad_value=IGNORE_INDEX)
+        return int((targets != IGNORE_INDEX).sum())
+
     def forward(self, batch: PackedBatch) -> tuple[torch.Tensor, int]:
         """Loss sum over this rank's shard of the pack, and its number of target tokens.
 

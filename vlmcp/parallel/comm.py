@@ -20,7 +20,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +121,25 @@ def broadcast_object(obj: object, src: int = 0) -> object:
     return box[0]
 
 
+class _AllGatherStack(torch.autograd.Function):
+    """Forward: stack every rank's tensor. Backward: sum the stacked gradient over the group and
+    keep this rank's slot (an all-reduce, which every backend has for any subgroup)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        ctx.rank = dist.get_rank(group)
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad[ctx.rank], None
+
+
 def all_gather_autograd(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Stack every rank's `tensor` (same shape on all ranks): [...] -> [P, ...].
 
@@ -130,7 +148,7 @@ def all_gather_autograd(tensor: torch.Tensor, group: ProcessGroup | None) -> tor
     """
     if group_size(group) == 1:
         return tensor.unsqueeze(0)
-    return torch.stack(dist_fn.all_gather(tensor.contiguous(), group=group))
+    return _AllGatherStack.apply(tensor, group)
 
 
 def keep_in_graph(out: torch.Tensor, *gathered: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,73 @@
+"""Rank-side code of the end-to-end SP parity tests: the real DeepSpeed engine, one step."""
+
+from __future__ import annotations
+
+import gc
+
+import deepspeed
+import torch
+from deepspeed.utils import safe_get_full_grad
+from transformers import AutoConfig, Qwen3_5ForConditionalGeneration
+from transformers.integrations import HfDeepSpeedConfig
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForConditionalGeneration
+
+from vlmcp.model.loss import global_target_count, scale_for_deepspeed
+from vlmcp.model.packed import PackedVLM
+from vlmcp.parallel import comm
+from vlmcp.parallel.ds_config import largest_tensor_numel, sp_exact_zero_settings
+from vlmcp.parallel.groups import SequenceParallel
+
+
+def ds_config(stage: int, grad_accum: int, dp_size: int) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": grad_accum,
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**9,
+        "zero_allow_untested_optimizer": True,
+    }
+
+
+def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
+    """For each case {checkpoint, stage, mode, grad_accum, packs: list per DP rank of lists of
+    PackedBatch}: one DeepSpeed step; returns the step loss and every trainable parameter's full
+    gradient (HF names) as DeepSpeed holds them at the accumulation boundary."""
+    sp = SequenceParallel.initialize(sp_size)
+    results = {}
+    for name, case in cases.items():
+        hf_config = AutoConfig.from_pretrained(case["checkpoint"])
+        config = sp_exact_zero_settings(
+            ds_config(case["stage"], case["grad_accum"], sp.dp_size), sp.size, largest_tensor_numel(case["checkpoint"])
+        )
+        keep_alive = HfDeepSpeedConfig(config) if case["stage"] == 3 else None
+        cls = Qwen3_5MoeForConditionalGeneration if hf_config.model_type == "qwen3_5_moe" else Qwen3_5ForConditionalGeneration
+        model = cls.from_pretrained(case["checkpoint"], dtype=torch.float32, attn_implementation="sdpa")
+        model.model.visual.requires_grad_(False)
+        module = PackedVLM(model, sp=sp, deltanet_cp=case["mode"])
+        params = [p for p in module.parameters() if p.requires_grad]
+        engine, *_ = deepspeed.initialize(
+            model=module, optimizer=torch.optim.SGD(params, lr=0.0), config=config, mpu=sp.mpu
+        )
+        micro_batches = case["packs"][sp.dp_rank]
+        n_global = global_target_count(sum(module.shard_target_count(b) for b in micro_batches))
+        loss_total = torch.zeros(())
+        for batch in micro_batches:
+            loss_sum, _ = engine(batch)
+            loss_total += loss_sum.detach()
+            engine.backward(scale_for_deepspeed(loss_sum, n_global, sp.dp_size, case["grad_accum"]))
+            if not engine.is_gradient_accumulation_boundary():
+                engine.step()
+        grads = {
+            "model." + n if n.startswith("language_model.") else n: safe_get_full_grad(p).detach().clone()
+            for n, p in engine.module.named_parameters()
+            if p.requires_grad
+        }
+        engine.step()
+        results[name] = {"loss": float(comm.all_reduce_sum(loss_total)) / n_global, "grads": grads}
+        del engine, module, model
+        if keep_alive is not None:
+            unset_hf_deepspeed_config()
+            del keep_alive
+        gc.collect()
+    return results
