@@ -19,8 +19,9 @@ from vlmcp.parallel.ds_config import largest_tensor_numel, sp_exact_zero_setting
 from vlmcp.parallel.groups import SequenceParallel
 
 
-def ds_config(stage: int, grad_accum: int, dp_size: int) -> dict:
+def ds_config(stage: int, grad_accum: int, dp_size: int, bf16: bool = False) -> dict:
     return {
+        "bf16": {"enabled": bf16},
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": grad_accum,
         "zero_optimization": {"stage": stage},
@@ -38,12 +39,13 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
     for name, case in cases.items():
         hf_config = AutoConfig.from_pretrained(case["checkpoint"])
         config = sp_exact_zero_settings(
-            ds_config(case["stage"], case["grad_accum"], sp.dp_size), sp.size, largest_tensor_numel(case["checkpoint"])
+            ds_config(case["stage"], case["grad_accum"], sp.dp_size, case.get("bf16", False)), sp.size, largest_tensor_numel(case["checkpoint"])
         )
         keep_alive = HfDeepSpeedConfig(config) if case["stage"] == 3 else None
         cls = Qwen3_5MoeForConditionalGeneration if hf_config.model_type == "qwen3_5_moe" else Qwen3_5ForConditionalGeneration
-        model = cls.from_pretrained(case["checkpoint"], dtype=torch.float32, attn_implementation="sdpa")
-        model.model.visual.requires_grad_(False)
+        dtype = torch.bfloat16 if case.get("bf16") else torch.float32
+        model = cls.from_pretrained(case["checkpoint"], dtype=dtype, attn_implementation="sdpa")
+        model.model.visual.requires_grad_(case.get("train_vision", False))
         module = PackedVLM(model, sp=sp, deltanet_cp=case["mode"])
         params = [p for p in module.parameters() if p.requires_grad]
         engine, *_ = deepspeed.initialize(
@@ -59,7 +61,7 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
             if not engine.is_gradient_accumulation_boundary():
                 engine.step()
         grads = {
-            "model." + n if n.startswith("language_model.") else n: safe_get_full_grad(p).detach().clone()
+            ("model." + n if n.startswith(("language_model.", "visual.")) else n): safe_get_full_grad(p).detach().float().clone()
             for n, p in engine.module.named_parameters()
             if p.requires_grad
         }
