@@ -76,8 +76,3 @@ def load_model(path: str | Path, dtype: str = "float32", *, freeze_vision: bool 
     if freeze_vision:
         model.model.visual.requires_grad_(False)
     return model
-
-
-def vision_tower(model: PreTrainedModel) -> torch.nn.Module:
-    """The vision encoder of a Qwen3.5 VLM."""
-    return model.model.visual

@@ -57,7 +57,8 @@ class PackedVLM(nn.Module):
             logger.warning("output_router_logits is set, but vlmcp trains on token cross-entropy only (no router aux loss)")
 
         register_attention()
-        hf_model.set_attn_implementation({"text_config": ATTENTION_KEY, "vision_config": "sdpa"})
+        vision_attention = config.vision_config._attn_implementation or "sdpa"
+        hf_model.set_attn_implementation({"text_config": ATTENTION_KEY, "vision_config": vision_attention})
         self.language_model = hf_model.model.language_model
         self.lm_head = hf_model.lm_head
         vision = hf_model.model.visual
@@ -72,7 +73,13 @@ class PackedVLM(nn.Module):
 
     @property
     def vision(self) -> nn.Module:
-        return self.visual if self.vision_trainable else self.frozen_visual
+        """The vision tower; a frozen one follows the text model to its device on first use."""
+        if self.vision_trainable:
+            return self.visual
+        device = self.language_model.embed_tokens.weight.device
+        if next(self.frozen_visual.parameters()).device != device:
+            self.frozen_visual.to(device)
+        return self.frozen_visual
 
     def plan(self, batch: PackedBatch) -> ShardPlan:
         """This rank's shard of `batch` (built once per micro-batch, handed to every layer)."""

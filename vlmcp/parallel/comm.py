@@ -98,18 +98,26 @@ def barrier(group: ProcessGroup | None = None) -> None:
         dist.barrier(group=group)
 
 
+def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: ProcessGroup | None) -> torch.Tensor:
+    """In-place all-reduce; a CPU tensor under NCCL travels through the GPU and comes back."""
+    if not is_initialized():
+        return tensor
+    if tensor.is_cuda or dist.get_backend(group) != "nccl":
+        dist.all_reduce(tensor, op=op, group=group)
+        return tensor
+    on_device = tensor.to(torch.device("cuda", torch.cuda.current_device()))
+    dist.all_reduce(on_device, op=op, group=group)
+    return tensor.copy_(on_device)
+
+
 def all_reduce_sum(tensor: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """In-place sum over `group` (the whole world when None). No autograd."""
-    if is_initialized():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-    return tensor
+    return _all_reduce(tensor, dist.ReduceOp.SUM, group)
 
 
 def all_reduce_max(tensor: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """In-place max over `group` (the whole world when None). No autograd."""
-    if is_initialized():
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-    return tensor
+    return _all_reduce(tensor, dist.ReduceOp.MAX, group)
 
 
 def broadcast_object(obj: object, src: int = 0) -> object:

@@ -1,0 +1,76 @@
+"""Shared fixtures: tiny checkpoints, their processor, a digits dataset, a JSONL writer.
+
+Session-scoped fixtures build each asset once per test run (a tiny checkpoint takes ~0.2 s).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from vlmcp.data.processor import VLProcessor, load_processor
+from vlmcp.demo_assets import build_tiny_checkpoint, write_digits_dataset
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Directory of a dense tiny Qwen3.5 checkpoint (published layout, seed 0)."""
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny_dense"), moe=False, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Directory of a tiny Qwen3.5-MoE checkpoint (published layout, seed 0)."""
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny_moe"), moe=True, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_processor(tiny_checkpoint: Path) -> VLProcessor:
+    """`VLProcessor` of `tiny_checkpoint` (a 32x32 image is 2x2 patches, 1 image token)."""
+    return load_processor(tiny_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def digits_jsonl(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Directory with train.jsonl (64 samples), eval.jsonl (16) and images/ of digits."""
+    out = tmp_path_factory.mktemp("digits")
+    write_digits_dataset(out, n_train=64, n_eval=16, seed=0)
+    return out
+
+
+def save_png(path: Path, width: int, height: int, seed: int = 0) -> Path:
+    """Write a random RGB PNG of width x height."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(path)
+    return path
+
+
+@pytest.fixture
+def make_jsonl(tmp_path: Path) -> Callable[..., Path]:
+    """Factory: make_jsonl(lines, images={"img/a.png": (w, h)}, name="data.jsonl") -> path.
+
+    Lines are dicts (JSON-encoded) or raw strings (written as is); images are random PNGs
+    written relative to the JSONL file.
+    """
+
+    def make(
+        lines: list[dict[str, Any] | str],
+        images: dict[str, tuple[int, int]] | None = None,
+        name: str = "data.jsonl",
+    ) -> Path:
+        for i, (rel, (width, height)) in enumerate((images or {}).items()):
+            save_png(tmp_path / rel, width, height, seed=i)
+        path = tmp_path / name
+        path.write_text(
+            "".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines)
+        )
+        return path
+
+    return make

@@ -1,0 +1,99 @@
+"""Running `vlmcp` the way users do: a subprocess, alone or under one of the three launchers.
+
+Every run gets one OpenMP thread per rank, DeepSpeed's CPU accelerator, a free rendezvous port
+and this checkout on PYTHONPATH, and is killed after `timeout` seconds so that a hang fails the
+test instead of stalling the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+ACCELERATE_YAML = REPO / "launch" / "accelerate" / "deepspeed_2proc.yaml"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _tool(name: str) -> str:
+    beside_python = Path(sys.executable).parent / name
+    return str(beside_python) if beside_python.exists() else (shutil.which(name) or name)
+
+
+def launcher_prefix(launcher: str | None, nproc: int) -> list[str]:
+    """The command that starts `nproc` ranks of `-m vlmcp` (None: one plain process)."""
+    port = str(free_port())
+    if launcher is None:
+        return [sys.executable, "-m", "vlmcp"]
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                "--master_addr", "127.0.0.1", "--master_port", port, "-m", "vlmcp"]
+    if launcher == "deepspeed":
+        return [_tool("deepspeed"), "--num_gpus", str(nproc), "--master_port", port,
+                "--module", "vlmcp"]
+    if launcher == "accelerate":
+        if nproc != 2:
+            raise ValueError("the accelerate test config starts 2 ranks")
+        return [_tool("accelerate"), "launch", "--config_file", str(ACCELERATE_YAML),
+                "--main_process_port", port, "-m", "vlmcp"]
+    raise ValueError(f"unknown launcher {launcher!r}")
+
+
+def run_vlmcp(args: list[str], *, launcher: str | None = None, nproc: int = 1,
+              timeout: float = 240, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """Run `vlmcp ARGS` (under `launcher` with `nproc` ranks); output captured as text."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
+           "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    command = [*launcher_prefix(launcher, nproc), *args]
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+def tiny_job(checkpoint: Path, train_file: Path, output_dir: Path,
+             **sections: dict[str, Any]) -> dict:
+    """A small, fast job on a tiny checkpoint; `sections` update the defaults key by key."""
+    job: dict[str, Any] = {
+        "model": {"path": str(checkpoint)},
+        "data": {"train": str(train_file), "max_seq_len": 96},
+        "optimizer": {"type": "adamw", "lr": 1e-3},
+        "train": {"max_steps": 2, "seed": 0},
+        "deepspeed": {"zero_optimization": {"stage": 0}},
+        "output_dir": str(output_dir),
+    }
+    for name, values in sections.items():
+        if isinstance(values, dict) and isinstance(job.get(name), dict):
+            job[name] = {**job[name], **values}
+        else:
+            job[name] = values
+    return job
+
+
+def write_job(path: Path, job: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(job, indent=1))
+    return path
+
+
+def train_losses(output_dir: Path) -> list[float]:
+    """The `loss` of every training row of a run's metrics.jsonl, in step order."""
+    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return [row["loss"] for row in rows if "loss" in row]
+
+
+def assert_ok(result: subprocess.CompletedProcess) -> None:
+    """Fail with the run's output tail when it exited non-zero."""
+    if result.returncode != 0:
+        tail = (result.stdout + result.stderr)[-6000:]
+        raise AssertionError(f"exit {result.returncode}:\n{tail}")

@@ -1,0 +1,157 @@
+"""The command line: help on every command, `validate` naming each problem on its own line, and
+`train` failing on every rank with the same clear error instead of hanging."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from distributed import run_ranks
+from launching import REPO, assert_ok, run_vlmcp, tiny_job, write_job
+from vlmcp.cli import build_parser, main
+from vlmcp.training.preflight import PreflightError
+
+COMMANDS = ["train", "validate", "export", "bench", "demo"]
+USER = {"role": "user", "content": "<image>What digit is this?"}
+ANSWER = {"role": "assistant", "content": "7"}
+
+#: Expected problem text per bad line, in file order (line 1 and 2 are good).
+BAD_LINES = {
+    3: "image not found",
+    4: "cannot decode image",
+    5: "has 2 placeholders",
+    6: "more than max_seq_len",
+    7: "no target tokens",
+}
+
+
+@pytest.mark.parametrize("command", [None, *COMMANDS])
+def test_help_answers_on_every_command(command, capsys):
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"] if command else ["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: vlmcp") and len(out.splitlines()) > 5
+
+
+def test_train_help_documents_every_job_key_and_launcher():
+    text = build_parser()._subparsers._group_actions[0].choices["train"].format_help()
+    for key in ("model.path", "data.truncate", "parallel.sp_size", "parallel.deltanet_cp",
+                "train.grad_accum", "optimizer.betas", "scheduler.warmup_steps", "deepspeed"):
+        assert key in text
+    for launcher in ("torchrun", "deepspeed --num_gpus", "accelerate launch"):
+        assert launcher in text
+
+
+@pytest.fixture
+def bad_data(make_jsonl, digits_jsonl, tmp_path):
+    """Two good lines, then one line per kind of bad input (see BAD_LINES)."""
+    (tmp_path / "img").mkdir(exist_ok=True)
+    (tmp_path / "img" / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\nnot really a png")
+    digit = str(digits_jsonl / json.loads(
+        (digits_jsonl / "train.jsonl").read_text().splitlines()[0])["images"][0])
+    lines = [
+        {"messages": [USER, ANSWER], "images": [digit]},
+        {"conversations": [{"from": "human", "value": "Describe the picture."},
+                           {"from": "gpt", "value": "A digit."}]},
+        {"messages": [USER, ANSWER], "images": ["img/missing.png"]},
+        {"messages": [USER, ANSWER], "images": ["img/corrupt.png"]},
+        {"input_ids": [1, 3, 5, 5, 4, 20, 21, 2], "labels": [-100] * 5 + [20, 21, 2],
+         "images": [digit]},
+        {"messages": [{"role": "user", "content": "count " * 200}, ANSWER]},
+        {"messages": [USER], "images": [digit]},
+    ]
+    return make_jsonl(lines)
+
+
+def _bad_job(tiny_checkpoint, data, tmp_path):
+    return write_job(tmp_path / "job.json", tiny_job(tiny_checkpoint, data, tmp_path / "out",
+                                                     data={"max_seq_len": 128}))
+
+
+def _check_one_line_per_bad_input(stderr: str, data) -> None:
+    lines = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == len(BAD_LINES), stderr
+    for line, (number, expected) in zip(lines, BAD_LINES.items()):
+        assert line.startswith(f"error: {data}:{number}: ") and expected in line, line
+
+
+def test_validate_reports_each_bad_input_on_its_own_line(tiny_checkpoint, bad_data, tmp_path,
+                                                         capsys):
+    assert main(["validate", str(_bad_job(tiny_checkpoint, bad_data, tmp_path))]) == 1
+    _check_one_line_per_bad_input(capsys.readouterr().err, bad_data)
+
+
+def test_validate_accepts_a_clean_job_and_names_the_world(tiny_checkpoint, digits_jsonl,
+                                                          tmp_path, capsys):
+    job = write_job(tmp_path / "job.json", tiny_job(tiny_checkpoint, digits_jsonl / "train.jsonl",
+                                                    tmp_path / "out", parallel={"sp_size": 2}))
+    assert main(["validate", str(job), "--world-size", "4"]) == 0
+    assert "64 train" in capsys.readouterr().out
+    assert main(["validate", str(job), "--world-size", "3"]) == 1
+    assert "parallel.sp_size" in capsys.readouterr().err
+
+
+def test_unknown_config_key_fails_validate_and_train_naming_the_key(tiny_checkpoint, digits_jsonl,
+                                                                   tmp_path, capsys):
+    raw = tiny_job(tiny_checkpoint, digits_jsonl / "train.jsonl", tmp_path / "out")
+    raw["train"]["max_stepz"] = 3
+    job = write_job(tmp_path / "job.json", raw)
+    for command in ("validate", "train"):
+        assert main([command, str(job)]) == 1
+        assert capsys.readouterr().err == "error: unknown config key 'train.max_stepz'\n"
+
+
+def test_deepspeed_config_problems_name_the_deepspeed_key(tiny_checkpoint, digits_jsonl, tmp_path,
+                                                          capsys):
+    job = write_job(tmp_path / "job.json", tiny_job(
+        tiny_checkpoint, digits_jsonl / "train.jsonl", tmp_path / "out",
+        deepspeed={"gradient_accumulation_steps": 8}))
+    assert main(["validate", str(job)]) == 1
+    err = capsys.readouterr().err
+    assert "deepspeed.gradient_accumulation_steps" in err and "train.grad_accum" in err
+
+
+def test_train_under_torchrun_fails_on_every_rank_with_the_validate_lines(
+        tiny_checkpoint, bad_data, tmp_path):
+    result = run_vlmcp(["train", str(_bad_job(tiny_checkpoint, bad_data, tmp_path))],
+                       launcher="torchrun", nproc=2, timeout=120)
+    assert result.returncode != 0
+    _check_one_line_per_bad_input(result.stderr, bad_data)
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def _problems_on_rank_one_only():
+    from vlmcp.parallel import comm
+    from vlmcp.training.loop import agree_on_problems
+
+    try:
+        agree_on_problems(["data.train: only rank 1 sees this"] if comm.rank() == 1 else [])
+    except PreflightError as exc:
+        return exc.problems
+    return None
+
+
+def test_a_problem_on_one_rank_stops_every_rank_and_is_reported_once():
+    assert run_ranks(_problems_on_rank_one_only, 2) == [[], ["data.train: only rank 1 sees this"]]
+
+
+def test_console_script_and_module_share_the_cli():
+    result = run_vlmcp(["--help"])
+    assert_ok(result)
+    assert "validate" in result.stdout
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert 'vlmcp = "vlmcp.cli:main"' in pyproject
+
+
+def test_bench_reports_throughput_and_memory_per_length_under_sp2(tmp_path):
+    out = tmp_path / "bench.json"
+    result = run_vlmcp(["bench", "--seq-lens", "64,128", "--steps", "1", "--warmup", "0",
+                        "--out", str(out)], launcher="torchrun", nproc=2)
+    assert_ok(result)
+    report = json.loads(out.read_text())
+    assert report["sp_size"] == 2 and report["world_size"] == 2
+    assert [row["seq_len"] for row in report["results"]] == [64, 128]
+    for row in report["results"]:
+        assert row["tokens_per_s"] > 0 and row["peak_memory_mb"] > 0

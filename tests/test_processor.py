@@ -1,0 +1,85 @@
+"""Processor loading from a published-style checkpoint directory, without torchvision."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from PIL import Image
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from vlmcp.data.processor import ProcessorError, image_processor_kwargs, load_processor
+
+
+def test_processor_loads_without_torchvision(tiny_checkpoint):
+    assert importlib.util.find_spec("torchvision") is None
+    preprocessor = json.loads((tiny_checkpoint / "preprocessor_config.json").read_text())
+    assert preprocessor["image_processor_type"] == "Qwen2VLImageProcessorFast"
+    processor = load_processor(tiny_checkpoint)
+    assert isinstance(processor.image_processor, Qwen2VLImageProcessorPil)
+    assert (processor.image_token_id, processor.vision_start_id, processor.vision_end_id) == \
+        (5, 3, 4)
+
+
+def test_image_geometry_comes_from_preprocessor_config_not_pil_defaults(tiny_processor):
+    image_processor = tiny_processor.image_processor
+    assert Qwen2VLImageProcessorPil.patch_size == 14  # the class default is Qwen2-VL's
+    assert image_processor.patch_size == 16
+    assert image_processor.temporal_patch_size == 2
+    assert image_processor.merge_size == tiny_processor.merge_size == 2
+    assert list(image_processor.image_mean) == list(image_processor.image_std) == [0.5] * 3
+    assert (image_processor.size.shortest_edge, image_processor.size.longest_edge) == \
+        (32 * 32, 256 * 256)
+
+
+def test_process_images_gives_patches_grids_and_placeholder_counts(tiny_processor):
+    images = [Image.new("L", (32, 32), 255), Image.new("RGB", (64, 96), (0, 0, 0))]
+    pixel_values, grid = tiny_processor.process_images(images)
+    assert grid.tolist() == [[1, 2, 2], [1, 6, 4]]
+    assert pixel_values.shape == (4 + 24, 3 * 2 * 16 * 16)
+    assert pixel_values[:4].eq(1.0).all() and pixel_values[4:].eq(-1.0).all()  # mean/std 0.5
+    assert [tiny_processor.num_placeholders(g) for g in grid] == [1, 6]
+
+
+def test_min_and_max_pixels_fields_set_the_size_bounds():
+    config = {"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
+              "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+              "min_pixels": 1024, "max_pixels": 4096}
+    assert image_processor_kwargs(config)["size"] == {"shortest_edge": 1024, "longest_edge": 4096}
+
+
+def test_preprocessor_config_without_geometry_is_rejected():
+    with pytest.raises(ProcessorError, match="lacks"):
+        image_processor_kwargs({"image_mean": [0.5] * 3})
+
+
+def _copy(checkpoint: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(checkpoint, tmp_path / "ckpt"))
+
+
+def test_missing_preprocessor_config_is_a_clear_error(tiny_checkpoint, tmp_path):
+    copy = _copy(tiny_checkpoint, tmp_path)
+    (copy / "preprocessor_config.json").unlink()
+    with pytest.raises(ProcessorError, match="preprocessor_config.json: missing"):
+        load_processor(copy)
+
+
+def test_config_ids_that_disagree_with_the_tokenizer_are_rejected(tiny_checkpoint, tmp_path):
+    copy = _copy(tiny_checkpoint, tmp_path)
+    config = json.loads((copy / "config.json").read_text())
+    config["image_token_id"] = 7
+    (copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ProcessorError, match="image_token_id=7"):
+        load_processor(copy)
+
+
+def test_merge_size_that_disagrees_with_the_vision_config_is_rejected(tiny_checkpoint, tmp_path):
+    copy = _copy(tiny_checkpoint, tmp_path)
+    preprocessor = json.loads((copy / "preprocessor_config.json").read_text())
+    preprocessor["merge_size"] = 1
+    (copy / "preprocessor_config.json").write_text(json.dumps(preprocessor))
+    with pytest.raises(ProcessorError, match="spatial_merge_size=2"):
+        load_processor(copy)

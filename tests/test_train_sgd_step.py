@@ -1,0 +1,135 @@
+"""One SGD step of `vlmcp train` under torchrun equals a step on plain-transformers gradients.
+
+The reference never touches vlmcp's model code: an untouched `Qwen3_5ForConditionalGeneration`
+forwards every sample of the step alone (fp32), the loss is sum(CE of all targets) / N, i.e.
+sum_i mean_loss_i * n_i / N, and w_ref = w0 - lr * grad. The exported OUTPUT_DIR/final weights
+must match it per tensor: |update - (-lr * grad)| <= 1e-5 * |lr * grad| + the fp32 rounding of
+storing w0 + update (a large lr keeps that rounding small against the update). A frozen vision
+tower must not move; a trainable one must take the reference step too.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import Qwen3_5ForConditionalGeneration
+
+from launching import assert_ok, run_vlmcp, tiny_job, train_losses, write_job
+from vlmcp.data.dataset import load_samples
+from vlmcp.data.pack import PackedDataset, first_fit
+from vlmcp.data.processor import load_processor
+from vlmcp.demo_assets import build_tiny_checkpoint
+
+LR = 1000.0
+WORLD = 2
+#: Storing w0 + update in fp32 rounds each element by up to half an ulp of the weight; allow a
+#: few ulps of |w0| on top of the 1e-5 relative tolerance of the update itself.
+ROUNDING = 4 * torch.finfo(torch.float32).eps
+
+
+@pytest.fixture(scope="module")
+def lively_checkpoint(tmp_path_factory):
+    """A tiny checkpoint whose DeltaNet gates decay moderately (A_log in [-1, 1]) and whose conv
+    taps are large, so that every gradient is far from zero (with the default init the decay
+    saturates and some A_log gradients are pure cancellation noise)."""
+    path = build_tiny_checkpoint(tmp_path_factory.mktemp("lively"), seed=0)
+    weights = load_file(path / "model.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    for key, value in weights.items():
+        if key.endswith("linear_attn.A_log"):
+            weights[key] = torch.rand(value.shape, generator=generator) * 2 - 1
+        elif key.endswith("linear_attn.conv1d.weight"):
+            weights[key] = torch.randn(value.shape, generator=generator) * 0.3
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def _mixed_jsonl(digits_dir, out_path):
+    """Digit samples (one image), a two-image sample and a text-only sample, one JSONL."""
+    lines = (digits_dir / "train.jsonl").read_text().splitlines()[:7]
+    records = [json.loads(line) for line in lines]
+    for record in records:
+        record["images"] = [str(digits_dir / p) for p in record["images"]]
+    two = records[0]["images"] + records[1]["images"]
+    records.append({"messages": [
+        {"role": "user", "content": [{"type": "image"}, {"type": "image"},
+                                     {"type": "text", "text": "Which digits are these?"}]},
+        {"role": "assistant", "content": "The answer is 0 1"}], "images": two})
+    records.append({"conversations": [{"from": "human", "value": "Describe the picture."},
+                                      {"from": "gpt", "value": "It shows a handwritten number."}]})
+    out_path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return out_path
+
+
+def _seq_len_for(lengths, packs):
+    """The smallest max_seq_len whose first-fit packing gives exactly `packs` packs."""
+    for max_len in range(max(lengths), sum(lengths) + 1):
+        if len(first_fit(lengths, max_len)) == packs:
+            return max_len
+    raise AssertionError(f"no max_seq_len packs {lengths} into {packs}")
+
+
+def _reference_update(checkpoint, samples):
+    """-LR * d(sum CE / N)/dw of plain transformers, each sample forwarded alone."""
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(
+        str(checkpoint), dtype=torch.float32, attn_implementation="sdpa")
+    n_total = sum(sum(label != -100 for label in s.labels[1:]) for s in samples)
+    for s in samples:
+        n = sum(label != -100 for label in s.labels[1:])
+        kwargs = {}
+        if s.pixel_values is not None:
+            kwargs = {"pixel_values": s.pixel_values, "image_grid_thw": s.image_grid_thw}
+        out = model(input_ids=torch.tensor([s.input_ids]), labels=torch.tensor([s.labels]),
+                    mm_token_type_ids=s.mm_token_type_ids[None], use_cache=False, **kwargs)
+        (out.loss * n / n_total).backward()
+    return {name: -LR * p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("sp_size,grad_accum,freeze_vision", [(1, 2, True), (2, 2, True),
+                                                              (2, 1, False)])
+def test_one_sgd_step_under_torchrun_matches_plain_transformers(
+        sp_size, grad_accum, freeze_vision, lively_checkpoint, digits_jsonl, tmp_path):
+    checkpoint = lively_checkpoint
+    data = _mixed_jsonl(digits_jsonl, tmp_path / "mixed.jsonl")
+    processor = load_processor(checkpoint)
+    samples = load_samples(data, processor, max_seq_len=10_000)
+    dp_size = WORLD // sp_size
+    max_seq_len = _seq_len_for([len(s) for s in samples], dp_size * grad_accum)
+    step_samples = []
+    for dp_rank in range(dp_size):
+        dataset = PackedDataset(samples, max_seq_len, dp_rank=dp_rank, dp_size=dp_size,
+                                multiple_of=grad_accum)
+        step_samples += [i for pack in dataset.rank_packs(0)[:grad_accum] for i in pack]
+    assert sorted(step_samples) == list(range(len(samples))), "the step must see every sample once"
+
+    out = tmp_path / "out"
+    job = write_job(tmp_path / "job.json", tiny_job(
+        checkpoint, data, out,
+        model={"freeze_vision": freeze_vision},
+        data={"max_seq_len": max_seq_len},
+        parallel={"sp_size": sp_size},
+        optimizer={"type": "sgd", "lr": LR, "momentum": 0.0, "weight_decay": 0.0},
+        train={"max_steps": 1, "grad_accum": grad_accum, "grad_clip": 0.0}))
+    assert_ok(run_vlmcp(["train", str(job)], launcher="torchrun", nproc=WORLD))
+
+    before = load_file(checkpoint / "model.safetensors")
+    after = Qwen3_5ForConditionalGeneration.from_pretrained(str(out / "final"),
+                                                            dtype=torch.float32).state_dict()
+    reference = _reference_update(checkpoint, samples)
+    assert set(after) == set(before)
+    frozen = "model.visual." if freeze_vision else None
+    trained = [k for k in before if not (frozen and k.startswith(frozen))]
+    assert set(trained) <= set(reference)
+    for key, w0 in before.items():
+        update = after[key] - w0
+        if frozen and key.startswith(frozen):
+            assert torch.equal(update, torch.zeros_like(update)), f"frozen {key} moved"
+            continue
+        ref = reference[key]
+        error = float((update - ref).norm())
+        allowed = 1e-5 * float(ref.norm()) + ROUNDING * float(w0.norm())
+        assert error <= allowed, f"{key}: |update - ref| = {error:.3e} > {allowed:.3e}"
+    assert len(train_losses(out)) == 1

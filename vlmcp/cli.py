@@ -1,0 +1,212 @@
+"""Command line: `vlmcp {train,validate,export,bench,demo}` (also `python -m vlmcp ...`).
+
+Heavy imports (torch, transformers, deepspeed) happen inside the commands, so `--help` is quick.
+Exit codes: 0 success, 1 a problem with the job or data (one line per problem on stderr),
+2 bad command-line usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from vlmcp.config import ConfigError, JobError, load_job, schema_fields
+
+EXIT_PROBLEMS = 1
+
+_TRAIN_EPILOG = """\
+launch with any of:
+  torchrun --nproc_per_node 2 -m vlmcp train JOB.json
+  deepspeed --num_gpus 2 --module vlmcp train JOB.json
+  accelerate launch --config_file launch/accelerate/deepspeed_2proc.yaml -m vlmcp train JOB.json
+A plain `vlmcp train JOB.json` trains on one rank.
+"""
+
+
+def _schema_epilog() -> str:
+    lines = ["job keys (JSON; `--set key.path=value` overrides any of them):"]
+    for key, default, help_text in schema_fields():
+        shown = "required" if default == "" else f"default {json.dumps(default)}"
+        lines.append(f"  {key:<26} {help_text} ({shown})")
+    return "\n".join(lines)
+
+
+def _add_job_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("job", help="job JSON file (see `vlmcp train --help` for its keys)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY.PATH=VALUE",
+                        help="override a job key; the value is parsed as JSON when it parses "
+                             "(e.g. --set train.max_steps=10 --set optimizer.betas=[0.9,0.99]); "
+                             "repeatable")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `vlmcp` argument parser with one sub-command per action."""
+    parser = argparse.ArgumentParser(
+        prog="vlmcp",
+        description="Train Qwen3.5 vision-language models on long packed multimodal sequences "
+                    "with DeepSpeed and exact Ulysses sequence parallelism.")
+    # The `deepspeed` launcher passes --local_rank=N before the command; LOCAL_RANK is used.
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
+                        help=argparse.SUPPRESS)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    formatter = argparse.RawDescriptionHelpFormatter
+
+    train = commands.add_parser(
+        "train", help="train a job (run under torchrun, deepspeed or accelerate for >1 rank)",
+        description="Train the job on every rank of the launcher's world. Checks the job on "
+                    "every rank first and fails on all ranks together, naming each problem.",
+        epilog=_TRAIN_EPILOG + "\n" + _schema_epilog(), formatter_class=formatter)
+    _add_job_args(train)
+
+    validate = commands.add_parser(
+        "validate", help="check a job, its model and every data line before launching",
+        description="Check the job schema, the checkpoint directory and processor, the "
+                    "sequence-parallel constraints for the world size, the DeepSpeed config, and "
+                    "every line of the data (files, images, placeholder counts, lengths, "
+                    "targets). Prints one line per problem and exits 1 when there is any.")
+    _add_job_args(validate)
+    validate.add_argument("--world-size", type=int, default=None,
+                          help="number of ranks the job will run on (default: $WORLD_SIZE, "
+                               "else parallel.sp_size)")
+
+    export = commands.add_parser(
+        "export", help="convert a DeepSpeed checkpoint of a job to a Hugging Face model dir",
+        description="Write config.json, safetensors, tokenizer and processor files of a saved "
+                    "checkpoint (default: the latest in OUTPUT_DIR/checkpoints), loadable with "
+                    "from_pretrained. Parameters a checkpoint does not hold (a frozen vision "
+                    "tower) come from model.path.")
+    _add_job_args(export)
+    export.add_argument("--tag", default=None, help="checkpoint tag, e.g. step100 (default: latest)")
+    export.add_argument("--out", default=None, help="output directory (default OUTPUT_DIR/export-TAG)")
+
+    bench = commands.add_parser(
+        "bench", help="measure tokens/s and peak memory of forward+backward",
+        description="Time forward+backward of the packed training module at each sequence "
+                    "length and write a JSON report. Runs on the current world: launch it with "
+                    "torchrun for sp_size > 1 (e.g. torchrun --nproc_per_node 2 -m vlmcp bench "
+                    "--sp-size 2).")
+    bench.add_argument("--model", default=None,
+                       help="checkpoint directory (default: a tiny random Qwen3.5 built on the fly)")
+    bench.add_argument("--moe", action="store_true", help="tiny MoE model instead of dense")
+    bench.add_argument("--seq-lens", default="1024,4096", help="comma-separated pack lengths")
+    bench.add_argument("--samples-per-pack", type=int, default=4,
+                       help="equal-length samples each pack is split into")
+    bench.add_argument("--sp-size", type=int, default=None,
+                       help="sequence-parallel size (default: the world size)")
+    bench.add_argument("--deltanet-cp", choices=["state", "heads"], default="state")
+    bench.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    bench.add_argument("--steps", type=int, default=3, help="timed iterations per length")
+    bench.add_argument("--warmup", type=int, default=1, help="untimed iterations per length")
+    bench.add_argument("--out", default="runs/bench.json", help="JSON report path")
+
+    demo = commands.add_parser(
+        "demo", help="offline digits demo: build assets, train on 2 CPU ranks, evaluate, plot",
+        description="Build a digits image-question dataset, a tiny tokenizer and a tiny "
+                    "random-init Qwen3.5 checkpoint, train with torchrun on CPU, measure held-out "
+                    "accuracy by generation and plot loss and accuracy.")
+    demo.add_argument("--out", default="runs/demo", help="output directory")
+    demo.add_argument("--nproc", type=int, default=2, help="ranks to train on")
+    demo.add_argument("--sp-size", type=int, default=2, help="sequence-parallel size")
+    demo.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the job's)")
+    demo.add_argument("--set", dest="overrides", action="append", default=[],
+                      metavar="KEY.PATH=VALUE", help="override a key of the demo job; repeatable")
+    return parser
+
+
+def _setup_logging() -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    for noisy in ("DeepSpeed", "deepspeed", "torch.distributed"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    if rank != 0:
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+def _report(problems: Sequence[str]) -> int:
+    for line in problems:
+        print(f"error: {line}", file=sys.stderr)
+    return EXIT_PROBLEMS
+
+
+def _use_cpu_accelerator_if_no_gpu() -> None:
+    """DeepSpeed picks its accelerator on first use; say "cpu" when there is no CUDA device.
+
+    On CPU the pure-torch DeltaNet and conv kernels are the intended path (the Triton ones need a
+    GPU), so transformers' advice to install the fast kernels is silenced there.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        logging.getLogger("transformers.integrations.hub_kernels").setLevel(logging.ERROR)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    job = load_job(args.job, args.overrides)
+    from vlmcp.training.loop import train
+
+    train(job)
+    return 0
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    job = load_job(args.job, args.overrides)
+    world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "0")) or job.parallel.sp_size
+    from vlmcp.training.preflight import run_preflight
+
+    report = run_preflight(job, world_size)
+    if report.problems:
+        return _report(report.problems)
+    print(f"ok: {args.job} ({len(report.train_samples)} train, {len(report.eval_samples)} eval "
+          f"samples; world {world_size}, sp_size {job.parallel.sp_size})")
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    job = load_job(args.job, args.overrides)
+    from vlmcp.training.export import export_checkpoint
+
+    try:
+        print(export_checkpoint(job, tag=args.tag, out_dir=args.out))
+    except (FileNotFoundError, ValueError) as exc:
+        return _report([str(exc)])
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from vlmcp.bench import run_bench
+
+    run_bench(args)
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from vlmcp.demo import run_demo
+
+    return run_demo(out_dir=args.out, nproc=args.nproc, sp_size=args.sp_size, steps=args.steps,
+                    overrides=args.overrides)
+
+
+COMMANDS = {"train": _cmd_train, "validate": _cmd_validate, "export": _cmd_export,
+            "bench": _cmd_bench, "demo": _cmd_demo}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `vlmcp` console script; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    _setup_logging()
+    _use_cpu_accelerator_if_no_gpu()
+    try:
+        return COMMANDS[args.command](args)
+    except ConfigError as exc:
+        # Every rank parses the same job file; one copy of the message is enough.
+        return _report(exc.problems if os.environ.get("RANK", "0") == "0" else [])
+    except JobError as exc:
+        return _report(exc.problems)

@@ -1,0 +1,375 @@
+"""The job schema: one JSON file describes a whole training run.
+
+A job is a JSON object with the sections below. Every key has a default except `model.path` and
+`data.train`. An unknown key, a value of the wrong type or a value out of range is an error that
+names the full key path (for example ``unknown config key 'train.max_stepz'``).
+
+Relative input paths (`model.path`, `data.train`, `data.eval`, a `deepspeed` JSON path) are looked
+up next to the job file first and then in the current directory. `output_dir` is relative to the
+current directory.
+
+Overrides given as ``--set key.path=value`` are parsed as JSON when they parse (``4``, ``true``,
+``[0.9, 0.99]``, ``null``) and taken as a plain string otherwise. Keys under ``deepspeed.`` edit the
+DeepSpeed config after it is loaded, whether it is a path or an inline dict.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+import typing
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+
+class JobError(ValueError):
+    """A job that cannot run; `problems` holds one line per problem, each naming what to fix."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+class ConfigError(JobError):
+    """Problems in the job's keys and values; each line names its key."""
+
+
+def _key(help_text: str, **checks: Any) -> dict[str, Any]:
+    """Field metadata: a help text plus optional `choices`, `min`, `max` and `required` checks."""
+    return {"help": help_text, **checks}
+
+
+@dataclass
+class ModelSection:
+    path: str = field(default="", metadata=_key(
+        "local Hugging Face checkpoint directory (config.json, safetensors, tokenizer, "
+        "preprocessor_config.json, chat template); loaded offline", required=True))
+    dtype: str = field(default="float32", metadata=_key(
+        "parameter and compute dtype", choices=["float32", "bfloat16", "float16"]))
+    freeze_vision: bool = field(default=True, metadata=_key(
+        "keep the vision tower frozen: replicated, outside the optimizer and ZeRO-3"))
+    attn_implementation: str | None = field(default=None, metadata=_key(
+        "attention implementation given to from_pretrained (null: sdpa); in training the "
+        "text model's full attention always runs vlmcp's registered Ulysses kernel",
+        choices=[None, "sdpa", "eager", "flash_attention_2"]))
+
+
+@dataclass
+class DataSection:
+    train: str = field(default="", metadata=_key("training JSONL file", required=True))
+    eval: str | None = field(default=None, metadata=_key("held-out JSONL file (optional)"))
+    max_seq_len: int = field(default=4096, metadata=_key(
+        "tokens per packed micro-batch (one pack of whole samples)", min=2))
+    shuffle: bool = field(default=False, metadata=_key(
+        "shuffle samples (seeded by train.seed and the epoch) before packing each epoch"))
+    truncate: bool = field(default=False, metadata=_key(
+        "cut samples longer than max_seq_len instead of failing on them"))
+
+
+@dataclass
+class ParallelSection:
+    sp_size: int = field(default=1, metadata=_key(
+        "sequence-parallel group size P; the world size must be a multiple of P", min=1))
+    deltanet_cp: str = field(default="state", metadata=_key(
+        "how Gated DeltaNet layers run under SP: pass the recurrent state between ranks, or "
+        "all-to-all to head groups", choices=["state", "heads"]))
+
+
+@dataclass
+class OptimizerSection:
+    type: str = field(default="adamw", metadata=_key(
+        "torch optimizer (torch.optim.AdamW or torch.optim.SGD)", choices=["adamw", "sgd"]))
+    lr: float = field(default=1e-4, metadata=_key("peak learning rate", min=0.0))
+    weight_decay: float = field(default=0.0, metadata=_key("decoupled weight decay", min=0.0))
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95], metadata=_key(
+        "AdamW betas [beta1, beta2]", length=2))
+    eps: float = field(default=1e-8, metadata=_key("AdamW epsilon", min=0.0))
+    momentum: float = field(default=0.0, metadata=_key("SGD momentum", min=0.0))
+
+
+@dataclass
+class SchedulerSection:
+    type: str = field(default="constant", metadata=_key(
+        "learning-rate schedule after warmup", choices=["constant", "cosine"]))
+    warmup_steps: int = field(default=0, metadata=_key("linear warmup steps from 0", min=0))
+    min_lr_ratio: float = field(default=0.0, metadata=_key(
+        "cosine floor as a fraction of optimizer.lr", min=0.0, max=1.0))
+
+
+@dataclass
+class TrainSection:
+    max_steps: int = field(default=100, metadata=_key("optimizer steps to train", min=1))
+    seed: int = field(default=0, metadata=_key("seed of the python/numpy/torch RNGs and of "
+                                               "data shuffling"))
+    grad_clip: float = field(default=1.0, metadata=_key(
+        "global gradient-norm clip; 0 disables it", min=0.0))
+    grad_accum: int = field(default=1, metadata=_key(
+        "micro-batches (packs) per optimizer step on each data-parallel rank", min=1))
+    save_every: int = field(default=0, metadata=_key(
+        "DeepSpeed checkpoint every N steps into output_dir/checkpoints; 0 never", min=0))
+    eval_every: int = field(default=0, metadata=_key(
+        "evaluate on data.eval every N steps (and after the last step); 0 never", min=0))
+    resume: bool = field(default=False, metadata=_key(
+        "continue from the latest checkpoint in output_dir/checkpoints"))
+    log_every: int = field(default=1, metadata=_key("write a metrics row every N steps", min=1))
+
+
+@dataclass
+class EvalSection:
+    generate: bool = field(default=False, metadata=_key(
+        "also measure accuracy by greedy generation on data.eval (exact match of the "
+        "first target span)"))
+    max_new_tokens: int = field(default=16, metadata=_key("generation length limit", min=1))
+    max_samples: int | None = field(default=None, metadata=_key(
+        "generation accuracy uses at most this many held-out samples (eval_loss uses all); "
+        "null for all", min=1))
+
+
+@dataclass
+class JobConfig:
+    model: ModelSection = field(default_factory=ModelSection, metadata=_key("the checkpoint"))
+    data: DataSection = field(default_factory=DataSection, metadata=_key("data and packing"))
+    parallel: ParallelSection = field(default_factory=ParallelSection, metadata=_key(
+        "sequence parallelism"))
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection, metadata=_key(
+        "torch optimizer"))
+    scheduler: SchedulerSection = field(default_factory=SchedulerSection, metadata=_key(
+        "learning-rate schedule"))
+    train: TrainSection = field(default_factory=TrainSection, metadata=_key("training loop"))
+    eval: EvalSection = field(default_factory=EvalSection, metadata=_key("evaluation"))
+    deepspeed: str | dict = field(default_factory=lambda: {"zero_optimization": {"stage": 0}},
+                                  metadata=_key("DeepSpeed JSON path or inline dict"))
+    output_dir: str = field(default="runs/job", metadata=_key(
+        "where metrics.jsonl, checkpoints/ and final/ go"))
+    #: Directory of the job file; relative input paths are looked up here first. Not a job key.
+    job_dir: str = field(default=".", metadata={"internal": True})
+    #: `--set deepspeed.*` overrides, applied to the DeepSpeed config once loaded. Not a job key.
+    deepspeed_overrides: dict[str, Any] = field(default_factory=dict, metadata={"internal": True})
+
+    def resolve_input(self, path: str) -> Path:
+        """An input path as the job means it: absolute, else next to the job file, else cwd."""
+        p = Path(path).expanduser()
+        if p.is_absolute():
+            return p
+        beside_job = Path(self.job_dir) / p
+        if beside_job.exists() or not p.exists():
+            return beside_job
+        return p.resolve()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The job as plain JSON data (internal fields left out)."""
+        return _to_dict(self)
+
+
+def _to_dict(obj: Any) -> Any:
+    if is_dataclass(obj):
+        return {f.name: _to_dict(getattr(obj, f.name)) for f in fields(obj)
+                if not f.metadata.get("internal")}
+    return obj
+
+
+def schema_fields(cls: type = JobConfig, prefix: str = "") -> list[tuple[str, Any, str]]:
+    """(key path, default, help) for every leaf key of the schema, for docs and --help."""
+    rows: list[tuple[str, Any, str]] = []
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        if f.metadata.get("internal"):
+            continue
+        key = f"{prefix}{f.name}"
+        if is_dataclass(hints[f.name]):
+            rows.extend(schema_fields(hints[f.name], key + "."))
+        else:
+            default = f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
+            rows.append((key, default, f.metadata.get("help", "")))
+    return rows
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def _type_name(tp: Any) -> str:
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+             dict: "an object", type(None): "null"}
+    if tp in names:
+        return names[tp]
+    origin = typing.get_origin(tp)
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0]).split(' ', 1)[-1]}s"
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    return str(tp)
+
+
+def _matches(value: Any, tp: Any) -> tuple[bool, Any]:
+    """Whether `value` fits type `tp`; returns (ok, the value converted, e.g. int -> float)."""
+    if tp is type(None):
+        return value is None, value
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return ok, float(value) if ok else value
+    if tp is str or tp is dict:
+        return isinstance(value, tp), value
+    origin = typing.get_origin(tp)
+    if origin is list:
+        if not isinstance(value, list):
+            return False, value
+        item_type = typing.get_args(tp)[0]
+        converted = []
+        for item in value:
+            ok, item = _matches(item, item_type)
+            if not ok:
+                return False, value
+            converted.append(item)
+        return True, converted
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(tp):
+            ok, converted = _matches(value, option)
+            if ok:
+                return True, converted
+        return False, value
+    raise TypeError(f"unsupported schema type {tp!r}")
+
+
+def _check_range(value: Any, meta: dict[str, Any], key: str) -> str | None:
+    choices = meta.get("choices")
+    if choices is not None and value not in choices:
+        shown = ", ".join(json.dumps(c) for c in choices)
+        return f"config key '{key}': {json.dumps(value)} is not one of {shown}"
+    if value is None or isinstance(value, (bool, str, dict)):
+        return None
+    if "length" in meta and len(value) != meta["length"]:
+        return f"config key '{key}': expected {meta['length']} values, got {len(value)}"
+    if "min" in meta and value < meta["min"]:
+        return f"config key '{key}': must be >= {meta['min']}, got {json.dumps(value)}"
+    if "max" in meta and value > meta["max"]:
+        return f"config key '{key}': must be <= {meta['max']}, got {json.dumps(value)}"
+    return None
+
+
+def _build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
+    """Build dataclass `cls` from `raw`, appending one line per problem to `problems`."""
+    section = prefix.rstrip(".") or "the job"
+    if not isinstance(raw, dict):
+        problems.append(f"config key '{section}': expected an object, got {json.dumps(raw)}")
+        return cls()
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in fields(cls) if not f.metadata.get("internal")}
+    for name in raw:
+        if name not in known:
+            problems.append(f"unknown config key '{prefix}{name}'")
+    values: dict[str, Any] = {}
+    for f in fields(cls):
+        if f.metadata.get("internal"):
+            continue
+        key = f"{prefix}{f.name}"
+        tp = hints[f.name]
+        if is_dataclass(tp):
+            values[f.name] = _build(tp, raw.get(f.name, {}), key + ".", problems)
+            continue
+        if f.name not in raw:
+            if f.metadata.get("required"):
+                problems.append(f"missing required config key '{key}'")
+            continue
+        ok, value = _matches(raw[f.name], tp)
+        if not ok:
+            problems.append(f"config key '{key}': expected {_type_name(tp)}, "
+                            f"got {json.dumps(raw[f.name])}")
+            continue
+        if f.metadata.get("required") and value == "":
+            problems.append(f"config key '{key}': must not be empty")
+            continue
+        problem = _check_range(value, f.metadata, key)
+        if problem:
+            problems.append(problem)
+            continue
+        values[f.name] = value
+    return cls(**values)
+
+
+def _cross_checks(job: JobConfig) -> list[str]:
+    """Rules that involve more than one key."""
+    problems = []
+    if job.train.eval_every and not job.data.eval:
+        problems.append("config key 'train.eval_every' is set but 'data.eval' is not")
+    if job.eval.generate and not job.data.eval:
+        problems.append("config key 'eval.generate' is true but 'data.eval' is not set")
+    if job.eval.generate and not job.train.eval_every:
+        problems.append("config key 'eval.generate' is true but 'train.eval_every' is 0, so no "
+                        "evaluation runs")
+    return problems
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Split ``key.path=value``; the value is JSON when it parses, else a plain string."""
+    if "=" not in text:
+        raise ConfigError([f"--set {text!r}: expected key.path=value"])
+    key, raw_value = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError([f"--set {text!r}: bad key path {key!r}"])
+    try:
+        value = json.loads(raw_value)
+    except json.JSONDecodeError:
+        value = raw_value
+    return key, value
+
+
+def _set_path(raw: dict[str, Any], parts: list[str], value: Any, full_key: str) -> None:
+    node = raw
+    for depth, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            where = ".".join(parts[:depth + 1])
+            raise ConfigError([f"--set {full_key}: config key '{where}' is not an object"])
+        node = child
+    node[parts[-1]] = value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``key.path=value`` overrides to the raw job dict (in place); returns the
+    ``deepspeed.*`` overrides, which apply to the DeepSpeed config once it is loaded."""
+    deepspeed_overrides: dict[str, Any] = {}
+    for text in overrides:
+        key, value = parse_override(text)
+        parts = key.split(".")
+        if parts[0] == "deepspeed" and len(parts) > 1:
+            deepspeed_overrides[".".join(parts[1:])] = value
+        else:
+            _set_path(raw, parts, value, key)
+    return deepspeed_overrides
+
+
+def job_from_dict(raw: Any, job_dir: str | Path = ".",
+                  deepspeed_overrides: dict[str, Any] | None = None) -> JobConfig:
+    """Validate a raw job dict against the schema; raises ConfigError listing every problem."""
+    problems: list[str] = []
+    job = _build(JobConfig, raw, "", problems)
+    if not problems:
+        problems.extend(_cross_checks(job))
+    if problems:
+        raise ConfigError(problems)
+    job.job_dir = str(job_dir)
+    job.deepspeed_overrides = dict(deepspeed_overrides or {})
+    return job
+
+
+def load_job(path: str | Path, overrides: list[str] | None = None) -> JobConfig:
+    """Read a job JSON file, apply ``--set`` overrides and validate it."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError([f"cannot read job file {path}: {exc.strerror}"]) from exc
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError([f"{path}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}"]) from exc
+    if not isinstance(raw, dict):
+        raise ConfigError([f"{path}: a job must be a JSON object"])
+    deepspeed_overrides = apply_overrides(raw, overrides or [])
+    return job_from_dict(raw, path.resolve().parent, deepspeed_overrides)

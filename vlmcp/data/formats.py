@@ -1,0 +1,374 @@
+"""One JSONL line -> one tokenized `Sample` with labels and processed images.
+
+Accepted line formats (image paths are relative to the JSONL file):
+
+* messages: ``{"messages": [{"role": "user", "content": "<image>What digit is this?"},
+  {"role": "assistant", "content": "7"}], "images": ["img/1.png"]}``. Each ``<image>`` marker in
+  string content takes the next path of "images". Content may instead be typed:
+  ``[{"type": "image"}, {"type": "text", "text": "..."}]``; each image entry takes the next path.
+* LLaVA / ShareGPT: ``{"conversations": [{"from": "human", "value": "<image>..."},
+  {"from": "gpt", "value": "..."}], "images": [...]}``; "from" is human/user, gpt/assistant or
+  system.
+* tokens: ``{"input_ids": [...], "labels": [...], "images": [...]}`` with image placeholders
+  already expanded. labels use the unshifted HF convention (labels[t] is input_ids[t] or -100);
+  every maximal run of image tokens is one image and must hold t*h*w // merge**2 tokens.
+
+Chat formats are rendered once with the tokenizer's chat template (Qwen/ChatML:
+``<|im_start|>role\\n...<|im_end|>\\n``; an image renders as
+``<|vision_start|><|image_pad|><|vision_end|>`` and the single ``<|image_pad|>`` is expanded to
+the image's t*h*w // merge**2 placeholders).
+
+Targets (label != -100) of chat formats, exactly: for every assistant turn, the tokens after its
+``<|im_start|>assistant\\n`` header up to and including its closing ``<|im_end|>``; that is the
+reply as the template renders it (for templates with reasoning blocks this includes the rendered
+``<think>...</think>`` part) plus ``<|im_end|>``. Not targets: the header, the ``\\n`` after
+``<|im_end|>``, system and user turns, and image placeholders anywhere. The rendered text is cut
+at each header end and at each ``<|im_end|>`` and the pieces are tokenized separately, so the
+prompt tokenizes exactly as it does at generation time (prompt ending in the header). Spans are
+found in the full rendering rather than by rendering message prefixes, because Qwen3.x templates
+rewrite earlier assistant turns (dropping reasoning) depending on what follows them.
+
+Length: a sample longer than max_seq_len is an error unless truncate is set; then it keeps its
+first max_seq_len tokens, moved back to the start of an image block (``<|vision_start|>``) that
+the cut would split, drops the images past the cut, and is still an error if no target is left.
+
+Every bad input raises `DataError` whose message starts with "file:line".
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+from vlmcp.data.batch import IGNORE_INDEX
+from vlmcp.data.positions import mrope_positions
+from vlmcp.data.processor import IMAGE_PAD, VLProcessor
+
+IMAGE_MARKER = "<image>"
+ASSISTANT_HEADER = "<|im_start|>assistant\n"
+TURN_END = "<|im_end|>"
+_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                   "system": "system"}
+_CHAT_ROLES = {"system", "user", "assistant"}
+
+
+class DataError(ValueError):
+    """A training sample that cannot be used; the message names file:line (and image path)."""
+
+
+@dataclass
+class Sample:
+    """One tokenized sample.
+
+    input_ids:         L token ids, image placeholders expanded.
+    labels:            L labels, unshifted: labels[t] = input_ids[t] on targets, else -100.
+    image_paths:       resolved paths of the images, in placeholder order.
+    pixel_values:      [N_patch, C*T*P*P] float32 patches of the images, or None.
+    image_grid_thw:    [I, 3] patch grid of each image, or None.
+    mm_token_type_ids: [L] 1 on image placeholders, else 0.
+    position_ids:      [3, L] MRoPE positions of the sample alone.
+    source:            "file:line".
+    """
+
+    input_ids: list[int]
+    labels: list[int]
+    image_paths: list[str]
+    pixel_values: torch.Tensor | None
+    image_grid_thw: torch.Tensor | None
+    mm_token_type_ids: torch.Tensor
+    position_ids: torch.Tensor
+    source: str
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+def _fail(source: str, message: str) -> DataError:
+    return DataError(f"{source}: {message}")
+
+
+def _load_image(path: Path, source: str) -> Image.Image:
+    if not path.is_file():
+        raise _fail(source, f"image not found: {path}")
+    try:
+        with Image.open(path) as image:
+            image.load()
+            return image.copy()
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+        raise _fail(source, f"cannot decode image {path}: {e}") from e
+
+
+def _image_paths(record: dict[str, Any], base_dir: Path, source: str) -> list[Path]:
+    if record.get("videos") or record.get("video"):
+        raise _fail(source, "videos are not supported (images only)")
+    images = record.get("images", [])
+    if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
+        raise _fail(source, '"images" must be a list of path strings')
+    return [base_dir / p for p in images]
+
+
+def _process_images(
+    paths: list[Path], source: str, processor: VLProcessor
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    if not paths:
+        return None, None
+    images = [_load_image(p, source) for p in paths]
+    try:
+        return processor.process_images(images)
+    except ValueError as e:
+        raise _fail(source, f"image processor rejected {[str(p) for p in paths]}: {e}") from e
+
+
+def _typed_content(text: str) -> str | list[dict[str, str]]:
+    """String content with <image> markers -> typed content; plain strings stay strings."""
+    if IMAGE_MARKER not in text:
+        return text
+    parts: list[dict[str, str]] = []
+    for i, piece in enumerate(text.split(IMAGE_MARKER)):
+        if i:
+            parts.append({"type": "image"})
+        if piece:
+            parts.append({"type": "text", "text": piece})
+    return parts
+
+
+def _normalize_content(content: Any, source: str) -> tuple[str | list[dict[str, str]], int]:
+    """Content in template form and its number of images."""
+    if isinstance(content, str):
+        return _typed_content(content), content.count(IMAGE_MARKER)
+    if not isinstance(content, list):
+        raise _fail(source, "message content must be a string or a list of typed entries")
+    parts: list[dict[str, str]] = []
+    for entry in content:
+        kind = entry.get("type") if isinstance(entry, dict) else None
+        if kind == "text" and isinstance(entry.get("text"), str):
+            parts.append({"type": "text", "text": entry["text"]})
+        elif kind == "image":
+            parts.append({"type": "image"})
+        elif kind == "video":
+            raise _fail(source, "videos are not supported (images only)")
+        else:
+            raise _fail(source, f"content entry {entry!r} is not {{type: text|image}}")
+    return parts, sum(p["type"] == "image" for p in parts)
+
+
+def _chat_messages(record: dict[str, Any], source: str) -> list[dict[str, Any]]:
+    """[{"role", "content"}] of a messages or conversations (ShareGPT) record."""
+    sharegpt = "messages" not in record
+    raw = record["conversations" if sharegpt else "messages"]
+    role_key, content_key = ("from", "value") if sharegpt else ("role", "content")
+    roles = _SHAREGPT_ROLES if sharegpt else {r: r for r in _CHAT_ROLES}
+    if not isinstance(raw, list) or not raw:
+        raise _fail(source, "conversation must be a non-empty list of messages")
+    messages = []
+    for message in raw:
+        if not isinstance(message, dict) or role_key not in message or content_key not in message:
+            raise _fail(source, f'each message needs "{role_key}" and "{content_key}"')
+        role = message[role_key]
+        if not isinstance(role, str) or role not in roles:
+            raise _fail(source, f"unknown role {role!r}")
+        messages.append({"role": roles[role], "content": message[content_key]})
+    return messages
+
+
+def _segments(text: str, source: str, num_assistant: int) -> list[tuple[str, bool]]:
+    """Split rendered text into (piece, is_target) at assistant header ends and turn ends."""
+    pieces: list[tuple[str, bool]] = []
+    cursor = 0
+    found = 0
+    while (header := text.find(ASSISTANT_HEADER, cursor)) != -1:
+        start = header + len(ASSISTANT_HEADER)
+        end = text.find(TURN_END, start)
+        if end == -1:
+            raise _fail(source, "an assistant turn has no closing <|im_end|> in the rendering")
+        end += len(TURN_END)
+        pieces += [(text[cursor:start], False), (text[start:end], True)]
+        cursor = end
+        found += 1
+    pieces.append((text[cursor:], False))
+    if found != num_assistant:
+        raise _fail(source, f"chat template rendered {found} assistant turns for "
+                            f"{num_assistant} assistant messages")
+    return [(piece, target) for piece, target in pieces if piece]
+
+
+def _expand(ids: list[int], is_target: bool, counts: list[int], processor: VLProcessor,
+            next_image: int) -> tuple[list[int], list[int], int]:
+    """Expand each image pad to its placeholder count; labels -100 off target and on images."""
+    out_ids: list[int] = []
+    out_labels: list[int] = []
+    for token in ids:
+        if token == processor.image_token_id:
+            n = counts[next_image] if next_image < len(counts) else 1
+            next_image += 1
+            out_ids += [token] * n
+            out_labels += [IGNORE_INDEX] * n
+        else:
+            out_ids.append(token)
+            out_labels.append(token if is_target else IGNORE_INDEX)
+    return out_ids, out_labels, next_image
+
+
+def _tokenize_chat(
+    record: dict[str, Any], source: str, processor: VLProcessor, counts: list[int]
+) -> tuple[list[int], list[int]]:
+    messages = _chat_messages(record, source)
+    num_images = 0
+    for message in messages:
+        message["content"], n = _normalize_content(message["content"], source)
+        num_images += n
+    if num_images != len(counts):
+        raise _fail(source, f"{num_images} image markers (<image> or typed image entries) for "
+                            f'{len(counts)} paths in "images"')
+    tokenizer = processor.tokenizer
+    if tokenizer.chat_template is None:
+        raise _fail(source, "the tokenizer has no chat template")
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+    except Exception as e:  # the template itself may raise on content it rejects
+        raise _fail(source, f"chat template failed: {e}") from e
+    num_assistant = sum(m["role"] == "assistant" for m in messages)
+    input_ids: list[int] = []
+    labels: list[int] = []
+    next_image = 0
+    for piece, is_target in _segments(text, source, num_assistant):
+        ids = tokenizer(piece, add_special_tokens=False)["input_ids"]
+        piece_ids, piece_labels, next_image = _expand(ids, is_target, counts, processor, next_image)
+        input_ids += piece_ids
+        labels += piece_labels
+    if next_image != len(counts):
+        raise _fail(source, f"rendered text has {next_image} {IMAGE_PAD} for {len(counts)} images")
+    return input_ids, labels
+
+
+def _image_runs(input_ids: list[int], image_token_id: int) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    for i, token in enumerate(input_ids):
+        if token != image_token_id:
+            continue
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+def _int_list(value: Any, name: str, source: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(x, int) and not isinstance(x, bool)
+                                              for x in value):
+        raise _fail(source, f'"{name}" must be a list of integers')
+    return value
+
+
+def _check_tokens(
+    record: dict[str, Any], source: str, processor: VLProcessor, counts: list[int],
+    paths: list[Path],
+) -> tuple[list[int], list[int]]:
+    input_ids = _int_list(record["input_ids"], "input_ids", source)
+    if "labels" not in record:
+        raise _fail(source, 'tokens format needs "labels" (input_ids value or -100 per token)')
+    labels = _int_list(record["labels"], "labels", source)
+    if len(labels) != len(input_ids):
+        raise _fail(source, f"{len(labels)} labels for {len(input_ids)} input_ids")
+    vocab = len(processor.tokenizer)
+    bad = next((t for t in input_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise _fail(source, f"token id {bad} outside the tokenizer vocabulary [0, {vocab})")
+    wrong = next((t for t, (i, l) in enumerate(zip(input_ids, labels))
+                  if l != IGNORE_INDEX and l != i), None)
+    if wrong is not None:
+        raise _fail(source, f"labels[{wrong}] is neither -100 nor input_ids[{wrong}] "
+                            "(labels must be unshifted)")
+    runs = _image_runs(input_ids, processor.image_token_id)
+    if len(runs) != len(counts):
+        raise _fail(source, f"{len(runs)} image placeholder runs for {len(counts)} images")
+    for (start, end), count, path in zip(runs, counts, paths):
+        if end - start != count:
+            raise _fail(source, f"image {path} has {end - start} placeholders at token {start}, "
+                                f"its grid needs {count}")
+    image_tokens = {i for start, end in runs for i in range(start, end)}
+    labels = [IGNORE_INDEX if i in image_tokens else l for i, l in enumerate(labels)]
+    return list(input_ids), labels
+
+
+def _truncate_point(input_ids: list[int], processor: VLProcessor, max_len: int) -> int:
+    """max_len, moved back to the start of an image block it would split."""
+    for start, end in _image_runs(input_ids, processor.image_token_id):
+        opens = start > 0 and input_ids[start - 1] == processor.vision_start_id
+        closes = end < len(input_ids) and input_ids[end] == processor.vision_end_id
+        block_start, block_end = start - opens, end + closes
+        if block_start < max_len < block_end:
+            return block_start
+    return max_len
+
+
+def _finish(
+    input_ids: list[int], labels: list[int], paths: list[Path],
+    pixel_values: torch.Tensor | None, grid: torch.Tensor | None, source: str,
+    processor: VLProcessor, max_seq_len: int, truncate: bool,
+) -> Sample:
+    if len(input_ids) > max_seq_len:
+        if not truncate:
+            raise _fail(source, f"{len(input_ids)} tokens, more than max_seq_len {max_seq_len} "
+                                "(set data.truncate to cut long samples)")
+        cut = _truncate_point(input_ids, processor, max_seq_len)
+        input_ids, labels = input_ids[:cut], labels[:cut]
+        kept = len(_image_runs(input_ids, processor.image_token_id))
+        if kept < len(paths):
+            patches = int(grid[:kept].prod(-1).sum())
+            paths = paths[:kept]
+            pixel_values = pixel_values[:patches] if kept else None
+            grid = grid[:kept] if kept else None
+    if all(l == IGNORE_INDEX for l in labels[1:]):
+        raise _fail(source, "no target tokens (no assistant reply, or all labels -100"
+                            + (" after truncation)" if truncate else ")"))
+    ids = torch.tensor(input_ids, dtype=torch.long)
+    mm = (ids == processor.image_token_id).long()
+    try:
+        positions = mrope_positions(ids, mm, grid, processor.merge_size)
+    except ValueError as e:
+        raise _fail(source, str(e)) from e
+    return Sample(
+        input_ids=input_ids, labels=labels, image_paths=[str(p) for p in paths],
+        pixel_values=pixel_values, image_grid_thw=grid, mm_token_type_ids=mm,
+        position_ids=positions, source=source,
+    )
+
+
+def parse_record(
+    record: Any, source: str, base_dir: Path, processor: VLProcessor, max_seq_len: int,
+    truncate: bool = False,
+) -> Sample:
+    """Turn one decoded JSONL record into a `Sample`; raises `DataError` naming `source`."""
+    if not isinstance(record, dict):
+        raise _fail(source, "a line must be a JSON object")
+    is_chat = "messages" in record or "conversations" in record
+    if not is_chat and "input_ids" not in record:
+        raise _fail(source, f"unknown format (keys {sorted(record)}); expected messages, "
+                            "conversations or input_ids")
+    paths = _image_paths(record, base_dir, source)
+    pixel_values, grid = _process_images(paths, source, processor)
+    counts = [processor.num_placeholders(row) for row in grid] if grid is not None else []
+    if is_chat:
+        input_ids, labels = _tokenize_chat(record, source, processor, counts)
+    else:
+        input_ids, labels = _check_tokens(record, source, processor, counts, paths)
+    return _finish(input_ids, labels, paths, pixel_values, grid, source, processor,
+                   max_seq_len, truncate)
+
+
+def parse_line(
+    line: str, source: str, base_dir: Path, processor: VLProcessor, max_seq_len: int,
+    truncate: bool = False,
+) -> Sample:
+    """Parse one JSONL line (see the module docstring for formats and targets)."""
+    try:
+        record = json.loads(line.strip())
+    except json.JSONDecodeError as e:
+        raise _fail(source, f"malformed JSON: {e.msg} at column {e.colno}") from e
+    return parse_record(record, source, base_dir, processor, max_seq_len, truncate)

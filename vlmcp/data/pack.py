@@ -1,0 +1,155 @@
+"""Samples -> packed micro-batches, and each data-parallel rank's share of them.
+
+Packing is first-fit in sample order: each sample goes into the first pack (in creation order)
+with room left, else opens a new pack; samples keep their order inside a pack and packs are
+emitted in creation order. Every pack holds at most max_seq_len tokens and only whole samples.
+
+Distribution over data parallelism: an epoch's packs P_0..P_{n-1} are dealt round-robin, step s
+of rank r getting P_{(s * dp_size + r) mod n}. Every rank runs ceil(n / dp_size) steps (rounded up
+to a multiple of `multiple_of`, e.g. the gradient-accumulation steps), so when n does not divide
+evenly the last steps wrap around to the first packs of the same epoch. With shuffle, the sample
+order of epoch e is a permutation seeded by (seed, e), identical on every rank, so every rank
+computes the same packs and step count; the pack count (and so the step count) can differ between
+epochs, see `PackedDataset.num_micro_batches`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from vlmcp.data.batch import IGNORE_INDEX, PackedBatch
+from vlmcp.data.formats import Sample
+
+
+class _FirstFit:
+    """Leftmost bin with enough room, in O(log n): a max segment tree over remaining capacity.
+
+    Leaves are n bins, all starting with `capacity`; unopened bins are the full leaves after the
+    opened ones, so the leftmost fitting leaf is the first-fit choice.
+    """
+
+    def __init__(self, n: int, capacity: int) -> None:
+        self.size = 1 << max(0, math.ceil(math.log2(max(n, 1))))
+        self.tree = [capacity] * (2 * self.size)
+
+    def place(self, need: int) -> int:
+        node = 1
+        while node < self.size:
+            node = 2 * node if self.tree[2 * node] >= need else 2 * node + 1
+        self.tree[node] -= need
+        bin_index = node - self.size
+        node //= 2
+        while node:
+            self.tree[node] = max(self.tree[2 * node], self.tree[2 * node + 1])
+            node //= 2
+        return bin_index
+
+
+def first_fit(lengths: Sequence[int], max_seq_len: int) -> list[list[int]]:
+    """Indices of `lengths` grouped into packs of at most max_seq_len tokens, first-fit."""
+    too_long = [i for i, n in enumerate(lengths) if n > max_seq_len]
+    if too_long:
+        raise ValueError(f"samples {too_long[:5]} are longer than max_seq_len {max_seq_len}")
+    fit = _FirstFit(len(lengths), max_seq_len)
+    packs: list[list[int]] = []
+    for i, n in enumerate(lengths):
+        b = fit.place(n)
+        if b == len(packs):
+            packs.append([])
+        packs[b].append(i)
+    return packs
+
+
+def shifted_targets(labels: Sequence[int]) -> list[int]:
+    """Targets of one sample: targets[t] = labels[t + 1], IGNORE_INDEX at the last token."""
+    return list(labels[1:]) + [IGNORE_INDEX]
+
+
+def build_batch(samples: Sequence[Sample]) -> PackedBatch:
+    """Concatenate whole samples into one `PackedBatch` (S = sum of lengths).
+
+    pixel_values and image_grid_thw are concatenated in sample order, which is placeholder order.
+    """
+    input_ids = [t for s in samples for t in s.input_ids]
+    targets = [t for s in samples for t in shifted_targets(s.labels)]
+    with_images = [s for s in samples if s.image_grid_thw is not None]
+    return PackedBatch(
+        input_ids=torch.tensor(input_ids, dtype=torch.long),
+        targets=torch.tensor(targets, dtype=torch.long),
+        position_ids=torch.cat([s.position_ids for s in samples], dim=1),
+        mm_token_type_ids=torch.cat([s.mm_token_type_ids for s in samples]),
+        seq_lens=[len(s) for s in samples],
+        pixel_values=torch.cat([s.pixel_values for s in with_images]) if with_images else None,
+        image_grid_thw=torch.cat([s.image_grid_thw for s in with_images]) if with_images else None,
+        sample_ids=[s.source for s in samples],
+    )
+
+
+def pack_samples(samples: Sequence[Sample], max_seq_len: int) -> list[PackedBatch]:
+    """First-fit pack samples, in the given order, into batches of at most max_seq_len tokens."""
+    return [build_batch([samples[i] for i in pack])
+            for pack in first_fit([len(s) for s in samples], max_seq_len)]
+
+
+class PackedDataset:
+    """One data-parallel rank's packed micro-batches, epoch by epoch (see the module docstring).
+
+    Batches are built when iterated; only sample indices are kept per epoch.
+    """
+
+    def __init__(
+        self,
+        samples: Sequence[Sample],
+        max_seq_len: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        shuffle: bool = False,
+        seed: int = 0,
+        multiple_of: int = 1,
+    ) -> None:
+        if not samples:
+            raise ValueError("no samples to pack")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} outside [0, {dp_size})")
+        self.samples = list(samples)
+        self.max_seq_len = max_seq_len
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.multiple_of = multiple_of
+        self._plan: tuple[int, list[list[int]]] | None = None
+
+    def order(self, epoch: int) -> list[int]:
+        """Sample indices in the order they are packed in `epoch`."""
+        if not self.shuffle:
+            return list(range(len(self.samples)))
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(len(self.samples), generator=generator).tolist()
+
+    def packs(self, epoch: int) -> list[list[int]]:
+        """Every pack of `epoch` (all ranks), as sample indices."""
+        if self._plan is None or self._plan[0] != epoch:
+            order = self.order(epoch)
+            packs = first_fit([len(self.samples[i]) for i in order], self.max_seq_len)
+            self._plan = (epoch, [[order[i] for i in pack] for pack in packs])
+        return self._plan[1]
+
+    def num_micro_batches(self, epoch: int = 0) -> int:
+        """Micro-batches every rank runs in `epoch` (the same on all ranks)."""
+        steps = math.ceil(len(self.packs(epoch)) / self.dp_size)
+        return math.ceil(steps / self.multiple_of) * self.multiple_of
+
+    def rank_packs(self, epoch: int) -> list[list[int]]:
+        """This rank's packs of `epoch`, in step order, wrapping around when short."""
+        packs = self.packs(epoch)
+        return [packs[(step * self.dp_size + self.dp_rank) % len(packs)]
+                for step in range(self.num_micro_batches(epoch))]
+
+    def epoch(self, epoch: int) -> Iterator[PackedBatch]:
+        """This rank's micro-batches of `epoch`."""
+        for pack in self.rank_packs(epoch):
+            yield build_batch([self.samples[i] for i in pack])

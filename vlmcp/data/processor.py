@@ -1,0 +1,160 @@
+"""Tokenizer + image processor for a local Qwen3.5 checkpoint, without torchvision.
+
+A published Qwen3.5 checkpoint directory holds config.json, *.safetensors, tokenizer.json,
+tokenizer_config.json (+ chat_template.jinja), preprocessor_config.json and
+video_preprocessor_config.json. `AutoProcessor` cannot build `Qwen3VLProcessor` there without
+torchvision (the video slot fails), and the preprocessor config names the torchvision-backed
+`Qwen2VLImageProcessorFast`. `load_processor` instead builds the tokenizer with `AutoTokenizer`
+and the PIL-backed `Qwen2VLImageProcessorPil`, taking every geometry and normalisation field from
+preprocessor_config.json (the PIL class defaults are Qwen2-VL's, not Qwen3.5's). Videos are not
+supported; video_preprocessor_config.json is ignored.
+
+The PIL backend resizes with PIL's bicubic filter, the Fast class with torchvision's; pixels can
+differ slightly from the Fast processor's on images that need resizing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+IMAGE_PAD = "<|image_pad|>"
+VISION_START = "<|vision_start|>"
+VISION_END = "<|vision_end|>"
+
+#: preprocessor_config.json fields passed through to the image processor unchanged.
+_PASSTHROUGH_FIELDS = (
+    "patch_size",
+    "temporal_patch_size",
+    "merge_size",
+    "image_mean",
+    "image_std",
+    "do_resize",
+    "do_rescale",
+    "rescale_factor",
+    "do_normalize",
+    "do_convert_rgb",
+    "resample",
+)
+_REQUIRED_FIELDS = ("patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std")
+
+
+class ProcessorError(ValueError):
+    """A checkpoint directory that cannot give a tokenizer and image processor."""
+
+
+@dataclass
+class VLProcessor:
+    """What the data path needs from a checkpoint: tokenizer, image processor and vision ids."""
+
+    tokenizer: PreTrainedTokenizerBase
+    image_processor: Qwen2VLImageProcessorPil
+    image_token_id: int
+    vision_start_id: int
+    vision_end_id: int
+    merge_size: int
+
+    def process_images(self, images: list[Image.Image]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Patchify images in order.
+
+        Returns pixel_values [N_patch, C*T*P*P] float32 (N_patch = sum of t*h*w) and
+        image_grid_thw [I, 3] long, the (t, h, w) patch grid of each image.
+        """
+        out = self.image_processor(images, return_tensors="pt")
+        return out["pixel_values"].to(torch.float32), out["image_grid_thw"].to(torch.long)
+
+    def num_placeholders(self, grid_row: torch.Tensor | list[int]) -> int:
+        """Number of image placeholder tokens for one image of grid (t, h, w): t*h*w // merge**2."""
+        t, h, w = (int(x) for x in grid_row)
+        return t * h * w // self.merge_size**2
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise ProcessorError(f"{path}: missing (expected a Qwen3.5 checkpoint layout)") from e
+    except json.JSONDecodeError as e:
+        raise ProcessorError(f"{path}: not valid JSON ({e})") from e
+
+
+def image_processor_kwargs(preprocessor_config: dict[str, Any]) -> dict[str, Any]:
+    """Keyword arguments for `Qwen2VLImageProcessorPil` from a preprocessor_config.json dict.
+
+    Pixel bounds come from `size` ({"shortest_edge", "longest_edge"}, as published) or from the
+    older `min_pixels` / `max_pixels` fields.
+    """
+    missing = [k for k in _REQUIRED_FIELDS if k not in preprocessor_config]
+    if missing:
+        raise ProcessorError(f"preprocessor_config.json lacks {missing}")
+    kwargs = {k: preprocessor_config[k] for k in _PASSTHROUGH_FIELDS if k in preprocessor_config}
+    size = dict(preprocessor_config.get("size") or {})
+    if "min_pixels" in preprocessor_config:
+        size["shortest_edge"] = preprocessor_config["min_pixels"]
+    if "max_pixels" in preprocessor_config:
+        size["longest_edge"] = preprocessor_config["max_pixels"]
+    if set(size) != {"shortest_edge", "longest_edge"}:
+        raise ProcessorError(
+            "preprocessor_config.json needs size {shortest_edge, longest_edge} or "
+            f"min_pixels/max_pixels, got size={size}"
+        )
+    kwargs["size"] = size
+    return kwargs
+
+
+def _token_id(tokenizer: PreTrainedTokenizerBase, token: str) -> int:
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    if token_id is None or token_id == tokenizer.unk_token_id:
+        raise ProcessorError(f"tokenizer has no {token} token")
+    return int(token_id)
+
+
+def _check_against_model_config(
+    config: dict[str, Any], ids: dict[str, int], preprocessor: dict[str, Any]
+) -> None:
+    for key, token_id in ids.items():
+        if key in config and config[key] != token_id:
+            raise ProcessorError(
+                f"config.json {key}={config[key]} but the tokenizer maps it to {token_id}"
+            )
+    vision = config.get("vision_config", {})
+    for ours, theirs in (("merge_size", "spatial_merge_size"), ("patch_size", "patch_size")):
+        if theirs in vision and vision[theirs] != preprocessor[ours]:
+            raise ProcessorError(
+                f"preprocessor_config.json {ours}={preprocessor[ours]} but config.json "
+                f"vision_config.{theirs}={vision[theirs]}"
+            )
+
+
+def load_processor(model_dir: str | Path) -> VLProcessor:
+    """Build the `VLProcessor` of a local checkpoint directory (offline, no torchvision).
+
+    Checks that the tokenizer's vision tokens match config.json's ids and that patch/merge sizes
+    match the vision config.
+    """
+    model_dir = Path(model_dir)
+    preprocessor = _read_json(model_dir / "preprocessor_config.json")
+    config = _read_json(model_dir / "config.json")
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    ids = {
+        "image_token_id": _token_id(tokenizer, IMAGE_PAD),
+        "vision_start_token_id": _token_id(tokenizer, VISION_START),
+        "vision_end_token_id": _token_id(tokenizer, VISION_END),
+    }
+    _check_against_model_config(config, ids, preprocessor)
+    image_processor = Qwen2VLImageProcessorPil(**image_processor_kwargs(preprocessor))
+    return VLProcessor(
+        tokenizer=tokenizer,
+        image_processor=image_processor,
+        image_token_id=ids["image_token_id"],
+        vision_start_id=ids["vision_start_token_id"],
+        vision_end_id=ids["vision_end_token_id"],
+        merge_size=int(preprocessor["merge_size"]),
+    )

@@ -1,0 +1,1 @@
+"""The DeepSpeed training run: config, distributed start, loop, checkpoints, metrics, export."""

@@ -1,0 +1,123 @@
+"""Held-out evaluation: token loss on packed batches, and accuracy by greedy generation.
+
+eval_loss: the sum of target-token cross-entropy over every held-out sample / their number of
+targets, computed through the training module (packed, sharded like training). The eval packs are
+dealt round-robin over data-parallel groups; a group short of packs repeats one with weight zero
+so that every rank runs the same collectives.
+
+eval_accuracy: for each held-out sample, the prompt is everything before its first target token
+(for chat data: the conversation up to and including the first `<|im_start|>assistant\\n`), and
+the sample counts as correct when plain Hugging Face greedy `generate` on that prompt reproduces
+the sample's first run of target tokens exactly (for chat data: the first assistant reply and its
+`<|im_end|>`), up to `eval.max_new_tokens` tokens. Samples are spread over all ranks; under
+ZeRO-3 every rank runs the same number of `generate` calls with `synced_gpus`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from vlmcp.data.batch import IGNORE_INDEX
+from vlmcp.data.formats import Sample
+from vlmcp.data.pack import pack_samples
+from vlmcp.parallel import comm
+from vlmcp.parallel.groups import SequenceParallel
+
+
+@dataclass
+class GenerationPrompt:
+    """What `generate` needs for one sample, and the tokens it should produce."""
+
+    input_ids: torch.Tensor          # [1, L_prompt]
+    mm_token_type_ids: torch.Tensor  # [1, L_prompt]
+    pixel_values: torch.Tensor | None
+    image_grid_thw: torch.Tensor | None
+    reference: list[int]
+
+
+def generation_prompt(sample: Sample, max_new_tokens: int) -> GenerationPrompt:
+    """Split a sample into its prompt (before the first target) and reference (first target run)."""
+    labels = sample.labels
+    first = next(t for t, label in enumerate(labels) if label != IGNORE_INDEX)
+    last = first
+    while last < len(labels) and labels[last] != IGNORE_INDEX:
+        last += 1
+    reference = sample.input_ids[first:min(last, first + max_new_tokens)]
+    mm = sample.mm_token_type_ids[:first]
+    pixel_values, grid = sample.pixel_values, sample.image_grid_thw
+    if grid is not None:
+        runs = int((mm.diff(prepend=mm.new_zeros(1)) == 1).sum())
+        if runs == 0:
+            pixel_values, grid = None, None
+        elif runs < len(grid):
+            patches = int(grid[:runs].prod(-1).sum())
+            pixel_values, grid = pixel_values[:patches], grid[:runs]
+    return GenerationPrompt(
+        input_ids=torch.tensor([sample.input_ids[:first]], dtype=torch.long),
+        mm_token_type_ids=mm.unsqueeze(0).long(),
+        pixel_values=pixel_values,
+        image_grid_thw=grid,
+        reference=list(reference),
+    )
+
+
+def _rounds(count: int, ways: int) -> int:
+    return max(1, math.ceil(count / ways))
+
+
+@torch.no_grad()
+def eval_loss(engine: nn.Module, samples: Sequence[Sample], max_seq_len: int,
+              sp: SequenceParallel) -> tuple[float, int]:
+    """(mean target-token CE over `samples`, number of targets), identical on every rank."""
+    packs = pack_samples(samples, max_seq_len)
+    totals = torch.zeros(2, dtype=torch.float64)
+    for round_ in range(_rounds(len(packs), sp.dp_size)):
+        index = round_ * sp.dp_size + sp.dp_rank
+        loss_sum, count = engine(packs[index % len(packs)])
+        if index < len(packs):
+            totals += torch.tensor([float(loss_sum), float(count)], dtype=torch.float64)
+    comm.all_reduce_sum(totals)
+    return float(totals[0] / max(totals[1], 1.0)), int(totals[1])
+
+
+@torch.no_grad()
+def generation_accuracy(hf_model: nn.Module, samples: Sequence[Sample], max_new_tokens: int,
+                        *, synced: bool) -> tuple[float, int]:
+    """(fraction of samples whose greedy continuation matches, samples), identical on every rank.
+
+    `synced`: every rank must take part in every forward (ZeRO-3).
+    """
+    world, rank = comm.world_size(), comm.rank()
+    device = next(hf_model.lm_head.parameters()).device
+    was_training = hf_model.training
+    hf_model.eval()
+    totals = torch.zeros(2, dtype=torch.float64)
+    rounds = _rounds(len(samples), world) if synced else math.ceil(max(len(samples) - rank, 0) / world)
+    for round_ in range(rounds):
+        index = round_ * world + rank
+        prompt = generation_prompt(samples[index % len(samples)], max_new_tokens)
+        kwargs = {}
+        if prompt.pixel_values is not None:
+            kwargs = {"pixel_values": prompt.pixel_values.to(device),
+                      "image_grid_thw": prompt.image_grid_thw.to(device)}
+        output = hf_model.generate(
+            input_ids=prompt.input_ids.to(device),
+            attention_mask=torch.ones_like(prompt.input_ids, device=device),
+            mm_token_type_ids=prompt.mm_token_type_ids.to(device),
+            max_new_tokens=len(prompt.reference),
+            do_sample=False,
+            use_cache=True,
+            synced_gpus=synced,
+            **kwargs,
+        )
+        generated = output[0, prompt.input_ids.shape[1]:].tolist()
+        if index < len(samples):
+            totals += torch.tensor([float(generated == prompt.reference), 1.0], dtype=torch.float64)
+    hf_model.train(was_training)
+    comm.all_reduce_sum(totals)
+    return float(totals[0] / max(totals[1], 1.0)), int(totals[1])

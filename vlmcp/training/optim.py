@@ -1,0 +1,48 @@
+"""The job's torch optimizer and LR schedule (handed to `deepspeed.initialize`).
+
+DeepSpeed's own optimizers would JIT-compile ops on CPU (FusedAdam, CPUAdam); a torch optimizer
+never does. The schedule is a `LambdaLR`: linear warmup from 0 over `warmup_steps`, then constant
+or cosine decay to `min_lr_ratio * lr` at `train.max_steps`. DeepSpeed steps it once per optimizer
+step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from vlmcp.config import OptimizerSection, SchedulerSection
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter],
+                    section: OptimizerSection) -> torch.optim.Optimizer:
+    """torch.optim.AdamW or torch.optim.SGD over `params` (the trainable ones)."""
+    params = list(params)
+    if not params:
+        raise ValueError("the model has no trainable parameters")
+    if section.type == "adamw":
+        return torch.optim.AdamW(params, lr=section.lr, betas=tuple(section.betas), eps=section.eps,
+                                 weight_decay=section.weight_decay, foreach=False)
+    return torch.optim.SGD(params, lr=section.lr, momentum=section.momentum,
+                           weight_decay=section.weight_decay, foreach=False)
+
+
+def lr_multiplier(step: int, section: SchedulerSection, max_steps: int) -> float:
+    """LR factor applied at optimizer step `step` (0-based)."""
+    if step < section.warmup_steps:
+        return (step + 1) / (section.warmup_steps + 1)
+    if section.type == "constant":
+        return 1.0
+    decay_steps = max(1, max_steps - section.warmup_steps)
+    progress = min(1.0, (step - section.warmup_steps) / decay_steps)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return section.min_lr_ratio + (1.0 - section.min_lr_ratio) * cosine
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, section: SchedulerSection,
+                    max_steps: int) -> LambdaLR:
+    """The job's LambdaLR schedule."""
+    return LambdaLR(optimizer, lambda step: lr_multiplier(step, section, max_steps))

@@ -1,0 +1,120 @@
+"""Every check a job must pass before training: `vlmcp validate`, and the start of every rank.
+
+One line per problem, each naming what to fix (a config key, or a "file:line" of the data).
+Checked: the job schema (by `load_job`, before this), the checkpoint directory and its processor,
+the sequence-parallel constraints of the model for the world size, the DeepSpeed config, every
+line of data.train and data.eval (files, images, placeholder counts, lengths, targets), and that
+a resume has a checkpoint to resume from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from transformers import PretrainedConfig
+
+from vlmcp.config import ConfigError, JobConfig, JobError
+from vlmcp.data.dataset import iter_samples
+from vlmcp.data.formats import DataError, Sample
+from vlmcp.data.processor import ProcessorError, VLProcessor, load_processor
+from vlmcp.model.load import ModelLoadError, load_config, text_hidden_size
+from vlmcp.parallel.constraints import check_sp_constraints
+from vlmcp.parallel.ds_config import largest_tensor_numel, sp_exact_zero_settings
+from vlmcp.training.checkpoint import checkpoint_dir, latest_tag
+from vlmcp.training.ds_config import fill_deepspeed_config, load_deepspeed_config
+
+
+class PreflightError(JobError):
+    """The job, its model or its data cannot train; one line per problem."""
+
+
+@dataclass
+class Preflight:
+    """What the checks found and built, reused by training so nothing is parsed twice."""
+
+    problems: list[str] = field(default_factory=list)
+    model_config: PretrainedConfig | None = None
+    processor: VLProcessor | None = None
+    ds_config: dict[str, Any] | None = None
+    train_samples: list[Sample] = field(default_factory=list)
+    eval_samples: list[Sample] = field(default_factory=list)
+
+
+def _where(job: JobConfig, path: str) -> str:
+    """Where a missing input was looked for."""
+    if Path(path).is_absolute():
+        return path
+    return f"{path!r} (looked in {job.job_dir} and in {Path.cwd()})"
+
+
+def _read_data(job: JobConfig, key: str, path: str, processor: VLProcessor,
+               report: Preflight) -> list[Sample]:
+    resolved = job.resolve_input(path)
+    if not resolved.is_file():
+        report.problems.append(f"config key 'data.{key}': file not found: {_where(job, path)}")
+        return []
+    samples: list[Sample] = []
+    for item in iter_samples(resolved, processor, job.data.max_seq_len, job.data.truncate):
+        if isinstance(item, DataError):
+            report.problems.append(str(item))
+        else:
+            samples.append(item)
+    return samples
+
+
+def _check_model(job: JobConfig, world_size: int, report: Preflight) -> None:
+    model_dir = job.resolve_input(job.model.path)
+    if not model_dir.is_dir():
+        report.problems.append(f"config key 'model.path': directory not found: "
+                               f"{_where(job, job.model.path)}")
+        return
+    try:
+        report.model_config = load_config(model_dir)
+    except (ModelLoadError, OSError, ValueError) as exc:
+        report.problems.append(str(exc) if isinstance(exc, ModelLoadError)
+                               else f"config key 'model.path': {exc}")
+        return
+    report.problems.extend(check_sp_constraints(
+        report.model_config.get_text_config(), sp_size=job.parallel.sp_size,
+        world_size=world_size, deltanet_cp=job.parallel.deltanet_cp))
+    try:
+        report.processor = load_processor(model_dir)
+    except (ProcessorError, OSError, ValueError) as exc:
+        report.problems.append(f"config key 'model.path': {exc}")
+
+
+def _check_deepspeed(job: JobConfig, world_size: int, report: Preflight) -> None:
+    if report.model_config is None or world_size % job.parallel.sp_size:
+        return
+    try:
+        raw = load_deepspeed_config(job)
+        filled = fill_deepspeed_config(
+            raw, job, dp_size=world_size // job.parallel.sp_size,
+            hidden_size=text_hidden_size(report.model_config))
+    except ConfigError as exc:
+        report.problems.extend(exc.problems)
+        return
+    model_dir = str(job.resolve_input(job.model.path))
+    report.ds_config = sp_exact_zero_settings(filled, job.parallel.sp_size,
+                                              largest_tensor_numel(model_dir))
+
+
+def _check_resume(job: JobConfig, report: Preflight) -> None:
+    if job.train.resume and latest_tag(checkpoint_dir(job)) is None:
+        report.problems.append(f"config key 'train.resume' is true but {checkpoint_dir(job)} "
+                               "holds no checkpoint ('latest' file missing)")
+
+
+def run_preflight(job: JobConfig, world_size: int) -> Preflight:
+    """Run every check of `job` for a world of `world_size` ranks and load its data."""
+    report = Preflight()
+    _check_model(job, world_size, report)
+    _check_deepspeed(job, world_size, report)
+    _check_resume(job, report)
+    if report.processor is not None:
+        report.train_samples = _read_data(job, "train", job.data.train, report.processor, report)
+        if job.data.eval:
+            report.eval_samples = _read_data(job, "eval", job.data.eval, report.processor, report)
+    return report
