@@ -116,7 +116,7 @@ def reference_loss_and_grads(model, samples: list[RawSample]) -> tuple[float, di
                           mm_token_type_ids=mm_token_type_ids(s, model.config)[None])
         out = model(input_ids=s.input_ids[None], labels=s.labels[None], use_cache=False, **kwargs)
         (out.loss * n / n_total).backward()
-        total += float(out.loss) * n / n_total
+        total += float(out.loss.detach()) * n / n_total
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
     return total, grads
 

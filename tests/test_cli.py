@@ -93,6 +93,18 @@ def test_validate_accepts_a_clean_job_and_names_the_world(tiny_checkpoint, digit
     assert "parallel.sp_size" in capsys.readouterr().err
 
 
+def test_validate_names_every_violated_sp_constraint_of_the_model(tiny_checkpoint, digits_jsonl,
+                                                                   tmp_path, capsys):
+    job = write_job(tmp_path / "job.json", tiny_job(
+        tiny_checkpoint, digits_jsonl / "train.jsonl", tmp_path / "out",
+        parallel={"sp_size": 3, "deltanet_cp": "heads"}))
+    assert main(["validate", str(job), "--world-size", "6"]) == 1
+    err = capsys.readouterr().err
+    for expected in ("num_attention_heads=4", "num_key_value_heads=2", "linear_num_key_heads=2",
+                     "linear_num_value_heads=4"):
+        assert expected in err, err
+
+
 def test_unknown_config_key_fails_validate_and_train_naming_the_key(tiny_checkpoint, digits_jsonl,
                                                                    tmp_path, capsys):
     raw = tiny_job(tiny_checkpoint, digits_jsonl / "train.jsonl", tmp_path / "out")
