@@ -67,19 +67,21 @@ def test_missing_preprocessor_config_is_a_clear_error(tiny_checkpoint, tmp_path)
         load_processor(copy)
 
 
+def _set_json_key(path: Path, key: str, value) -> None:
+    data = json.loads(path.read_text())
+    data[key] = value
+    path.write_text(json.dumps(data))
+
+
 def test_config_ids_that_disagree_with_the_tokenizer_are_rejected(tiny_checkpoint, tmp_path):
     copy = _copy(tiny_checkpoint, tmp_path)
-    config = json.loads((copy / "config.json").read_text())
-    config["image_token_id"] = 7
-    (copy / "config.json").write_text(json.dumps(config))
+    _set_json_key(copy / "config.json", "image_token_id", 7)
     with pytest.raises(ProcessorError, match="image_token_id=7"):
         load_processor(copy)
 
 
 def test_merge_size_that_disagrees_with_the_vision_config_is_rejected(tiny_checkpoint, tmp_path):
     copy = _copy(tiny_checkpoint, tmp_path)
-    preprocessor = json.loads((copy / "preprocessor_config.json").read_text())
-    preprocessor["merge_size"] = 1
-    (copy / "preprocessor_config.json").write_text(json.dumps(preprocessor))
+    _set_json_key(copy / "preprocessor_config.json", "merge_size", 1)
     with pytest.raises(ProcessorError, match="spatial_merge_size=2"):
         load_processor(copy)
