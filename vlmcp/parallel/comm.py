@@ -88,11 +88,6 @@ def init_distributed(timeout_s: float = 600.0) -> None:
     logger.debug("rank %d/%d on %s (%s)", rank(), world_size(), get_accelerator().device_name(), backend)
 
 
-def new_group(ranks: list[int]) -> ProcessGroup:
-    """A torch.distributed group over `ranks`; every rank must call it with the same list."""
-    return dist.new_group(ranks)
-
-
 def barrier(group: ProcessGroup | None = None) -> None:
     if is_initialized():
         dist.barrier(group=group)
@@ -118,15 +113,6 @@ def all_reduce_sum(tensor: torch.Tensor, group: ProcessGroup | None = None) -> t
 def all_reduce_max(tensor: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """In-place max over `group` (the whole world when None). No autograd."""
     return _all_reduce(tensor, dist.ReduceOp.MAX, group)
-
-
-def broadcast_object(obj: object, src: int = 0) -> object:
-    """Rank `src`'s Python object on every rank."""
-    if not is_initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
 
 
 class _AllGatherStack(torch.autograd.Function):
