@@ -105,6 +105,18 @@ def test_validate_names_every_violated_sp_constraint_of_the_model(tiny_checkpoin
         assert expected in err, err
 
 
+def test_a_fresh_run_refuses_an_output_dir_holding_earlier_checkpoints(tiny_checkpoint, digits_jsonl,
+                                                                       tmp_path, capsys):
+    out = tmp_path / "out"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "latest").write_text("step4")
+    job = write_job(tmp_path / "job.json", tiny_job(tiny_checkpoint, digits_jsonl / "train.jsonl", out))
+    assert main(["validate", str(job)]) == 1
+    err = capsys.readouterr().err
+    assert "config key 'output_dir'" in err and "train.resume=true" in err
+    assert (out / "checkpoints" / "latest").read_text() == "step4"
+
+
 def test_unknown_config_key_fails_validate_and_train_naming_the_key(tiny_checkpoint, digits_jsonl,
                                                                    tmp_path, capsys):
     raw = tiny_job(tiny_checkpoint, digits_jsonl / "train.jsonl", tmp_path / "out")

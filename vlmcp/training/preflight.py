@@ -102,9 +102,14 @@ def _check_deepspeed(job: JobConfig, world_size: int, report: Preflight) -> None
 
 
 def _check_resume(job: JobConfig, report: Preflight) -> None:
-    if job.train.resume and latest_tag(checkpoint_dir(job)) is None:
+    latest = latest_tag(checkpoint_dir(job))
+    if job.train.resume and latest is None:
         report.problems.append(f"config key 'train.resume' is true but {checkpoint_dir(job)} "
                                "holds no checkpoint ('latest' file missing)")
+    elif not job.train.resume and latest is not None:
+        report.problems.append(f"config key 'output_dir': {job.output_dir} already holds the "
+                               f"checkpoints of an earlier run (latest: {latest}); set "
+                               "train.resume=true to continue it, or choose another output_dir")
 
 
 def run_preflight(job: JobConfig, world_size: int) -> Preflight:
