@@ -30,6 +30,16 @@ def ds_config(stage: int, grad_accum: int, dp_size: int, bf16: bool = False) -> 
     }
 
 
+def _counted(forward, calls: list):
+    """`forward`, appending to `calls` on every run (module hooks do not fire in a recompute)."""
+
+    def run(*args, **kwargs):
+        calls.append(1)
+        return forward(*args, **kwargs)
+
+    return run
+
+
 def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
     """For each case {checkpoint, stage, mode, grad_accum, packs: list per DP rank of lists of
     PackedBatch}: one DeepSpeed step; returns the step loss and every trainable parameter's full
@@ -46,11 +56,15 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
         dtype = torch.bfloat16 if case.get("bf16") else torch.float32
         model = cls.from_pretrained(case["checkpoint"], dtype=dtype, attn_implementation="sdpa")
         model.model.visual.requires_grad_(case.get("train_vision", False))
-        module = PackedVLM(model, sp=sp, deltanet_cp=case["mode"])
+        module = PackedVLM(model, sp=sp, deltanet_cp=case["mode"], gradient_checkpointing=case.get("checkpointing", False))
         params = [p for p in module.parameters() if p.requires_grad]
         engine, *_ = deepspeed.initialize(
             model=module, optimizer=torch.optim.SGD(params, lr=0.0), config=config, mpu=sp.mpu
         )
+        engine.train()
+        calls = []
+        mlp = module.language_model.layers[0].mlp
+        mlp.forward = _counted(mlp.forward, calls)
         micro_batches = case["packs"][sp.dp_rank]
         n_global = global_target_count(sum(module.shard_target_count(b) for b in micro_batches))
         loss_total = torch.zeros(())
@@ -66,7 +80,11 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
             if p.requires_grad
         }
         engine.step()
-        results[name] = {"loss": float(comm.all_reduce_sum(loss_total)) / n_global, "grads": grads}
+        results[name] = {
+            "loss": float(comm.all_reduce_sum(loss_total)) / n_global,
+            "grads": grads,
+            "layer0_mlp_calls": len(calls),
+        }
         del engine, module, model
         if keep_alive is not None:
             unset_hf_deepspeed_config()

@@ -28,6 +28,10 @@ CASES = {
         world=2, sp=2, model={"linear_num_key_heads": 2, "linear_num_value_heads": 4}, stage=2, mode="heads", accum=1,
         packs=[[[(13, []), (9, []), (20, [])]]],
     ),
+    "p2_gradient_checkpointing_zero1": dict(
+        world=2, sp=2, model={}, stage=1, mode="state", accum=1, checkpointing=True,
+        packs=[[[(19, [(1, 4, 4)]), (26, [])]]],
+    ),
     "p2_moe_multi_image_zero1": dict(
         world=2, sp=2, model={"moe": True}, stage=1, mode="state", accum=1,
         packs=[[[(25, [(1, 4, 4), (1, 2, 4)]), (15, [(1, 2, 2)])]]],
@@ -94,7 +98,8 @@ def _results(world: int, sp: int, tmp_root) -> dict:
         model, checkpoint, packs, flat = _materialise(name, tmp_root)
         references[name] = reference_loss_and_grads(model, flat)
         cases[name] = dict(checkpoint=str(checkpoint), stage=spec["stage"], mode=spec["mode"], grad_accum=spec["accum"], packs=packs,
-                           train_vision=spec.get("train_vision", False), bf16=spec.get("bf16", False))
+                           train_vision=spec.get("train_vision", False), bf16=spec.get("bf16", False),
+                           checkpointing=spec.get("checkpointing", False))
     per_rank = run_ranks(engine_step, world, sp, cases)
     return {name: (references[name], [r[name] for r in per_rank]) for name in cases}
 
@@ -113,6 +118,8 @@ def test_sp_step_equals_plain_transformers_per_sample(name, tmp_root):
     (ref_loss, ref_grads), per_rank = _results(spec["world"], spec["sp"], tmp_root)[name]
     for result in per_rank:
         assert abs(result["loss"] - ref_loss) <= TOL * abs(ref_loss)
+        recomputed = 2 if spec.get("checkpointing") else 1
+        assert result["layer0_mlp_calls"] == recomputed * spec["accum"]
         trained = {n: g for n, g in result["grads"].items()}
         expected = {n: g for n, g in ref_grads.items() if spec.get("train_vision") or not n.startswith("model.visual")}
         assert trained.keys() == expected.keys()

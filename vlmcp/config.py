@@ -113,6 +113,9 @@ class TrainSection:
     resume: bool = field(default=False, metadata=_key(
         "continue from the latest checkpoint in output_dir/checkpoints"))
     log_every: int = field(default=1, metadata=_key("write a metrics row every N steps", min=1))
+    gradient_checkpointing: bool = field(default=False, metadata=_key(
+        "recompute each decoder layer in backward (its SP collectives too) instead of keeping "
+        "its activations"))
 
 
 @dataclass

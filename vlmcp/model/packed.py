@@ -45,7 +45,13 @@ class PackedVLM(nn.Module):
     shard plan is passed.
     """
 
-    def __init__(self, hf_model: nn.Module, sp: SequenceParallel | None = None, deltanet_cp: str = "state") -> None:
+    def __init__(
+        self,
+        hf_model: nn.Module,
+        sp: SequenceParallel | None = None,
+        deltanet_cp: str = "state",
+        gradient_checkpointing: bool = False,
+    ) -> None:
         super().__init__()
         object.__setattr__(self, "hf_model", hf_model)
         self.sp = sp or SequenceParallel.single()
@@ -70,6 +76,8 @@ class PackedVLM(nn.Module):
             hf_model.model.visual = vision
             object.__setattr__(self, "frozen_visual", vision)
         self.deltanet_layers = install_deltanet_hooks(self.language_model, deltanet_cp)
+        if gradient_checkpointing:
+            hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     @property
     def vision(self) -> nn.Module:
