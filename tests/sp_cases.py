@@ -15,7 +15,7 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForCo
 from vlmcp.model.loss import global_target_count, scale_for_deepspeed
 from vlmcp.model.packed import PackedVLM
 from vlmcp.parallel import comm
-from vlmcp.parallel.ds_config import largest_tensor_numel, sp_exact_zero_settings
+from vlmcp.parallel.zero3_sp import largest_tensor_numel, sp_exact_zero_settings
 from vlmcp.parallel.groups import SequenceParallel
 
 

@@ -21,7 +21,7 @@ from vlmcp.data.formats import DataError, Sample
 from vlmcp.data.processor import ProcessorError, VLProcessor, load_processor
 from vlmcp.model.load import ModelLoadError, load_config, text_hidden_size
 from vlmcp.parallel.constraints import check_sp_constraints
-from vlmcp.parallel.ds_config import largest_tensor_numel, sp_exact_zero_settings
+from vlmcp.parallel.zero3_sp import largest_tensor_numel, sp_exact_zero_settings
 from vlmcp.training.checkpoint import checkpoint_dir, latest_tag
 from vlmcp.training.ds_config import fill_deepspeed_config, load_deepspeed_config
 

@@ -1,9 +1,12 @@
-"""DeepSpeed settings that sequence parallelism depends on for exact gradients."""
+"""ZeRO-3 settings that sequence parallelism depends on for exact gradients."""
 
 from __future__ import annotations
 
 import copy
 import logging
+from pathlib import Path
+
+from safetensors import safe_open
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +42,6 @@ def sp_exact_zero_settings(ds_config: dict, sp_size: int, max_param_numel: int) 
 
 def largest_tensor_numel(model_dir: str) -> int:
     """Elements of the largest tensor in a checkpoint's safetensors files (read from headers only)."""
-    from pathlib import Path
-
-    from safetensors import safe_open
-
     largest = 0
     for path in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
