@@ -2,29 +2,60 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
+from vlmcp.model import deltanet
 from vlmcp.model.deltanet import sharded_deltanet_forward
 from vlmcp.parallel import comm
 from vlmcp.parallel.groups import SequenceParallel
 from vlmcp.parallel.shard import ShardPlan
 
 
+@contextlib.contextmanager
+def counting_recurrence_tokens() -> Iterator[list[int]]:
+    """Count the tokens the hook passes through `delta_rule_segments` (one counter, [tokens]).
+
+    Wraps the name the hook module calls, in this spawned process only, and restores it."""
+    original = deltanet.delta_rule_segments
+    counter = [0]
+
+    def counted(q, k, v, g, beta, lengths, initial_states):
+        counter[0] += sum(lengths)
+        return original(q, k, v, g, beta, lengths, initial_states)
+
+    deltanet.delta_rule_segments = counted
+    try:
+        yield counter
+    finally:
+        deltanet.delta_rule_segments = original
+
+
 def sharded_layer_grads(cases: dict[str, tuple]) -> dict[str, dict]:
     """On each rank, for every case name -> (layer, x [S, hidden], weight [S, hidden], seq_lens, mode):
     the sharded layer's output shard, input-gradient shard and the parameter gradients summed
-    over ranks, of loss = sum(out * weight) over the whole pack."""
+    over ranks, of loss = sum(out * weight) over the whole pack; also the tokens this rank's
+    forward ran through the recurrence and its shard length."""
     sp = SequenceParallel.initialize(comm.world_size())
     results = {}
     for name, (layer, x, weight, seq_lens, mode) in cases.items():
         plan = ShardPlan.build(seq_lens, sp.size, sp.rank, sp.group, min_local_len=layer.conv_kernel_size - 1)
         x_local = plan.shard(x, dim=0).detach().requires_grad_(True)
-        out = sharded_deltanet_forward(layer, x_local.unsqueeze(0), plan, mode)[0]
+        with counting_recurrence_tokens() as recurrence_tokens:
+            out = sharded_deltanet_forward(layer, x_local.unsqueeze(0), plan, mode)[0]
         (out * plan.shard(weight, dim=0)).sum().backward()
         grads = {}
         for pname, p in layer.named_parameters():
             g = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
             grads[pname] = comm.all_reduce_sum(g)
         layer.zero_grad(set_to_none=True)
-        results[name] = {"out": out.detach(), "x_grad": x_local.grad, "param_grads": grads}
+        results[name] = {
+            "out": out.detach(),
+            "x_grad": x_local.grad,
+            "param_grads": grads,
+            "recurrence_tokens": recurrence_tokens[0],
+            "local_len": plan.local_len,
+        }
     return results

@@ -27,12 +27,17 @@ CASES = {
     "state_boundary_one_after_edge": (2, [LOCAL + 1, LOCAL - 1], "state"),
     "state_sample_shorter_than_halo_before_edge": (2, [LOCAL - 2, 2, LOCAL], "state"),
     "state_sample_shorter_than_halo_across_edge": (2, [LOCAL - 1, 2, LOCAL - 1], "state"),
+    "state_one_sample_two_ranks": (2, [2 * LOCAL], "state"),
     "heads_two_ranks": (2, [LOCAL - 1, 2, LOCAL - 1], "heads"),
     # P=3: a sample spanning all three ranks (padding at the end)
     "state_sample_spans_three_ranks": (3, [3 * LOCAL - 2], "state"),
     "state_spans_three_ranks_after_short_sample": (3, [2, 3 * LOCAL - 3], "state"),
     # P=4: one sample starts just after an edge and runs across two more
     "state_mixed_four_ranks": (4, [LOCAL - 1, 1, 2 * LOCAL + 1, LOCAL - 1], "state"),
+    # P=4: one sample over all ranks (ranks 1 and 2 relay the state), and a pack where a sample
+    # runs through rank 1 into rank 2 after rank 0's shard ends inside another sample
+    "state_one_sample_four_ranks": (4, [4 * LOCAL], "state"),
+    "state_relay_after_split_sample": (4, [LOCAL + 3, 2 * LOCAL - 1, LOCAL - 2], "state"),
     "heads_mixed_four_ranks": (4, [LOCAL - 1, 1, 2 * LOCAL + 1, LOCAL - 1], "heads"),
 }
 
@@ -85,3 +90,14 @@ def test_sharded_deltanet_equals_unsharded_layer_per_sample(name):
     assert rel_err(x_grad, ref_x_grad) <= TOL
     for pname, grad in results[0]["param_grads"].items():
         assert rel_err(grad, ref_param_grads[pname]) <= TOL, pname
+
+
+STATE_CASES = [name for name, (_, _, mode) in CASES.items() if mode == "state"]
+
+
+@pytest.mark.parametrize("name", STATE_CASES)
+def test_state_mode_runs_each_token_through_the_recurrence_once(name):
+    """Per rank, the forward passes exactly its shard's tokens through `delta_rule_segments`."""
+    results = _sharded_results(CASES[name][0])[name]
+    counts = [r["recurrence_tokens"] for r in results]
+    assert counts == [r["local_len"] for r in results], counts

@@ -5,12 +5,16 @@ A Gated DeltaNet layer is a depthwise causal conv1d over the q/k/v projections, 
 delta-rule recurrence, both of which must restart at every packed-sample boundary. Two modes:
 
 "state" (default): every rank keeps its own tokens.
-  * Conv halo: rank r prepends rank r-1's last (kernel-1) pre-conv tokens of the same sample.
+  * Conv halo: rank r prepends rank r-1's last (kernel-1) pre-conv tokens of the same sample; the
+    conv itself is one depthwise conv1d over the whole shard (`causal_conv_segments`).
   * State chain: the recurrence is linear in its state, S_end = A S_start + B, with A [H_v, K, K]
-    and B [H_v, K, V] over a rank's last segment. One pre-pass with value columns [v | 0] and
-    initial state [0 | I] yields [B | A]; every rank all-gathers them, chains its predecessors
-    inside the same sample, and runs its first segment from the chained state. This is the scheme
-    of flash-linear-attention's `ops/cp`, written here with one all-gather per layer.
+    and B [H_v, K, V] over a rank's last segment. Each rank sends one payload in one all-gather
+    per layer and chains its predecessors inside the same sample. Every token goes through the
+    recurrence exactly once: a rank whose last segment starts inside its shard runs it from the
+    zero state first (its final state is B); only a rank whose whole shard continues a sample
+    into the next rank needs A, and gets it, together with its output as an affine function of
+    the incoming state, from one pass with value columns [v | 0] from state [0 | I]. The scheme
+    follows flash-linear-attention's `ops/cp` (`_chained_recurrence` has the details).
 "heads": an all-to-all moves q/k/v/a/b to head-sharded layout ([S, H/P, D]); each rank runs the
   whole sequence for its heads, and a second all-to-all brings the output back. Needs the DeltaNet
   key and value head counts divisible by P.
@@ -111,18 +115,25 @@ def causal_conv_segments(
 ) -> torch.Tensor:
     """Depthwise causal conv restarted at every segment: [L, c] -> [L, c] (before activation).
 
-    weight: [c, 1, w+1]. Each segment sees w zero tokens before it, except the first when
-    `left_context` [w, c] is given (the previous rank's tokens, zeros where another sample).
+    weight: [c, 1, w+1]; bias: [c] or None; lengths: N segment lengths summing to L. Each segment
+    sees w zero tokens before it, except the first when `left_context` [w, c] is given (the
+    previous rank's tokens, zeros where another sample).
+
+    One conv1d over the whole shard: the tokens are spread into a [L + N*w, c] buffer with w
+    rows before every segment (zeros, or `left_context` before the first), so no window reaches
+    across a boundary; the outputs are read back at the tokens' rows. Same device code everywhere.
     """
     width = weight.shape[-1] - 1
-    out, start = [], 0
-    for i, n in enumerate(lengths):
-        seg = x[start : start + n].to(weight.dtype)
-        ctx = left_context if (i == 0 and left_context is not None) else seg.new_zeros(width, seg.shape[1])
-        inp = torch.cat([ctx.to(weight.dtype), seg], dim=0).transpose(0, 1).unsqueeze(0)
-        out.append(F.conv1d(inp, weight, bias, groups=weight.shape[0])[0].transpose(0, 1))
-        start += n
-    return torch.cat(out, dim=0).to(x.dtype)
+    total, channels = x.shape
+    gaps = width * torch.arange(1, len(lengths) + 1, device=x.device)
+    sizes = torch.tensor(lengths, device=x.device)
+    rows = torch.arange(total, device=x.device) + gaps.repeat_interleave(sizes, output_size=total)
+    spread = x.new_zeros(total + width * len(lengths), channels, dtype=weight.dtype)
+    spread = spread.index_copy(0, rows, x.to(weight.dtype))
+    if left_context is not None:
+        spread = torch.cat([left_context.to(weight.dtype), spread[width:]], dim=0)
+    out = F.conv1d(spread.transpose(0, 1).unsqueeze(0), weight, bias, groups=channels)[0]
+    return out.transpose(0, 1).index_select(0, rows - width).to(x.dtype)
 
 
 def conv_halo(mixed: torch.Tensor, plan: ShardPlan, width: int) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -155,8 +166,7 @@ def _split_qkv(layer: nn.Module, mixed: torch.Tensor, key_dim: int, value_dim: i
 
 def _state_mode(layer: nn.Module, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, plan: ShardPlan) -> torch.Tensor:
     """Sequence-sharded DeltaNet: conv halo + state chain. Returns core output [S_local, H_v, V]."""
-    segments = plan.local_segments
-    lengths = [s.length for s in segments]
+    lengths = [s.length for s in plan.local_segments]
     halo, tails = (None, None) if plan.size == 1 else conv_halo(mixed, plan, layer.conv_kernel_size - 1)
     conv = causal_conv_segments(mixed, layer.conv1d.weight, layer.conv1d.bias, lengths, halo)
     conv = ACT2FN[layer.activation](conv)
@@ -165,52 +175,105 @@ def _state_mode(layer: nn.Module, mixed: torch.Tensor, a: torch.Tensor, b: torch
     if plan.size == 1:
         out, _ = delta_rule_segments(q, k, v, g, beta, lengths, [None] * len(lengths))
         return out
-
-    last = segments[-1]
-    tail = slice(last.start, last.stop)
-    tail_out, transfer = _transition(q[tail], k[tail], v[tail], g[tail], beta[tail])
-    transfers = comm.all_gather_autograd(transfer, plan.group)
-    s_in = incoming_state(transfers, plan, v.shape[-1])
-    continues = segments[0].continues
-    if len(segments) == 1 and continues:
-        out, _ = delta_rule_segments(q, k, v, g, beta, lengths, [s_in])
-    elif len(segments) == 1:
-        out = tail_out
-    else:
-        head = slice(0, last.start)
-        inits = [s_in if i == 0 else None for i in range(len(segments) - 1)]
-        head_out, _ = delta_rule_segments(q[head], k[head], v[head], g[head], beta[head], lengths[:-1], inits)
-        out = torch.cat([head_out, tail_out], dim=0)
+    out, transfers = _chained_recurrence(q, k, v, g, beta, plan)
     return comm.keep_in_graph(out, tails, transfers)
 
 
-def _transition(q, k, v, g, beta) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero-state output and affine state map of one segment.
+def runs_through(plan: ShardPlan, rank: int) -> bool:
+    """Rank `rank`'s shard is one piece of a sample that started on an earlier rank."""
+    pieces = plan.all_segments[rank]
+    return len(pieces) == 1 and pieces[0].continues
 
-    q, k: [L, H_k, K]; v: [L, H_v, V]. Returns (out [L, H_v, V] from a zero initial state,
-    [H_v, K, V + K] = [B | A], where the segment maps an initial state X to A X + B).
+
+def feeds_next(plan: ShardPlan, rank: int) -> bool:
+    """The next rank's shard starts inside the sample that ends rank `rank`'s shard."""
+    return rank + 1 < plan.size and plan.all_segments[rank + 1][0].continues
+
+
+def relays(plan: ShardPlan, rank: int) -> bool:
+    """Rank `rank` passes a state through: it needs its affine map A, not only its final state B."""
+    return runs_through(plan, rank) and feeds_next(plan, rank)
+
+
+def _chained_recurrence(q, k, v, g, beta, plan: ShardPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence over this rank's shard, chained to its predecessors, with each token in
+    exactly one pass. q, k: [S_local, H_k, K]; v: [S_local, H_v, V]; g, beta: [S_local, H_v].
+
+    Every rank sends one [H_v, K, W] payload in one all-gather (W = V + K when some rank relays,
+    else V) and receives all P of them ([P, H_v, K, W]):
+      * a relay (`relays`): one augmented pass from state [0 | I] with values [v | 0] gives its
+        zero-state output, the output's linear response to the incoming state, and [B | A];
+        after the gather its output is o_zero + o_I @ S_in, with no second pass;
+      * a rank running through to a sample's end: sends zeros, then one pass from S_in;
+      * any other rank: its last segment starts inside the shard, so it runs that segment from
+        the zero state first and sends the final state B (zeros if the next rank starts a new
+        sample); after the gather it runs its other segments, the first from S_in.
+    Returns (out [S_local, H_v, V], the gathered payloads, which the caller keeps in the graph).
+    """
+    segments, rank = plan.local_segments, plan.rank
+    vdim, kdim = v.shape[-1], q.shape[-1]
+    width = vdim + kdim if any(relays(plan, r) for r in range(plan.size)) else vdim
+    last = segments[-1]
+    if relays(plan, rank):
+        zero_out, response, payload = _affine_pass(q, k, v, g, beta)
+    else:
+        if not runs_through(plan, rank):
+            tail = slice(last.start, last.stop)
+            tail_out, (final,) = delta_rule_segments(
+                q[tail], k[tail], v[tail], g[tail], beta[tail], [last.length], [None]
+            )
+        if feeds_next(plan, rank):
+            payload = F.pad(final.float(), (0, width - vdim))
+        else:
+            # Nothing the next rank reads; tied to v so that this rank's gather joins the backward.
+            payload = comm.keep_in_graph(v.new_zeros(v.shape[1], kdim, width, dtype=torch.float32), v)
+
+    transfers = comm.all_gather_autograd(payload, plan.group)
+    s_in = incoming_state(transfers, plan, vdim)
+    if relays(plan, rank):
+        through = torch.einsum("lhk,hkv->lhv", response.float(), s_in.float())
+        return (zero_out.float() + through).to(v.dtype), transfers
+    if runs_through(plan, rank):
+        out, _ = delta_rule_segments(q, k, v, g, beta, [last.length], [s_in])
+        return out, transfers
+    if len(segments) == 1:
+        return tail_out, transfers
+    head = slice(0, last.start)
+    inits = [s_in] + [None] * (len(segments) - 2)
+    lengths = [s.length for s in segments[:-1]]
+    head_out, _ = delta_rule_segments(q[head], k[head], v[head], g[head], beta[head], lengths, inits)
+    return torch.cat([head_out, tail_out], dim=0), transfers
+
+
+def _affine_pass(q, k, v, g, beta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One segment's output and state as affine functions of its initial state, in one pass.
+
+    q, k: [L, H_k, K]; v: [L, H_v, V]. The recurrence is linear in (values, initial state) jointly,
+    so running it with values [v | 0] from state [0 | I] gives, for an initial state X [H_v, K, V],
+    output o_zero + o_I @ X and final state A X + B. Returns (o_zero [L, H_v, V],
+    o_I [L, H_v, K], [B | A] [H_v, K, V + K]).
     """
     heads, kdim, vdim = v.shape[1], q.shape[-1], v.shape[-1]
     v_aug = torch.cat([v, v.new_zeros(v.shape[0], heads, kdim)], dim=-1)
     eye = torch.eye(kdim, dtype=torch.float32, device=v.device).expand(heads, kdim, kdim)
     init = torch.cat([eye.new_zeros(heads, kdim, vdim), eye], dim=-1)
     out, (final,) = delta_rule_segments(q, k, v_aug, g, beta, [v.shape[0]], [init])
-    return out[..., :vdim], final
+    return out[..., :vdim], out[..., vdim:], final.float()
 
 
 def incoming_state(transfer: torch.Tensor, plan: ShardPlan, vdim: int) -> torch.Tensor | None:
     """State entering this rank's first segment, chained from its predecessors in the same sample.
 
-    transfer: [P, H_v, K, V + K], rank j's [B_j | A_j] over its last segment. Returns [H_v, K, V],
-    or None when this rank's shard starts a sample.
+    transfer: [P, H_v, K, W], rank j's payload: its final state B_j [H_v, K, V] in the first V
+    columns and, when it relays, its map A_j [H_v, K, K] in the rest. Returns [H_v, K, V], or
+    None when this rank's shard starts a sample.
     """
     state = None
     for r in range(plan.rank):
-        pieces = plan.all_segments[r]
-        carried = state if (len(pieces) == 1 and pieces[0].continues) else None
-        b_r, a_r = transfer[r, ..., :vdim], transfer[r, ..., vdim:]
-        out = b_r if carried is None else a_r @ carried + b_r
-        state = out if plan.all_segments[r + 1][0].continues else None
+        final = transfer[r, ..., :vdim]
+        state = transfer[r, ..., vdim:] @ state + final if relays(plan, r) else final
+        if not feeds_next(plan, r):
+            state = None
     return state
 
 
