@@ -1,4 +1,5 @@
-# vlmcp: `make demo` trains the offline digits demo on 2 CPU ranks, `make test` runs the suite.
+# vlmcp: `make demo` trains the offline digits demo on 2 CPU ranks, `make test` runs the suite,
+# `make gpu-check` runs every CUDA check on one GPU and writes runs/gpu-check.json.
 # Both create .venv when it is missing: torch first (pinned, so that nothing later pulls a
 # different build), then this package. On a CPU machine the torch wheel must be a CPU build
 # without triton (with triton, transformers routes Qwen3.5's DeltaNet to GPU kernels that fail on a
@@ -9,6 +10,10 @@ VENV ?= .venv
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX_URL ?=
 PYTEST_ARGS ?=
+# gpu-check builds no venv: it runs in an environment that already has vlmcp's dependencies
+# (default: .venv when it exists, else $(PYTHON); e.g. `make gpu-check GPU_PYTHON=python3`).
+GPU_PYTHON ?= $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,$(PYTHON))
+GPU_CHECK_OUT ?= runs/gpu-check.json
 
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.vlmcp-installed
@@ -19,13 +24,18 @@ export OMP_NUM_THREADS ?= 1
 export DS_ACCELERATOR ?= cpu
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: demo test install clean
+.PHONY: demo test gpu-check install clean
 
 demo: $(STAMP)
 	$(BIN)/python -m vlmcp demo --out runs/demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# On a machine without a CUDA device it stops at once ("no CUDA device", exit 2).
+gpu-check: export DS_ACCELERATOR = cuda
+gpu-check:
+	$(GPU_PYTHON) -m vlmcp.gpu_check --out $(GPU_CHECK_OUT)
 
 install: $(STAMP)
 

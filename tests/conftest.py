@@ -1,9 +1,20 @@
 """Shared fixtures: tiny checkpoints, their processor, a digits dataset, a JSONL writer.
 
 Session-scoped fixtures build each asset once per test run (a tiny checkpoint takes ~0.2 s).
+
+The suite means CPU: GPUs are hidden (CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR=cpu, set before
+anything touches CUDA, and inherited by every process a test starts), so `make test` on a GPU
+machine runs exactly what it runs in CI. Only with VLMCP_TEST_CUDA=1 (set by `make gpu-check`)
+do GPUs stay visible, for the tests marked `cuda`.
 """
 
 from __future__ import annotations
+
+import os
+
+if os.environ.get("VLMCP_TEST_CUDA") != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    os.environ["DS_ACCELERATOR"] = "cpu"
 
 import json
 from collections.abc import Callable

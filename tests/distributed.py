@@ -3,7 +3,8 @@
 `run_ranks(fn, world_size, *args)` spawns `world_size` processes; each starts torch.distributed
 and deepspeed.comm through `vlmcp.parallel.comm.init_distributed` (gloo on CPU), runs
 `fn(*args)` and returns what it returned, per rank. A failing rank fails the call (mp.spawn ends
-the others) instead of hanging.
+the others) instead of hanging. `env` overrides the ranks' environment (the CUDA tests put every
+rank on one GPU over gloo with DS_ACCELERATOR=cuda, VLMCP_DIST_BACKEND=gloo, LOCAL_RANK=0).
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+def _entry(
+    rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple, env: dict[str, str]
+) -> None:
     os.environ.update(
         {
             "RANK": str(rank),
@@ -34,6 +37,7 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, ar
             "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": "1",
             "DS_ACCELERATOR": "cpu",
+            **env,
         }
     )
     torch.set_num_threads(1)
@@ -46,8 +50,9 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, ar
     torch.distributed.destroy_process_group()
 
 
-def run_ranks(fn: Callable, world_size: int, *args: Any) -> list[Any]:
+def run_ranks(fn: Callable, world_size: int, *args: Any, env: dict[str, str] | None = None) -> list[Any]:
     """[fn(*args) on rank 0, ..., on rank world_size-1], each computed in its own process."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_entry, args=(world_size, free_port(), out_dir, fn, args), nprocs=world_size, join=True)
+        spawn_args = (world_size, free_port(), out_dir, fn, args, env or {})
+        mp.spawn(_entry, args=spawn_args, nprocs=world_size, join=True)
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]

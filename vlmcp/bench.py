@@ -24,6 +24,7 @@ import torch
 
 from vlmcp.data.batch import IGNORE_INDEX, PackedBatch
 from vlmcp.data.positions import mrope_positions
+from vlmcp.device import compute_device
 from vlmcp.model.load import load_model
 from vlmcp.model.packed import PackedVLM
 from vlmcp.parallel import comm
@@ -96,8 +97,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     model_dir = _model_dir(args)  # before the process group: save_pretrained writes on rank 0 only
     comm.init_distributed()
     sp = SequenceParallel.initialize(args.sp_size or comm.world_size())
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-        else torch.device("cpu")
+    device = compute_device()
     module = PackedVLM(load_model(model_dir, args.dtype).to(device), sp=sp,
                        deltanet_cp=args.deltanet_cp)
     module.train()

@@ -135,16 +135,16 @@ def _report(problems: Sequence[str]) -> int:
     return EXIT_PROBLEMS
 
 
-def _use_cpu_accelerator_if_no_gpu() -> None:
-    """DeepSpeed picks its accelerator on first use; say "cpu" when there is no CUDA device.
+def _settle_device() -> None:
+    """Resolve CPU or CUDA once (`vlmcp.device`, which honours DS_ACCELERATOR=cpu) and tell
+    DeepSpeed before it probes.
 
     On CPU the pure-torch DeltaNet and conv kernels are the intended path (the Triton ones need a
     GPU), so transformers' advice to install the fast kernels is silenced there.
     """
-    import torch
+    from vlmcp.device import settle_accelerator
 
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if not settle_accelerator():
         logging.getLogger("transformers.integrations.hub_kernels").setLevel(logging.ERROR)
 
 
@@ -202,8 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `vlmcp` console script; returns the exit code."""
     args = build_parser().parse_args(argv)
     _setup_logging()
-    _use_cpu_accelerator_if_no_gpu()
     try:
+        _settle_device()
         return COMMANDS[args.command](args)
     except ConfigError as exc:
         # Every rank parses the same job file; one copy of the message is enough.

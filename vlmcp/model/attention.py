@@ -11,8 +11,11 @@ all S tokens of H_local heads in the middle, and S_local tokens of every head co
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.varlen import varlen_attn
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
@@ -21,6 +24,18 @@ from vlmcp.parallel import comm
 from vlmcp.parallel.shard import ShardPlan
 
 ATTENTION_KEY = "vlmcp_ulysses"
+
+#: dtypes the flash varlen kernels take.
+FLASH_DTYPES = (torch.bfloat16, torch.float16)
+#: Largest head dim of the flash varlen kernels.
+FLASH_MAX_HEAD_DIM = 256
+#: `varlen_attn`'s window (left, right) that means causal.
+CAUSAL_WINDOW = (-1, 0)
+
+try:  # optional: preferred over torch's varlen_attn where it is installed (and takes dropout)
+    from flash_attn import flash_attn_varlen_func
+except ImportError:
+    flash_attn_varlen_func = None
 
 
 def register_attention() -> str:
@@ -94,30 +109,64 @@ def varlen_causal_attention(
 ) -> torch.Tensor:
     """Causal attention inside each segment of a packed sequence, never across segments.
 
-    q: [S, Hq, D]; k, v: [S, Hk, D] with Hq a multiple of Hk; cu_seqlens: global segment starts
-    then S. Returns [S, Hq, D]. Uses flash-attn's varlen kernel on CUDA when installed, and sdpa
-    one segment at a time otherwise.
+    q: [S, Hq, D]; k, v: [S, Hk, D] with Hq a multiple of Hk (kv heads are shared, never
+    copied); cu_seqlens: global segment starts then S. Returns [S, Hq, D].
+
+    No kernel stores a segment x segment score matrix. In order of precedence:
+      1. CUDA, bf16/fp16, a head dim the flash kernels take (`flash_kernels_apply`): one varlen
+         call over the whole pack, flash-attn's `flash_attn_varlen_func` when that package is
+         installed, else torch's built-in `varlen_attn` (which has no dropout: with dropout > 0
+         and no flash-attn, 2. runs).
+      2. Everything else (CPU in any dtype, fp32 on CUDA, other head dims): sdpa one segment at
+         a time on 4-D [1, H, L, D] views, which dispatches to a fused kernel (CPU flash; CUDA
+         memory-efficient, flash or cuDNN). 3-D inputs would take the math kernel, which stores
+         L x L. CPU's fused kernel has no dropout, so dropout > 0 on CPU is quadratic (warned).
     """
-    if q.is_cuda and _flash_varlen() is not None:
+    if flash_kernels_apply(q, k, v, dropout):
         cu = torch.tensor(cu_seqlens, dtype=torch.int32, device=q.device)
         max_len = max(b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]))
-        return _flash_varlen()(
-            q, k, v, cu, cu, max_len, max_len, dropout_p=dropout, softmax_scale=scaling, causal=True
+        if flash_attn_varlen_func is not None:
+            return flash_attn_varlen_func(
+                q, k, v, cu, cu, max_len, max_len, dropout_p=dropout, softmax_scale=scaling, causal=True
+            )
+        if dropout == 0.0:
+            return varlen_attn(
+                q, k, v, cu, cu, max_len, max_len,
+                scale=scaling, window_size=CAUSAL_WINDOW, enable_gqa=q.shape[1] != k.shape[1],
+            )
+    if dropout > 0.0 and not q.is_cuda:
+        warnings.warn(
+            "attention dropout > 0 on CPU: torch's fused CPU attention has no dropout, so sdpa "
+            "falls back to its math kernel, which stores an L x L matrix per segment",
+            stacklevel=2,
         )
-    groups = q.shape[1] // k.shape[1]
     pieces = []
     for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]):
-        qs = q[a:b].transpose(0, 1)
-        ks = k[a:b].transpose(0, 1).repeat_interleave(groups, dim=0)
-        vs = v[a:b].transpose(0, 1).repeat_interleave(groups, dim=0)
-        out = F.scaled_dot_product_attention(qs, ks, vs, dropout_p=dropout, is_causal=True, scale=scaling)
-        pieces.append(out.transpose(0, 1))
+        qs, ks, vs = (t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(
+            qs, ks, vs, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
+        )
+        pieces.append(out[0].transpose(0, 1))
     return torch.cat(pieces, dim=0)
 
 
-def _flash_varlen():
-    try:
-        from flash_attn import flash_attn_varlen_func
-    except ImportError:
-        return None
-    return flash_attn_varlen_func
+def flash_kernels_apply(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> bool:
+    """Whether the flash varlen kernels (torch's `varlen_attn`, flash-attn) take these inputs.
+
+    They need CUDA on compute capability 8.0 or newer, bf16 or fp16, one head dim for q, k and v
+    that is a multiple of 8 and at most 256. Like torch's own sdpa dispatch, training with head
+    dims in (192, 224] (or above 224 with dropout) is left to sdpa on sm86/89/12x, whose shared
+    memory is too small for that flash backward.
+    """
+    if not q.is_cuda or q.dtype not in FLASH_DTYPES:
+        return False
+    dim = q.shape[-1]
+    if dim % 8 or dim > FLASH_MAX_HEAD_DIM or k.shape[-1] != dim or v.shape[-1] != dim:
+        return False
+    major, minor = torch.cuda.get_device_capability(q.device)
+    if major < 8:
+        return False
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    small_smem = (major, minor) in ((8, 6), (8, 9)) or major == 12
+    too_big = 192 < dim <= 224 or (dim > 224 and dropout > 0.0)
+    return not (training and small_smem and too_big)

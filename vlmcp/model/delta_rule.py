@@ -1,8 +1,14 @@
 """The gated delta-rule recurrence over packed segments: one entry point, a kernel per device.
 
 Each segment is an independent sequence with its own initial state. On CPU the segments run one
-by one through transformers' pure-torch chunked kernel (the very function the unsharded
-reference runs); on CUDA they run in one flash-linear-attention varlen call (`cu_seqlens`).
+by one through transformers' pure-torch chunked kernel (the function the unsharded reference
+runs on a machine without triton); on CUDA they run in one flash-linear-attention varlen call
+(`cu_seqlens`).
+
+transformers decorates `torch_chunk_gated_delta_rule` so that, wherever fla and triton import
+(every CUDA torch install), the name calls fla's Triton kernel instead, even for CPU tensors.
+`pure_torch_chunk_gated_delta_rule` is the undecorated function, so the CPU branch is pure torch
+on every machine.
 
 Legend: L tokens, H_k key heads, H_v value heads (a multiple of H_k), K key dim, V value dim,
 N segments.
@@ -10,8 +16,12 @@ N segments.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+pure_torch_chunk_gated_delta_rule = inspect.unwrap(torch_chunk_gated_delta_rule)
 
 
 def delta_rule_segments(
@@ -34,7 +44,7 @@ def delta_rule_segments(
     outs, finals, start = [], [], 0
     for length, init in zip(lengths, initial_states):
         sl = slice(start, start + length)
-        out, final = torch_chunk_gated_delta_rule(
+        out, final = pure_torch_chunk_gated_delta_rule(
             q[None, sl],
             k[None, sl],
             v[None, sl],

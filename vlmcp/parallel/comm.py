@@ -21,6 +21,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from vlmcp import device
+
 logger = logging.getLogger(__name__)
 
 ProcessGroup = dist.ProcessGroup
@@ -65,13 +67,39 @@ def _skip_cpu_shm_op() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
+#: Overrides the process-group backend ("nccl" or "gloo"); unset: NCCL on CUDA, gloo on CPU.
+BACKEND_ENV = "VLMCP_DIST_BACKEND"
+
+
+def dist_backend() -> str:
+    """The backend `init_distributed` starts: VLMCP_DIST_BACKEND when set, else "nccl" when vlmcp
+    runs on CUDA (`vlmcp.device.use_cuda`) and "gloo" otherwise.
+
+    gloo also serves CUDA tensors for the collectives vlmcp issues (all_reduce, all_gather,
+    all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single: torch's ProcessGroupGloo
+    stages them through pinned host memory), which lets several ranks share one GPU (NCCL refuses
+    that); gloo's send/recv and coalesced collectives are CPU-only. NCCL without CUDA is a
+    DeviceError.
+    """
+    on_cuda = device.use_cuda()
+    backend = os.environ.get(BACKEND_ENV, "").strip().lower() or ("nccl" if on_cuda else "gloo")
+    if backend not in ("nccl", "gloo"):
+        raise device.DeviceError(f"{BACKEND_ENV}={backend!r}: use 'nccl' or 'gloo'")
+    if backend == "nccl" and not on_cuda:
+        raise device.DeviceError(f"{BACKEND_ENV}=nccl needs CUDA, but vlmcp runs on CPU (no GPU, or DS_ACCELERATOR=cpu)")
+    return backend
+
+
 def init_distributed(timeout_s: float = 600.0) -> None:
     """Start torch.distributed and deepspeed.comm from the launcher's environment.
 
     Works under torchrun, the `deepspeed` launcher and `accelerate launch` (ranks come from the
-    environment they set: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). Uses NCCL on
-    CUDA and gloo on CPU. A single process without launcher variables gets a world of one.
+    environment they set: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT). The backend is
+    `dist_backend()`; on CUDA each rank uses cuda:LOCAL_RANK (to share one GPU under gloo, give
+    every rank LOCAL_RANK=0, as `make gpu-check` does). A single process without launcher
+    variables gets a world of one.
     """
+    on_cuda = device.settle_accelerator()  # before DeepSpeed reads DS_ACCELERATOR
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
@@ -79,11 +107,11 @@ def init_distributed(timeout_s: float = 600.0) -> None:
         os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"})
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "gloo":
-        _skip_cpu_shm_op()
-    if torch.cuda.is_available():
+    backend = dist_backend()
+    if on_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        _skip_cpu_shm_op()
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s))
     logger.debug("rank %d/%d on %s (%s)", rank(), world_size(), get_accelerator().device_name(), backend)
 

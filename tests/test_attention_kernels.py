@@ -1,0 +1,81 @@
+"""The packed causal attention core on CPU: it equals a float64 causal softmax computed per
+segment (forward and backward, GQA, several segments), it runs on sdpa's fused kernel, and no
+tensor of segment x segment size is ever created, forward or backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.parity import rel_err
+from tests.references import causal_attention_f64
+from vlmcp.model.attention import flash_kernels_apply, varlen_causal_attention
+
+CU = (0, 5, 6, 23, 40)  # segments of 5, 1, 17 and 17 tokens
+
+
+def _inputs(kv_heads: int, cu: tuple[int, ...] = CU, heads: int = 4, dim: int = 16):
+    gen = torch.Generator().manual_seed(kv_heads)
+    q = torch.randn(cu[-1], heads, dim, generator=gen)
+    k = torch.randn(cu[-1], kv_heads, dim, generator=gen)
+    v = torch.randn(cu[-1], kv_heads, dim, generator=gen)
+    weight = torch.randn(cu[-1], heads, dim, generator=gen, dtype=torch.float64)
+    return [q, k, v], weight
+
+
+def _out_and_grads(fn, tensors, weight):
+    leaves = [t.clone().requires_grad_(True) for t in tensors]
+    out = fn(*leaves)
+    (out.double() * weight).sum().backward()
+    return out.detach().double(), [t.grad.double() for t in leaves]
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4], ids=["mqa", "gqa", "mha"])
+def test_varlen_attention_equals_float64_causal_softmax_per_segment(kv_heads):
+    tensors, weight = _inputs(kv_heads)
+    scale = 0.3
+    out, grads = _out_and_grads(lambda q, k, v: varlen_causal_attention(q, k, v, CU, scaling=scale), tensors, weight)
+    ref, ref_grads = _out_and_grads(lambda q, k, v: causal_attention_f64(q, k, v, CU, scale), tensors, weight)
+    assert rel_err(out, ref) <= 1e-6
+    for name, got, expected in zip("qkv", grads, ref_grads):
+        assert rel_err(got, expected) <= 1e-6, name
+
+
+def test_varlen_attention_on_cpu_runs_on_the_fused_kernel():
+    """With sdpa restricted to its fused CPU kernel, a math-kernel fallback would raise."""
+    tensors, weight = _inputs(kv_heads=2)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        _out_and_grads(lambda q, k, v: varlen_causal_attention(q, k, v, CU, scaling=None), tensors, weight)
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the element count of the largest tensor any aten op returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_varlen_attention_never_creates_a_segment_by_segment_tensor():
+    length = 1024
+    tensors, weight = _inputs(kv_heads=2, cu=(0, length))
+    leaves = [t.requires_grad_(True) for t in tensors]
+    with _LargestTensor() as mode:
+        out = varlen_causal_attention(*leaves, (0, length), scaling=None)
+        (out * weight.float()).sum().backward()
+    assert mode.largest < length * length, f"largest tensor has {mode.largest} elements (L x L = {length**2})"
+
+
+def test_flash_kernels_are_never_chosen_on_cpu():
+    tensors, _ = _inputs(kv_heads=2)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert not flash_kernels_apply(*(t.to(dtype) for t in tensors), dropout=0.0)

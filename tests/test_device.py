@@ -1,0 +1,73 @@
+"""The device choice honours DS_ACCELERATOR (cpu wins even where a GPU is visible), the process
+group backend follows it, bad values fail with one clear error, the CPU suite hides GPUs, and
+`make gpu-check` on a machine without CUDA stops at once with "no CUDA device"."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from vlmcp import device, gpu_check
+from vlmcp.parallel import comm
+
+
+@pytest.fixture
+def gpu_visible(monkeypatch):
+    """Pretend torch sees a GPU: only the decision is under test, no kernel runs."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+def test_ds_accelerator_cpu_wins_over_a_visible_gpu(monkeypatch, gpu_visible):
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    assert not device.use_cuda()
+    assert device.compute_device() == torch.device("cpu")
+    monkeypatch.delenv("VLMCP_DIST_BACKEND", raising=False)
+    assert comm.dist_backend() == "gloo"
+
+
+def test_unset_accelerator_follows_torch(monkeypatch, gpu_visible):
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    monkeypatch.delenv("VLMCP_DIST_BACKEND", raising=False)
+    assert device.use_cuda()
+    assert comm.dist_backend() == "nccl"
+    monkeypatch.setenv("VLMCP_DIST_BACKEND", "gloo")
+    assert comm.dist_backend() == "gloo"
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"DS_ACCELERATOR": "cuda"}, "DS_ACCELERATOR=cuda, but torch sees no CUDA device"),
+        ({"DS_ACCELERATOR": "xpu"}, "DS_ACCELERATOR='xpu': vlmcp runs on 'cpu' or 'cuda' only"),
+        ({"DS_ACCELERATOR": "cpu", "VLMCP_DIST_BACKEND": "nccl"}, "VLMCP_DIST_BACKEND=nccl needs CUDA"),
+        ({"DS_ACCELERATOR": "cpu", "VLMCP_DIST_BACKEND": "mpi"}, "VLMCP_DIST_BACKEND='mpi'"),
+    ],
+)
+def test_unusable_device_settings_are_one_clear_error(monkeypatch, env, message):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(device.DeviceError) as exc:
+        comm.dist_backend()
+    assert exc.value.problems[0].startswith(message)
+
+
+def test_cpu_suite_hides_gpus():
+    if os.environ.get("VLMCP_TEST_CUDA") == "1":
+        pytest.skip("GPUs are visible on purpose (VLMCP_TEST_CUDA=1)")
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+    assert not device.use_cuda()
+
+
+def test_gpu_check_without_cuda_stops_with_no_cuda_device(monkeypatch, tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # restored afterwards; gpu_check sets "cuda"
+    out = tmp_path / "gpu-check.json"
+    assert gpu_check.main(["--out", str(out)]) == 2
+    report = json.loads(out.read_text())
+    assert not report["passed"] and report["error"].startswith("no CUDA device")
+    assert report["checks"] == {}
+    assert "no CUDA device" in capsys.readouterr().err
