@@ -41,8 +41,8 @@ def _counted(forward, calls: list):
 
 
 def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
-    """For each case {checkpoint, stage, mode, grad_accum, packs: list per DP rank of lists of
-    PackedBatch}: one DeepSpeed step; returns the step loss and every trainable parameter's full
+    """For each case {checkpoint, stage, mode, grad_accum, vision, packs: list per DP rank of lists
+    of PackedBatch}: one DeepSpeed step; returns the step loss and every trainable parameter's full
     gradient (HF names) as DeepSpeed holds them at the accumulation boundary."""
     sp = SequenceParallel.initialize(sp_size)
     results = {}
@@ -56,7 +56,8 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
         dtype = torch.bfloat16 if case.get("bf16") else torch.float32
         model = cls.from_pretrained(case["checkpoint"], dtype=dtype, attn_implementation="sdpa")
         model.model.visual.requires_grad_(case.get("train_vision", False))
-        module = PackedVLM(model, sp=sp, deltanet_cp=case["mode"], gradient_checkpointing=case.get("checkpointing", False))
+        module = PackedVLM(model, sp=sp, deltanet_cp=case["mode"], gradient_checkpointing=case.get("checkpointing", False),
+                           vision_mode=case.get("vision", "split"))
         params = [p for p in module.parameters() if p.requires_grad]
         engine, *_ = deepspeed.initialize(
             model=module, optimizer=torch.optim.SGD(params, lr=0.0), config=config, mpu=sp.mpu
