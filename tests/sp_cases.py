@@ -40,6 +40,16 @@ def _counted(forward, calls: list):
     return run
 
 
+def _record_tower_calls(vision: torch.nn.Module, calls: list) -> None:
+    """Append (image grids, blank) to `calls` on every vision tower call; blank marks the all-zero
+    dummy image."""
+
+    def record(module, args, kwargs):
+        calls.append(([tuple(g) for g in kwargs["grid_thw"].tolist()], not bool(args[0].any())))
+
+    vision.register_forward_pre_hook(record, with_kwargs=True)
+
+
 def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
     """For each case {checkpoint, stage, mode, grad_accum, vision, packs: list per DP rank of lists
     of PackedBatch}: one DeepSpeed step; returns the step loss and every trainable parameter's full
@@ -66,6 +76,8 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
         calls = []
         mlp = module.language_model.layers[0].mlp
         mlp.forward = _counted(mlp.forward, calls)
+        tower_calls = []
+        _record_tower_calls(module.vision, tower_calls)
         micro_batches = case["packs"][sp.dp_rank]
         n_global = global_target_count(sum(module.shard_target_count(b) for b in micro_batches))
         loss_total = torch.zeros(())
@@ -85,6 +97,7 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
             "loss": float(comm.all_reduce_sum(loss_total)) / n_global,
             "grads": grads,
             "layer0_mlp_calls": len(calls),
+            "tower_calls": tower_calls,
         }
         del engine, module, model
         if keep_alive is not None:

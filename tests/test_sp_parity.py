@@ -150,6 +150,25 @@ def test_sp_step_equals_plain_transformers_per_sample(name, tmp_root):
             assert rel_err(grad, expected[pname]) <= TOL, pname
 
 
+@pytest.mark.parametrize("name", list(CASES))
+def test_split_vision_encodes_each_image_once_per_sp_group_replicated_on_every_rank(name, tmp_root):
+    """Split: the ranks of an SP group together encode each image of their packs exactly once.
+    Replicated: every rank encodes every image. A trainable tower runs once per micro-batch on
+    every rank (the blank dummy image where a rank has none); a frozen one at most once."""
+    spec = CASES[name]
+    _, per_rank = _results(spec["world"], spec["sp"], tmp_root)[name]
+    p = spec["sp"]
+    copies = p if spec.get("vision") == "replicated" else 1
+    for dp_rank, rank_packs in enumerate(spec["packs"]):
+        group = per_rank[dp_rank * p : (dp_rank + 1) * p]
+        images = [grid for micro in rank_packs for _, grids in micro for grid in grids]
+        encoded = [grid for r in group for grids, blank in r["tower_calls"] if not blank for grid in grids]
+        assert sorted(encoded) == sorted(images * copies)
+        for result in group:
+            calls = len(result["tower_calls"])
+            assert calls == spec["accum"] if spec.get("train_vision") else calls <= spec["accum"]
+
+
 def test_bf16_sp_step_tracks_the_fp32_reference(tmp_root):
     """bf16 weights and activations under SP: the loss within 1e-3 and the gradients within bf16
     precision (mean rel 3e-2, worst 1e-1) of the fp32 plain-transformers reference."""

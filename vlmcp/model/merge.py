@@ -112,23 +112,32 @@ def shard_first_embeddings(
             dummy = dummy_image_features(vision, device)
         return comm.keep_in_graph(embeds, dummy)
     positions = (batch.input_ids == image_token_id).nonzero().squeeze(1)
-    grids = batch.image_grid_thw
     try:
-        routing = ImageRouting.build(grids, positions, plan.local_len, plan.size, plan.rank,
+        routing = ImageRouting.build(batch.image_grid_thw, positions, plan.local_len, plan.size, plan.rank,
                                      vision.config.spatial_merge_size)
     except ValueError as exc:
         raise ValueError(f"pack of samples {batch.sample_ids}: {exc}") from exc
     with torch.set_grad_enabled(grad):
-        if routing.images:
-            pixels = torch.cat([batch.pixel_values[a:b] for a, b in routing.patch_ranges])
-            feats = image_features(vision, pixels.to(device), grids[list(routing.images)].to(device))
-        elif vision_trainable:
-            feats = dummy_image_features(vision, device)[:0]
-        else:
-            feats = embeds.new_zeros((0, embeds.shape[1]))
-    rows = comm.all_to_all_rows_autograd(
-        feats.to(embeds.dtype), list(routing.send_counts), list(routing.recv_counts), plan.group
-    )
+        feats = _encode_share(vision, batch, routing, vision_trainable, embeds)
+    rows = comm.all_to_all_rows_autograd(feats, list(routing.send_counts), list(routing.recv_counts), plan.group)
     rows = rows.index_select(0, routing.recv_order.to(device))
     mask = F.pad(local_ids == image_token_id, (0, plan.local_len - n_local))
     return embeds.masked_scatter(mask.unsqueeze(-1), rows)
+
+
+def _encode_share(
+    vision: nn.Module, batch: PackedBatch, routing: ImageRouting, vision_trainable: bool, embeds: torch.Tensor
+) -> torch.Tensor:
+    """Features of the images this rank encodes, in pack order: [N_send, hidden] in the dtype and
+    on the device of `embeds`. A rank with no image gets [0, hidden]: for a trainable tower the
+    empty slice of the dummy image's features (which keeps the dummy in the graph), else zeros."""
+    device = embeds.device
+    if routing.images:
+        pixels = torch.cat([batch.pixel_values[a:b] for a, b in routing.patch_ranges])
+        grids = batch.image_grid_thw[list(routing.images)]
+        feats = image_features(vision, pixels.to(device), grids.to(device))
+    elif vision_trainable:
+        feats = dummy_image_features(vision, device)[:0]
+    else:
+        feats = embeds.new_zeros((0, embeds.shape[1]))
+    return feats.to(embeds.dtype)
