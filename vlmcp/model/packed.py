@@ -3,11 +3,11 @@
 Data flow for one micro-batch, on every rank of an SP group of size P (all ranks get the same
 PackedBatch):
 
-    pad to a multiple of P; this rank's shard of the input embeddings   [S_local, hidden]
-        "split" (default): embed the shard's tokens, encode a balanced share of the images,
-                 all-to-all feature rows to the ranks holding their placeholders  (model.merge)
-        "replicated": embed + vision tower on the whole pack [S, hidden], then keep the shard
-    decoder layers on the shard                     [1, S_local, hidden]
+    pad to a multiple of P, this rank's input embeddings   [S_local, hidden]  (model.merge)
+        "split" (default): embed the shard's tokens, encode a patch-balanced share of the
+            images, all-to-all feature rows to the ranks holding their placeholders
+        "replicated": embeddings + vision tower on the whole pack [S, hidden], keep the shard
+    decoder layers on the shard                           [1, S_local, hidden]
         full attention: Ulysses all-to-all, causal per sample   (model.attention)
         Gated DeltaNet: conv halo + state chain, or heads mode   (model.deltanet)
     final norm, lm_head + CE on this shard's targets             (model.loss)
