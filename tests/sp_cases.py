@@ -40,9 +40,19 @@ def _counted(forward, calls: list):
     return run
 
 
+def _record_tower_calls(vision: torch.nn.Module, calls: list) -> None:
+    """Append (image grids, blank) to `calls` on every vision tower call; blank marks the all-zero
+    dummy image."""
+
+    def record(module, args, kwargs):
+        calls.append(([tuple(g) for g in kwargs["grid_thw"].tolist()], not bool(args[0].any())))
+
+    vision.register_forward_pre_hook(record, with_kwargs=True)
+
+
 def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
-    """For each case {checkpoint, stage, mode, grad_accum, packs: list per DP rank of lists of
-    PackedBatch}: one DeepSpeed step; returns the step loss and every trainable parameter's full
+    """For each case {checkpoint, stage, mode, grad_accum, vision, packs: list per DP rank of lists
+    of PackedBatch}: one DeepSpeed step; returns the step loss and every trainable parameter's full
     gradient (HF names) as DeepSpeed holds them at the accumulation boundary."""
     sp = SequenceParallel.initialize(sp_size)
     results = {}
@@ -56,7 +66,8 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
         dtype = torch.bfloat16 if case.get("bf16") else torch.float32
         model = cls.from_pretrained(case["checkpoint"], dtype=dtype, attn_implementation="sdpa")
         model.model.visual.requires_grad_(case.get("train_vision", False))
-        module = PackedVLM(model, sp=sp, deltanet_cp=case["mode"], gradient_checkpointing=case.get("checkpointing", False))
+        module = PackedVLM(model, sp=sp, deltanet_cp=case["mode"], gradient_checkpointing=case.get("checkpointing", False),
+                           vision_mode=case.get("vision", "split"))
         params = [p for p in module.parameters() if p.requires_grad]
         engine, *_ = deepspeed.initialize(
             model=module, optimizer=torch.optim.SGD(params, lr=0.0), config=config, mpu=sp.mpu
@@ -65,6 +76,8 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
         calls = []
         mlp = module.language_model.layers[0].mlp
         mlp.forward = _counted(mlp.forward, calls)
+        tower_calls = []
+        _record_tower_calls(module.vision, tower_calls)
         micro_batches = case["packs"][sp.dp_rank]
         n_global = global_target_count(sum(module.shard_target_count(b) for b in micro_batches))
         loss_total = torch.zeros(())
@@ -84,6 +97,7 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
             "loss": float(comm.all_reduce_sum(loss_total)) / n_global,
             "grads": grads,
             "layer0_mlp_calls": len(calls),
+            "tower_calls": tower_calls,
         }
         del engine, module, model
         if keep_alive is not None:

@@ -31,6 +31,7 @@ def test_minimal_job_gets_documented_defaults():
     job = job_from_dict(MINIMAL)
     assert job.model.dtype == "float32" and job.model.freeze_vision is True
     assert job.parallel.sp_size == 1 and job.parallel.deltanet_cp == "state"
+    assert job.parallel.vision == "split"
     assert job.optimizer.type == "adamw" and job.optimizer.betas == [0.9, 0.95]
     assert job.data.truncate is False and job.data.shuffle is False
     assert job.train.grad_accum == 1 and job.train.resume is False
@@ -61,6 +62,7 @@ def test_every_problem_is_reported_on_its_own_line():
     ("optimizer", "betas", [0.9], "expected 2 values"),
     ("optimizer", "type", "lion", "not one of"),
     ("parallel", "deltanet_cp", "ring", "not one of"),
+    ("parallel", "vision", "sharded", "not one of"),
     ("parallel", "sp_size", 0, "must be >= 1"),
 ])
 def test_bad_value_error_names_the_key(section, key, value, expected):

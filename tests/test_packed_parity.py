@@ -1,6 +1,6 @@
 """On one rank, a packed forward+backward equals plain transformers forwarding each sample alone:
 loss and every gradient in fp32 to rel <= 1e-5, for dense and MoE models, with text-only,
-one-image and multi-image samples in one pack. Also: wrapping a model leaves transformers'
+one-image and multi-image samples in one pack, with either vision mode. Also: wrapping a model leaves transformers'
 global attention registry as it was and keeps the vision tower on sdpa."""
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from vlmcp.model.packed import PackedVLM
 TOL = 1e-5
 
 
+@pytest.mark.parametrize("vision_mode", ["split", "replicated"])
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-def test_packed_step_equals_plain_transformers_per_sample(moe):
+def test_packed_step_equals_plain_transformers_per_sample(moe, vision_mode):
     model = build_model(moe=moe)
     gen = torch.Generator().manual_seed(7)
     samples = [
@@ -31,7 +32,7 @@ def test_packed_step_equals_plain_transformers_per_sample(moe):
     ref_loss, ref_grads = reference_loss_and_grads(model, samples)
     trained = copy.deepcopy(model)
     trained.model.visual.requires_grad_(False)
-    module = PackedVLM(trained)
+    module = PackedVLM(trained, vision_mode=vision_mode)
     batch = pack(samples, model)
     loss_sum, count = module(batch)
     assert count == batch.num_targets
@@ -49,6 +50,11 @@ def test_wrapping_replaces_no_global_attention_entry_and_keeps_vision_on_sdpa():
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
     assert model.config.text_config._attn_implementation == ATTENTION_KEY
     assert model.config.vision_config._attn_implementation == "sdpa"
+
+
+def test_unknown_vision_mode_is_an_error_naming_the_key():
+    with pytest.raises(ValueError, match="parallel.vision must be one of"):
+        PackedVLM(build_model(), vision_mode="sharded")
 
 
 def test_wrapped_model_still_generates_like_plain_transformers():

@@ -1,6 +1,7 @@
 """SP = P equals plain transformers: for P = 2, 3 and 4, the loss and every gradient after one
 DeepSpeed step equal those of a plain transformers model that forwards each sample alone
-(fp32, rel <= 1e-5). Real engine, real gloo processes, real checkpoints on disk.
+(fp32, rel <= 1e-5), with the vision work split over the SP group (frozen and trainable tower)
+or replicated. Real engine, real gloo processes, real checkpoints on disk.
 
 Each world size runs all its cases in one set of processes."""
 
@@ -17,54 +18,76 @@ from tests.sp_cases import engine_step
 
 TOL = 1e-5
 
-# name -> world, sp size, model overrides, zero stage, DeltaNet mode, grad accumulation, pack layout
-# A pack layout is, per DP rank, per micro-batch, a list of samples (length, image grids).
+# name -> world, sp size, model overrides, zero stage, DeltaNet mode, grad accumulation, pack layout,
+# and optionally vision ("split", the default, or "replicated"), train_vision, checkpointing, bf16.
+# A pack layout is, per DP rank, per micro-batch, a list of samples (length, image grids); a sample's
+# first image placeholder is at offset 4, its images follow one another (start, placeholders, end).
+# Under split vision, images go largest first to the least-loaded rank; the comments say where
+# image rows travel (shard length in brackets).
 CASES = {
+    # [24] one 16-row image on placeholders 15..30, encoded by rank 0, straddles the edge
     "p2_image_placeholders_cross_shard_edge_zero0": dict(
         world=2, sp=2, model={}, stage=0, mode="state", accum=1,
-        packs=[[[(37, [(1, 8, 8)]), (11, [])]]],
+        packs=[[[(11, []), (37, [(1, 8, 8)])]]],
     ),
     "p2_text_only_pack_zero2_heads_mode": dict(
         world=2, sp=2, model={"linear_num_key_heads": 2, "linear_num_value_heads": 4}, stage=2, mode="heads", accum=1,
         packs=[[[(13, []), (9, []), (20, [])]]],
     ),
-    "p2_gradient_checkpointing_zero1": dict(
-        world=2, sp=2, model={}, stage=1, mode="state", accum=1, checkpointing=True,
+    "p2_replicated_vision_gradient_checkpointing_zero1": dict(
+        world=2, sp=2, model={}, stage=1, mode="state", accum=1, checkpointing=True, vision="replicated",
         packs=[[[(19, [(1, 4, 4)]), (26, [])]]],
     ),
     "p2_moe_multi_image_zero1": dict(
         world=2, sp=2, model={"moe": True}, stage=1, mode="state", accum=1,
         packs=[[[(25, [(1, 4, 4), (1, 2, 4)]), (15, [(1, 2, 2)])]]],
     ),
-    "p2_trainable_vision_tower_zero2": dict(
+    # [26] the 32-patch image (larger than the other) is rank 0's, its placeholders 25..32 straddle
+    # the edge; rank 1 encodes the 16-patch image, whose rows go to rank 0
+    "p2_trainable_split_vision_larger_image_straddles_zero2": dict(
         world=2, sp=2, model={}, stage=2, mode="state", accum=1, train_vision=True,
         packs=[[[(21, [(1, 4, 4)]), (30, [(1, 4, 8)])]]],
+    ),
+    "p2_replicated_trainable_vision_zero3": dict(
+        world=2, sp=2, model={}, stage=3, mode="state", accum=1, train_vision=True, vision="replicated",
+        packs=[[[(21, [(1, 4, 4)]), (9, [])]]],
     ),
     "p2_bf16_zero2": dict(
         world=2, sp=2, model={}, stage=2, mode="state", accum=1, bf16=True,
         packs=[[[(37, [(1, 8, 8)]), (11, [])]]],
     ),
-    "p3_sample_spans_three_ranks_zero3": dict(
+    # [15] rank 0 encodes the image (placeholders 8..23 over ranks 0 and 1); ranks 1 and 2 run the
+    # dummy image so that ZeRO-3 gathers the tower on every rank
+    "p3_sample_spans_three_ranks_trainable_split_vision_zero3": dict(
         world=3, sp=3, model={"num_attention_heads": 6, "num_key_value_heads": 3}, stage=3, mode="state", accum=1,
+        train_vision=True,
         packs=[[[(4, []), (40, [(1, 8, 8)])]]],
     ),
-    "p3_kv_heads_below_p_heads_mode_zero2": dict(
+    # [14] 16-patch image (larger than the two others together) on 13..16 -> ranks 0, 1; rank 1's
+    # image -> rank 2; rank 2's image -> rank 2
+    "p3_split_vision_one_large_image_kv_heads_below_p_heads_mode_zero2": dict(
         world=3, sp=3,
         model={"num_attention_heads": 6, "num_key_value_heads": 1, "linear_num_key_heads": 3, "linear_num_value_heads": 6},
         stage=2, mode="heads", accum=1,
-        packs=[[[(19, [(1, 4, 4)]), (14, [])]]],
+        packs=[[[(9, []), (19, [(1, 4, 4)]), (14, [(1, 2, 2), (1, 2, 2)])]]],
     ),
-    "p4_one_sample_pack_kv_heads_below_p_zero3": dict(
-        world=4, sp=4, model={"num_key_value_heads": 2}, stage=3, mode="state", accum=1,
-        packs=[[[(45, [(1, 4, 8)])]]],
+    # [11] rank 0 encodes the 64-patch image (placeholders 10..25 over ranks 0, 1, 2), rank 1 the
+    # 16-patch one (4..7, rank 0); ranks 2 and 3 run the dummy image
+    "p4_one_sample_pack_kv_heads_below_p_trainable_split_vision_zero3": dict(
+        world=4, sp=4, model={"num_key_value_heads": 2}, stage=3, mode="state", accum=1, train_vision=True,
+        packs=[[[(44, [(1, 4, 4), (1, 8, 8)])]]],
     ),
-    "p4_moe_heads_mode_zero2": dict(
+    # [11] 64-patch image on 4..19 (ranks 0, 1) from rank 0; two 4-patch images on 30 (rank 2)
+    # and 33 (rank 3) from ranks 1 and 2; rank 3 encodes nothing and skips the frozen tower
+    "p4_moe_heads_mode_split_vision_zero2": dict(
         world=4, sp=4, model={"moe": True, "num_key_value_heads": 1, "linear_num_key_heads": 4, "linear_num_value_heads": 4},
         stage=2, mode="heads", accum=1,
-        packs=[[[(21, [(1, 4, 4)]), (3, []), (17, [])]]],
+        packs=[[[(23, [(1, 8, 8)]), (3, []), (17, [(1, 2, 2), (1, 2, 2)])]]],
     ),
-    "p2_dp2_grad_accum2_zero2": dict(
-        world=4, sp=2, model={}, stage=2, mode="state", accum=2,
+    # four ranks sum the trainable tower's gradients; text-only and one-image micro-batches make
+    # ranks run the dummy image
+    "p2_dp2_grad_accum2_trainable_split_vision_zero2": dict(
+        world=4, sp=2, model={}, stage=2, mode="state", accum=2, train_vision=True,
         packs=[
             [[(17, [(1, 4, 4)]), (6, [])], [(30, [])]],
             [[(9, []), (22, [(1, 2, 2)])], [(12, [(1, 4, 2)]), (5, [])]],
@@ -99,7 +122,7 @@ def _results(world: int, sp: int, tmp_root) -> dict:
         references[name] = reference_loss_and_grads(model, flat)
         cases[name] = dict(checkpoint=str(checkpoint), stage=spec["stage"], mode=spec["mode"], grad_accum=spec["accum"], packs=packs,
                            train_vision=spec.get("train_vision", False), bf16=spec.get("bf16", False),
-                           checkpointing=spec.get("checkpointing", False))
+                           checkpointing=spec.get("checkpointing", False), vision=spec.get("vision", "split"))
     per_rank = run_ranks(engine_step, world, sp, cases)
     return {name: (references[name], [r[name] for r in per_rank]) for name in cases}
 
@@ -125,6 +148,25 @@ def test_sp_step_equals_plain_transformers_per_sample(name, tmp_root):
         assert trained.keys() == expected.keys()
         for pname, grad in trained.items():
             assert rel_err(grad, expected[pname]) <= TOL, pname
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_split_vision_encodes_each_image_once_per_sp_group_replicated_on_every_rank(name, tmp_root):
+    """Split: the ranks of an SP group together encode each image of their packs exactly once.
+    Replicated: every rank encodes every image. A trainable tower runs once per micro-batch on
+    every rank (the blank dummy image where a rank has none); a frozen one at most once."""
+    spec = CASES[name]
+    _, per_rank = _results(spec["world"], spec["sp"], tmp_root)[name]
+    p = spec["sp"]
+    copies = p if spec.get("vision") == "replicated" else 1
+    for dp_rank, rank_packs in enumerate(spec["packs"]):
+        group = per_rank[dp_rank * p : (dp_rank + 1) * p]
+        images = [grid for micro in rank_packs for _, grids in micro for grid in grids]
+        encoded = [grid for r in group for grids, blank in r["tower_calls"] if not blank for grid in grids]
+        assert sorted(encoded) == sorted(images * copies)
+        for result in group:
+            calls = len(result["tower_calls"])
+            assert calls == spec["accum"] if spec.get("train_vision") else calls <= spec["accum"]
 
 
 def test_bf16_sp_step_tracks_the_fp32_reference(tmp_root):

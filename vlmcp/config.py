@@ -74,6 +74,11 @@ class ParallelSection:
     deltanet_cp: str = field(default="state", metadata=_key(
         "how Gated DeltaNet layers run under SP: pass the recurrent state between ranks, or "
         "all-to-all to head groups", choices=["state", "heads"]))
+    vision: str = field(default="split", metadata=_key(
+        "where image features are computed under SP: split (each rank embeds only its shard and "
+        "encodes a patch-balanced share of the images, features are routed to the ranks holding "
+        "their placeholders) or replicated (every rank embeds the whole pack and encodes every "
+        "image)", choices=["split", "replicated"]))
 
 
 @dataclass

@@ -3,9 +3,11 @@
 Data flow for one micro-batch, on every rank of an SP group of size P (all ranks get the same
 PackedBatch):
 
-    embeddings + vision tower on the whole pack     [S, hidden]        (model.merge; replicated)
-    pad to a multiple of P, keep this rank's shard  [S_local, hidden]  (parallel.shard)
-    decoder layers on the shard                     [1, S_local, hidden]
+    pad to a multiple of P, this rank's input embeddings   [S_local, hidden]  (model.merge)
+        "split" (default): embed the shard's tokens, encode a patch-balanced share of the
+            images, all-to-all feature rows to the ranks holding their placeholders
+        "replicated": embeddings + vision tower on the whole pack [S, hidden], keep the shard
+    decoder layers on the shard                           [1, S_local, hidden]
         full attention: Ulysses all-to-all, causal per sample   (model.attention)
         Gated DeltaNet: conv halo + state chain, or heads mode   (model.deltanet)
     final norm, lm_head + CE on this shard's targets             (model.loss)
@@ -24,7 +26,7 @@ from vlmcp.data.batch import IGNORE_INDEX, PackedBatch
 from vlmcp.model.attention import ATTENTION_KEY, register_attention
 from vlmcp.model.deltanet import install_deltanet_hooks
 from vlmcp.model.loss import shard_loss_sum
-from vlmcp.model.merge import merge_embeddings
+from vlmcp.model.merge import VISION_MODES, merge_embeddings, shard_first_embeddings
 from vlmcp.parallel.groups import SequenceParallel
 from vlmcp.parallel.shard import ShardPlan
 from vlmcp.model.vision import replicated_copy
@@ -40,6 +42,12 @@ class PackedVLM(nn.Module):
     replicated on every rank, never enters the optimizer and never gets ZeRO-3 partitioned (when
     it was loaded partitioned, it is gathered once, here).
 
+    `vision_mode` is `parallel.vision`: "split" (default) spreads the image encoding over the SP
+    group and never builds the whole pack's embeddings; "replicated" runs embeddings and the
+    vision tower on the whole pack on every rank (see model.merge). The vision tower is the module
+    `self.vision`; under "split" each rank calls it at most once per micro-batch (module hooks on
+    it time one rank's share).
+
     The wrapped model keeps working with plain transformers calls (`generate`, `save_pretrained`):
     the text attention key and the DeltaNet hooks fall back to the stock computation whenever no
     shard plan is passed.
@@ -51,8 +59,12 @@ class PackedVLM(nn.Module):
         sp: SequenceParallel | None = None,
         deltanet_cp: str = "state",
         gradient_checkpointing: bool = False,
+        vision_mode: str = "split",
     ) -> None:
         super().__init__()
+        if vision_mode not in VISION_MODES:
+            raise ValueError(f"parallel.vision must be one of {list(VISION_MODES)}, got {vision_mode!r}")
+        self.vision_mode = vision_mode
         object.__setattr__(self, "hf_model", hf_model)
         self.sp = sp or SequenceParallel.single()
         config = hf_model.config
@@ -107,15 +119,21 @@ class PackedVLM(nn.Module):
         step's mean.
         """
         plan = self.plan(batch)
-        embeds = merge_embeddings(
-            self.language_model.embed_tokens, self.vision, batch, self.image_token_id, self.vision_trainable
-        )
-        device = embeds.device
-        hidden = plan.shard(embeds, dim=0).unsqueeze(0)
+        hidden = self.shard_embeddings(batch, plan).unsqueeze(0)
+        device = hidden.device
         positions = plan.shard(batch.position_ids.to(device), dim=1).unsqueeze(1)
         targets = plan.shard(batch.targets.to(device), dim=0, pad_value=IGNORE_INDEX)
         hidden = self.decode(hidden, positions, plan)
         return shard_loss_sum(hidden[0], targets, self.lm_head)
+
+    def shard_embeddings(self, batch: PackedBatch, plan: ShardPlan) -> torch.Tensor:
+        """This rank's input embeddings, image features merged: [S_local, hidden]."""
+        embed_tokens = self.language_model.embed_tokens
+        if self.vision_mode == "split":
+            return shard_first_embeddings(embed_tokens, self.vision, batch, plan, self.image_token_id,
+                                          self.vision_trainable)
+        embeds = merge_embeddings(embed_tokens, self.vision, batch, self.image_token_id, self.vision_trainable)
+        return plan.shard(embeds, dim=0)
 
     def decode(self, hidden: torch.Tensor, positions: torch.Tensor, plan: ShardPlan) -> torch.Tensor:
         """Decoder stack on one shard: [1, S_local, hidden] -> final-norm [1, S_local, hidden].

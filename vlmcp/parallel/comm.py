@@ -6,6 +6,7 @@ Dimension legend used in docstrings:
     S_local  S / P, the contiguous shard one SP rank holds
     H        heads; H_local = H / P
     D        head dim
+    N_send   rows this rank sends in a variable-size all-to-all; N_recv the rows it receives
 
 Functions whose name ends in `_autograd` are differentiable: their backward runs the matching
 collective, so gradients flow across ranks. With `group is None` or a group of one rank every
@@ -183,6 +184,54 @@ def keep_in_graph(out: torch.Tensor, *gathered: torch.Tensor) -> torch.Tensor:
     for t in gathered:
         out = out + 0.0 * t.sum().to(out.dtype)
     return out
+
+
+def _all_to_all_rows(rows: torch.Tensor, send_counts: list[int], recv_counts: list[int],
+                     group: ProcessGroup) -> torch.Tensor:
+    out = rows.new_empty((sum(recv_counts), *rows.shape[1:]))
+    dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=recv_counts,
+                           input_split_sizes=send_counts, group=group)
+    return out
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """Forward: variable-size all-to-all of rows. Backward: the same exchange in reverse."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int],
+                group: ProcessGroup) -> torch.Tensor:
+        ctx.send_counts, ctx.recv_counts, ctx.group = send_counts, recv_counts, group
+        return _all_to_all_rows(rows, send_counts, recv_counts, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _all_to_all_rows(grad, ctx.recv_counts, ctx.send_counts, ctx.group), None, None, None
+
+
+def all_to_all_rows_autograd(
+    rows: torch.Tensor, send_counts: list[int], recv_counts: list[int], group: ProcessGroup | None
+) -> torch.Tensor:
+    """Variable-size all-to-all of rows: [N_send, F] -> [N_recv, F].
+
+    `rows` holds send_counts[0] rows for SP rank 0, then send_counts[1] for rank 1, and so on
+    (N_send = sum(send_counts)); the result holds recv_counts[0] rows from rank 0, then
+    recv_counts[1] from rank 1, ... (N_recv = sum(recv_counts)). recv_counts[s] on this rank must
+    equal send_counts[this rank] on rank s; counts may be 0, and a rank may send or receive
+    nothing. Backward sends each row's gradient back to the rank the row came from.
+
+    Every rank of the group must call it, and when the exchange is differentiable on one rank
+    (`rows` requires grad) it must be on all, so that every rank runs the backward exchange.
+    """
+    p = group_size(group)
+    if len(send_counts) != p or len(recv_counts) != p:
+        raise ValueError(f"all-to-all needs one send and one receive count per rank ({p}), got "
+                         f"{len(send_counts)} and {len(recv_counts)}")
+    if rows.shape[0] != sum(send_counts):
+        raise ValueError(f"all-to-all sends {sum(send_counts)} rows (counts {list(send_counts)}) "
+                         f"but got a tensor of {rows.shape[0]}")
+    if p == 1:
+        return rows
+    return _AllToAllRows.apply(rows, list(send_counts), list(recv_counts), group)
 
 
 def seq_to_heads_autograd(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
