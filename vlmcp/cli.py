@@ -1,8 +1,9 @@
 """Command line: `vlmcp {train,validate,export,bench,demo}` (also `python -m vlmcp ...`).
 
 Heavy imports (torch, transformers, deepspeed) happen inside the commands, so `--help` is quick.
-Exit codes: 0 success, 1 a problem with the job or data (one line per problem on stderr),
-2 bad command-line usage.
+Exit codes: 0 success, 1 a problem with the job or data (one line per problem on stderr; also a
+non-finite step, an unwritable checkpoint), 2 bad command-line usage, 124 a rank the watchdog
+ended (a step past train.collective_timeout_s), 128+N stopped on signal N after a checkpoint.
 """
 
 from __future__ import annotations
@@ -150,9 +151,19 @@ def _use_cpu_accelerator_if_no_gpu() -> None:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     job = load_job(args.job, args.overrides)
+    from vlmcp.parallel import comm
     from vlmcp.training.loop import train
+    from vlmcp.training.signals import StopRequested
 
-    train(job)
+    try:
+        train(job)
+    except StopRequested as exc:
+        logging.getLogger("vlmcp").warning("%s (exit %d)", exc, exc.exit_code)
+        return exc.exit_code
+    finally:
+        # Tear the process group down before the interpreter exits: gloo threads still alive at
+        # exit end the process with SIGABRT ("terminate called without an active exception").
+        comm.shutdown()
     return 0
 
 
