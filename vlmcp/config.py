@@ -127,8 +127,8 @@ class TrainSection:
         "with nonfinite 'skip': abort after this many non-finite steps in a row", min=1))
     collective_timeout_s: float = field(default=600.0, metadata=_key(
         "a rank whose training step, checkpoint or export does not finish within this many "
-        "seconds (a hung collective, a frozen peer) logs where it waits and exits; also the "
-        "timeout of the default process group", min=1.0))
+        "seconds (a hung collective, a frozen peer) logs where it waits and exits; the default "
+        "process group times out 60 s later", min=1.0))
 
 
 @dataclass

@@ -77,10 +77,15 @@ def save_hf(hf_model: PreTrainedModel, state_dict: dict[str, torch.Tensor],
     """save_pretrained(`state_dict`) + the processor files of `source_dir` into `out_dir`.
 
     Written to a temporary directory beside `out_dir` and renamed into place when complete, so
-    `out_dir` is never half-written; on failure the temporary directory is removed and
+    `out_dir` is never half-written; an earlier model in `out_dir` is replaced, any other
+    non-empty directory is refused. On failure the temporary directory is removed and
     CheckpointError says why ("no space left on ..." for a full disk).
     """
-    out_dir = Path(out_dir)
+    out_dir = Path(out_dir).absolute()
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "config.json").is_file():
+        raise CheckpointError([f"exporting the model: {out_dir} exists and is not a model "
+                               "directory (no config.json); it would be replaced, so choose a "
+                               "new or empty directory"])
     tmp = out_dir.with_name(f".tmp-{out_dir.name}")
     try:
         remove_quietly(tmp)

@@ -102,7 +102,9 @@ def _build_engine(job: JobConfig, preflight: Preflight, sp: SequenceParallel) ->
 
 def start_run(job: JobConfig) -> Run:
     """Start the process group, check the job on every rank, build the engine and the data."""
-    comm.init_distributed(job.train.collective_timeout_s)
+    # The default group's own timeout is a backstop 60 s behind the watchdog, which fires first
+    # and names the step and the collective (training/watchdog.py).
+    comm.init_distributed(job.train.collective_timeout_s + 60)
     preflight = run_preflight(job, comm.world_size())
     agree_on_problems(preflight.problems)
     seed_everything(job.train.seed)
