@@ -34,7 +34,8 @@ from typing import Any
 
 from vlmcp.config import JobConfig, JobError
 from vlmcp.parallel import comm
-from vlmcp.training.atomic import dir_size, remove_quietly, replace_dir, write_error, write_text_atomic
+from vlmcp.training.atomic import (dir_size, remove_quietly, replace_dir, write_error,
+                                   write_text_atomic)
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ def _agree(failed: bool, own_problem: str | None, what: str) -> None:
     if own_problem:
         raise CheckpointError([own_problem])
     raise CheckpointError([] if comm.rank() != 0 else
-                          [f"{what} failed on rank(s) {failing} (their error is above)"])
+                          [f"{what} failed on rank(s) {failing} (see their error line)"])
 
 
 def _prepare(tmp: Path) -> None:
@@ -126,7 +127,8 @@ def _prepare(tmp: Path) -> None:
 
 def _publish(tmp: Path, directory: Path, tag: str, step: int, keep: int) -> None:
     """Rank 0: manifest last, rename into place, replace `latest`, prune old checkpoints."""
-    files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+    files = {str(p.relative_to(tmp)): p.stat().st_size
+             for p in sorted(tmp.rglob("*")) if p.is_file()}
     write_text_atomic(tmp / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
     replace_dir(tmp, directory / tag)
     write_text_atomic(directory / "latest", tag)

@@ -246,7 +246,8 @@ def _abort_nonfinite(run: Run, step: int, row: dict[str, Any], problem: str, sav
     logger.error("rank %d: %s; its packs on this rank hold samples %s", comm.rank(), problem, ids)
     if row.get("skipped_step"):
         saver.save(step)
-        kept = f"a checkpoint of the last finite state (step {step}) is in {checkpoint_dir(run.job)}"
+        kept = (f"a checkpoint of the last finite state (step {step}) is in "
+                f"{checkpoint_dir(run.job)}")
     else:
         kept = "the weights took that step, so no new checkpoint was written"
     raise NonFiniteError([f"{problem}; stopped (train.nonfinite={run.job.train.nonfinite!r}, "

@@ -4,7 +4,8 @@ Training rows: {"step", "loss", "lr", "grad_norm", "tokens", "targets", "tokens_
 "step_time_s", "epoch"}. Evaluation rows: {"step", "eval_loss", "eval_targets"} plus
 "eval_accuracy" and "eval_samples" when generation eval is on. `step` counts completed optimizer
 steps. Rows are strict JSON: a NaN or infinite value is written as null and its key listed in
-"nonfinite"; a training row whose optimizer step was not applied carries "skipped_step": true. TensorBoard event files go to OUTPUT_DIR/tensorboard when `tensorboard` is importable.
+"nonfinite"; a training row whose optimizer step was not applied carries "skipped_step": true.
+TensorBoard event files go to OUTPUT_DIR/tensorboard when `tensorboard` is importable.
 Only rank 0 writes.
 """
 
@@ -72,7 +73,8 @@ class MetricsWriter:
         if self._tb is not None:
             step = int(row["step"])
             for key, value in row.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                if key != "step" and isinstance(value, (int, float)) \
+                        and not isinstance(value, bool):
                     self._tb.add_scalar(key, value, step)
             self._tb.flush()
 

@@ -64,7 +64,8 @@ def where_it_waits(frame: FrameType | None) -> str:
     if collective is None:
         return f"no collective in flight{called_from}"
     name, group = collective
-    return f"waiting in collective torch.distributed.{name} on {_describe_group(group)}{called_from}"
+    return (f"waiting in collective torch.distributed.{name} on {_describe_group(group)}"
+            f"{called_from}")
 
 
 class Watchdog:
