@@ -256,44 +256,41 @@ def _abort_nonfinite(run: Run, step: int, row: dict[str, Any], problem: str, sav
 
 
 def _train_loop(run: Run, stop: StopSignals, watchdog: Watchdog) -> None:
-    job, train_cfg = run.job, run.job.train
+    train_cfg = run.job.train
     progress = _progress(run)
     saver = _Saver(run, watchdog)
     guard = NonFiniteGuard(train_cfg.nonfinite, train_cfg.max_skipped_steps)
     run.engine.train()
-    try:
-        for step in range(run.start_step, train_cfg.max_steps):
-            with watchdog.watch(f"step {step + 1}"):
-                row = train_step(run, step)
-            done = step + 1
-            problem = guard.check(row)
-            if problem or done % train_cfg.log_every == 0 or done == train_cfg.max_steps:
-                run.metrics.write(row)
-            if problem and guard.must_abort():
-                _abort_nonfinite(run, step, row, problem, saver)
-            if problem:
-                logger.warning("%s; skipped (%d in a row, train.max_skipped_steps=%d)", problem,
-                               guard.in_a_row, train_cfg.max_skipped_steps)
-            if progress is not None:
-                progress.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
-                progress.update(1)
-            if train_cfg.eval_every and (done % train_cfg.eval_every == 0
-                                         or done == train_cfg.max_steps):
-                with watchdog.watch(f"evaluation after step {done}"):
-                    eval_row = evaluate(run, done)
-                run.metrics.write(eval_row)
-                logger.info("step %d: %s", done, ", ".join(
-                    f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
-                    for k, v in eval_row.items() if k != "step"))
-            if train_cfg.save_every and done % train_cfg.save_every == 0:
-                saver.save(done)
-            signum = stop.agreed()
-            if signum:
-                saver.save(done)
-                logger.warning("stopped on a signal after step %d; resume with train.resume=true",
-                               done)
-                raise StopRequested(signum, done)
-    finally:
+    for step in range(run.start_step, train_cfg.max_steps):
+        with watchdog.watch(f"step {step + 1}"):
+            row = train_step(run, step)
+        done = step + 1
+        problem = guard.check(row)
+        if problem or done % train_cfg.log_every == 0 or done == train_cfg.max_steps:
+            run.metrics.write(row)
+        if problem and guard.must_abort():
+            _abort_nonfinite(run, step, row, problem, saver)
+        if problem:
+            logger.warning("%s; skipped (%d in a row, train.max_skipped_steps=%d)", problem,
+                           guard.in_a_row, train_cfg.max_skipped_steps)
         if progress is not None:
-            progress.close()
-        run.metrics.close()
+            progress.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
+            progress.update(1)
+        if train_cfg.eval_every and (done % train_cfg.eval_every == 0 or done == train_cfg.max_steps):
+            with watchdog.watch(f"evaluation after step {done}"):
+                eval_row = evaluate(run, done)
+            run.metrics.write(eval_row)
+            logger.info("step %d: %s", done, ", ".join(
+                f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
+                for k, v in eval_row.items() if k != "step"))
+        if train_cfg.save_every and done % train_cfg.save_every == 0:
+            saver.save(done)
+        signum = stop.agreed()
+        if signum:
+            saver.save(done)
+            logger.warning("stopped on a signal after step %d; resume with train.resume=true",
+                           done)
+            raise StopRequested(signum, done)
+    if progress is not None:
+        progress.close()
+    run.metrics.close()
