@@ -232,3 +232,27 @@ def test_validate_rejects_a_non_finite_lr_and_an_unwritable_output_dir(
     assert main(["validate", str(job), "--world-size", "2"]) == 1
     err = capsys.readouterr().err
     assert f"config key 'output_dir': cannot write to {blocker / 'out'}" in err
+
+
+_SIGNAL_SCRIPT = """
+import logging, os, signal, time
+from vlmcp.training.signals import StopSignals
+logging.basicConfig()
+with StopSignals() as stop:
+    os.kill(os.getpid(), signal.SIGUSR1)
+    time.sleep(0.1)
+    assert stop.signum == signal.SIGUSR1
+    os.kill(os.getpid(), signal.SIGTERM)  # within 1 s of the first: counts once
+    time.sleep(1.2)
+    print("still running", flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(10)
+"""
+
+
+def test_a_second_signal_stops_at_once_with_128_plus_its_number():
+    result = subprocess.run([sys.executable, "-c", _SIGNAL_SCRIPT], env=_env(), cwd=REPO,
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.stdout == "still running\n", result.stderr
+    assert result.returncode == 128 + signal.SIGTERM, result.stderr
+    assert "received SIGTERM again: stopping at once" in result.stderr
