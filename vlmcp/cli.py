@@ -155,15 +155,21 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from vlmcp.training.loop import train
     from vlmcp.training.signals import StopRequested
 
+    # The process group is torn down before the interpreter exits: gloo work objects still alive
+    # during interpreter finalization end the process with SIGABRT ("terminate called without an
+    # active exception"). Only where every rank stops together (success, a stop signal, and the
+    # JobErrors, which ranks agree on): a rank that fails alone may have pending work, on which
+    # destroy_process_group would wait.
     try:
         train(job)
     except StopRequested as exc:
+        comm.shutdown()
         logging.getLogger("vlmcp").warning("%s (exit %d)", exc, exc.exit_code)
         return exc.exit_code
-    finally:
-        # Tear the process group down before the interpreter exits: gloo threads still alive at
-        # exit end the process with SIGABRT ("terminate called without an active exception").
+    except JobError:
         comm.shutdown()
+        raise
+    comm.shutdown()
     return 0
 
 
