@@ -222,6 +222,25 @@ def test_a_full_disk_is_named_and_the_previous_checkpoint_stays_intact(
         subprocess.run(["umount", str(small)], check=False)
 
 
+def test_an_export_to_a_full_disk_leaves_no_half_written_model_and_names_the_disk(
+        reference, tiny_checkpoint, digits_jsonl, tmp_path, capsys):
+    small = tmp_path / "small"
+    small.mkdir()
+    # The exported tiny model takes about 1 MB.
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(small)],
+                             capture_output=True, check=False)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.decode().strip()}")
+    try:
+        job = write_job(tmp_path / "job.json", _job(tiny_checkpoint, digits_jsonl, reference))
+        assert main(["export", str(job), "--out", str(small / "model")]) == 1
+        assert f"no space left on {small}" in capsys.readouterr().err
+        assert list(small.iterdir()) == []
+        assert newest_complete(reference / "checkpoints") == ("step8", [])
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+
+
 def test_validate_rejects_a_non_finite_lr_and_an_unwritable_output_dir(
         tiny_checkpoint, digits_jsonl, tmp_path, capsys):
     blocker = tmp_path / "a_file"

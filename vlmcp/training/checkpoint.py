@@ -189,7 +189,7 @@ def load_latest(engine: Any, job: JobConfig) -> int:
     """Restore the newest complete checkpoint into `engine`; returns the completed step."""
     directory = checkpoint_dir(job)
     tag, skipped = newest_complete(directory)
-    for reason in skipped:
+    for reason in skipped if comm.rank() == 0 else []:
         logger.warning("train.resume: skipping an incomplete checkpoint: %s", reason)
     if tag is None:
         raise CheckpointError([f"train.resume: {directory} holds no complete checkpoint"] + skipped)

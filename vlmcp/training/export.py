@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
@@ -92,7 +93,7 @@ def save_hf(hf_model: PreTrainedModel, state_dict: dict[str, torch.Tensor],
         tmp.mkdir(parents=True)
         _write_hf(hf_model, state_dict, source_dir, tmp)
         replace_dir(tmp, out_dir)
-    except (OSError, RuntimeError) as exc:
+    except (OSError, RuntimeError, SafetensorError) as exc:
         needed = sum(v.numel() * v.element_size() for v in state_dict.values())
         message = write_error(exc, tmp, needed)
         remove_quietly(tmp)

@@ -24,6 +24,7 @@ from vlmcp.data.dataset import iter_samples
 from vlmcp.data.formats import DataError, Sample
 from vlmcp.data.processor import ProcessorError, VLProcessor, load_processor
 from vlmcp.model.load import ModelLoadError, load_config, text_hidden_size
+from vlmcp.parallel import comm
 from vlmcp.parallel.constraints import check_sp_constraints
 from vlmcp.parallel.zero3_sp import largest_tensor_numel, sp_exact_zero_settings
 from vlmcp.training.checkpoint import checkpoint_dir, checkpoint_tags, latest_tag, newest_complete
@@ -116,7 +117,7 @@ def _check_resume(job: JobConfig, report: Preflight) -> None:
             report.problems.append(f"config key 'train.resume' is true but {directory} holds no "
                                    "complete checkpoint")
             report.problems.extend(f"  {reason}" for reason in skipped)
-        for reason in skipped if tag is not None else []:
+        for reason in skipped if tag is not None and comm.rank() == 0 else []:
             logger.warning("train.resume: will resume from %s, skipping an incomplete "
                            "checkpoint: %s", directory / tag, reason)
         return
