@@ -116,7 +116,8 @@ def _check_resume(job: JobConfig, report: Preflight) -> None:
         if tag is None:
             report.problems.append(f"config key 'train.resume' is true but {directory} holds no "
                                    "complete checkpoint")
-            report.problems.extend(f"  {reason}" for reason in skipped)
+            report.problems.extend(f"config key 'train.resume': incomplete checkpoint: {reason}"
+                                   for reason in skipped)
         for reason in skipped if tag is not None and comm.rank() == 0 else []:
             logger.warning("train.resume: will resume from %s, skipping an incomplete "
                            "checkpoint: %s", directory / tag, reason)
