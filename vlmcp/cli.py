@@ -1,8 +1,9 @@
 """Command line: `vlmcp {train,validate,export,bench,demo}` (also `python -m vlmcp ...`).
 
 Heavy imports (torch, transformers, deepspeed) happen inside the commands, so `--help` is quick.
-Exit codes: 0 success, 1 a problem with the job or data (one line per problem on stderr),
-2 bad command-line usage.
+Exit codes: 0 success, 1 a problem with the job or data (one line per problem on stderr; also a
+non-finite step, an unwritable checkpoint), 2 bad command-line usage, 124 a rank the watchdog
+ended (a step past train.collective_timeout_s), 128+N stopped on signal N after a checkpoint.
 """
 
 from __future__ import annotations
@@ -150,9 +151,25 @@ def _settle_device() -> None:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     job = load_job(args.job, args.overrides)
+    from vlmcp.parallel import comm
     from vlmcp.training.loop import train
+    from vlmcp.training.signals import StopRequested
 
-    train(job)
+    # The process group is torn down before the interpreter exits: gloo work objects still alive
+    # during interpreter finalization end the process with SIGABRT ("terminate called without an
+    # active exception"). Only where every rank stops together (success, a stop signal, and the
+    # JobErrors, which ranks agree on): a rank that fails alone may have pending work, on which
+    # destroy_process_group would wait.
+    try:
+        train(job)
+    except StopRequested as exc:
+        comm.shutdown()
+        logging.getLogger("vlmcp").warning("%s (exit %d)", exc, exc.exit_code)
+        return exc.exit_code
+    except JobError:
+        comm.shutdown()
+        raise
+    comm.shutdown()
     return 0
 
 

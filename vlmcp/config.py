@@ -16,6 +16,7 @@ DeepSpeed config after it is loaded, whether it is a path or an inline dict.
 from __future__ import annotations
 
 import json
+import math
 import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
@@ -121,6 +122,18 @@ class TrainSection:
     gradient_checkpointing: bool = field(default=False, metadata=_key(
         "recompute each decoder layer in backward (its SP collectives too) instead of keeping "
         "its activations"))
+    keep_checkpoints: int = field(default=0, metadata=_key(
+        "keep only the newest N complete checkpoints in output_dir/checkpoints; 0 keeps all",
+        min=0))
+    nonfinite: str = field(default="abort", metadata=_key(
+        "a step whose loss or gradient norm is not finite: abort the run (keeping a checkpoint "
+        "of the last finite state), or skip the step", choices=["abort", "skip"]))
+    max_skipped_steps: int = field(default=10, metadata=_key(
+        "with nonfinite 'skip': abort after this many non-finite steps in a row", min=1))
+    collective_timeout_s: float = field(default=600.0, metadata=_key(
+        "a rank whose training step, checkpoint or export does not finish within this many "
+        "seconds (a hung collective, a frozen peer) logs where it waits and exits; the default "
+        "process group times out 60 s later", min=1.0))
 
 
 @dataclass
@@ -250,6 +263,11 @@ def _check_range(value: Any, meta: dict[str, Any], key: str) -> str | None:
         return f"config key '{key}': {json.dumps(value)} is not one of {shown}"
     if value is None or isinstance(value, (bool, str, dict)):
         return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"config key '{key}': must be a finite number, got {value}"
+    if isinstance(value, list) and any(isinstance(v, float) and not math.isfinite(v)
+                                       for v in value):
+        return f"config key '{key}': every value must be a finite number, got {value}"
     if "length" in meta and len(value) != meta["length"]:
         return f"config key '{key}': expected {meta['length']} values, got {len(value)}"
     if "min" in meta and value < meta["min"]:

@@ -117,6 +117,12 @@ def init_distributed(timeout_s: float = 600.0) -> None:
     logger.debug("rank %d/%d on %s (%s)", rank(), world_size(), get_accelerator().device_name(), backend)
 
 
+def shutdown() -> None:
+    """Destroy the process group (if any); every rank calls it once before exiting."""
+    if is_initialized():
+        dist.destroy_process_group()
+
+
 def barrier(group: ProcessGroup | None = None) -> None:
     if is_initialized():
         dist.barrier(group=group)
@@ -142,6 +148,18 @@ def all_reduce_sum(tensor: torch.Tensor, group: ProcessGroup | None = None) -> t
 def all_reduce_max(tensor: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """In-place max over `group` (the whole world when None). No autograd."""
     return _all_reduce(tensor, dist.ReduceOp.MAX, group)
+
+
+def rank_flags(flag: bool) -> list[bool]:
+    """Every rank's `flag`, indexed by global rank (one small all-reduce; call on every rank).
+
+    How ranks agree on an outcome (a failed write, a stop request) so that all of them take the
+    same branch and none is left waiting in a collective the others skipped.
+    """
+    flags = torch.zeros(world_size(), dtype=torch.float64)
+    flags[rank()] = float(flag)
+    all_reduce_sum(flags)
+    return [bool(f) for f in flags.tolist()]
 
 
 class _AllGatherStack(torch.autograd.Function):

@@ -1,4 +1,23 @@
-"""DeepSpeed checkpoints of a run: OUTPUT_DIR/checkpoints/step<N>/, plus DeepSpeed's `latest`.
+"""DeepSpeed checkpoints of a run, written atomically, with a manifest that proves completeness.
+
+    OUTPUT_DIR/checkpoints/
+        step4/               a complete checkpoint: DeepSpeed's files + manifest.json (last)
+        step6/
+        latest               "step6", the newest complete tag (DeepSpeed's own format)
+        .tmp-step8/          a save in progress, or one a crash interrupted: never read
+
+Saving (`save_checkpoint`, every rank):
+ 1. rank 0 clears and creates `.tmp-step<N>`; all ranks agree it worked;
+ 2. every rank writes its DeepSpeed files there (model states, its optimizer partition);
+    all ranks agree that every rank finished (this is the barrier);
+ 3. rank 0 writes manifest.json ({"step", "files": {relative path: bytes}}) last, renames the
+    directory to `step<N>`, replaces `latest` (temporary file + os.replace), and removes
+    checkpoints beyond `train.keep_checkpoints`; all ranks agree.
+A failure on any rank leaves the previous checkpoints untouched, removes the temporary directory
+and raises CheckpointError on every rank (a full disk says "no space left on ...").
+
+A checkpoint is complete when manifest.json exists and every file it lists exists with its size.
+Resume loads the newest complete one and logs each newer incomplete one it skips.
 
 The client state records the completed step (the data position: the step schedule is a pure
 function of it) and how the training module's keys map to Hugging Face names (for
@@ -7,13 +26,26 @@ function of it) and how the training module's keys map to Hugging Face names (fo
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
-from vlmcp.config import JobConfig
+from vlmcp.config import JobConfig, JobError
+from vlmcp.parallel import comm
+from vlmcp.training.atomic import (dir_size, remove_quietly, replace_dir, write_error,
+                                   write_text_atomic)
 
 logger = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+_TAG = re.compile(r"^step(\d+)$")
+
+
+class CheckpointError(JobError):
+    """A checkpoint could not be written or found; one line per problem (empty on ranks that
+    only learned that another rank failed, so each problem is printed once)."""
 
 
 def checkpoint_dir(job: JobConfig) -> Path:
@@ -22,27 +54,148 @@ def checkpoint_dir(job: JobConfig) -> Path:
 
 
 def latest_tag(directory: str | Path) -> str | None:
-    """The tag DeepSpeed's `latest` file names, or None when there is no checkpoint."""
+    """The tag the `latest` file names, or None when there is none."""
     latest = Path(directory) / "latest"
     return latest.read_text().strip() if latest.is_file() else None
+
+
+def checkpoint_tags(directory: str | Path) -> list[tuple[int, str]]:
+    """(step, tag) of every `step<N>` directory, newest first (complete or not)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p.name) for p in directory.iterdir()
+             if p.is_dir() and (m := _TAG.match(p.name))]
+    return sorted(found, reverse=True)
+
+
+def incomplete_reason(tag_dir: Path) -> str | None:
+    """Why `tag_dir` is not a complete checkpoint, or None when it is."""
+    manifest = tag_dir / MANIFEST
+    if not manifest.is_file():
+        return f"{tag_dir} has no {MANIFEST} (its save did not finish)"
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (OSError, ValueError, KeyError) as exc:
+        return f"{manifest} is unreadable ({exc})"
+    for name, size in files.items():
+        path = tag_dir / name
+        if not path.is_file():
+            return f"{path} is missing"
+        if path.stat().st_size != size:
+            return f"{path} has {path.stat().st_size} bytes, the manifest says {size}"
+    return None
+
+
+def newest_complete(directory: str | Path) -> tuple[str | None, list[str]]:
+    """(the newest complete tag or None, why each newer checkpoint was skipped)."""
+    skipped = []
+    for _, tag in checkpoint_tags(directory):
+        reason = incomplete_reason(Path(directory) / tag)
+        if reason is None:
+            return tag, skipped
+        skipped.append(reason)
+    return None, skipped
+
+
+def _manifest_bytes(tag_dir: Path) -> int:
+    return sum(json.loads((tag_dir / MANIFEST).read_text())["files"].values())
+
+
+def _agree(failed: bool, own_problem: str | None, what: str) -> None:
+    """Raise CheckpointError on every rank when any rank failed `what`."""
+    failing = [r for r, flag in enumerate(comm.rank_flags(failed)) if flag]
+    if not failing:
+        return
+    if own_problem:
+        raise CheckpointError([own_problem])
+    raise CheckpointError([] if comm.rank() != 0 else
+                          [f"{what} failed on rank(s) {failing} (see their error line)"])
+
+
+def _prepare(tmp: Path) -> None:
+    """Rank 0: an empty temporary directory (a stale one from an interrupted save is removed)."""
+    problem = None
+    if comm.rank() == 0:
+        try:
+            remove_quietly(tmp)
+            tmp.mkdir(parents=True)
+        except OSError as exc:
+            problem = write_error(exc, tmp)
+    _agree(problem is not None, problem, f"creating {tmp}")
+
+
+def _publish(tmp: Path, directory: Path, tag: str, step: int, keep: int) -> None:
+    """Rank 0: manifest last, rename into place, replace `latest`, prune old checkpoints."""
+    files = {str(p.relative_to(tmp)): p.stat().st_size
+             for p in sorted(tmp.rglob("*")) if p.is_file()}
+    write_text_atomic(tmp / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
+    replace_dir(tmp, directory / tag)
+    write_text_atomic(directory / "latest", tag)
+    if keep:
+        _prune(directory, keep)
+
+
+def _prune(directory: Path, keep: int) -> None:
+    """Remove checkpoints older than the newest `keep` complete ones."""
+    complete = [step for step, tag in checkpoint_tags(directory)
+                if incomplete_reason(directory / tag) is None]
+    if len(complete) <= keep:
+        return
+    oldest_kept = complete[keep - 1]
+    for step, tag in checkpoint_tags(directory):
+        if step < oldest_kept:
+            remove_quietly(directory / tag)
+            logger.info("removed checkpoint %s (train.keep_checkpoints=%d)", directory / tag, keep)
 
 
 def save_checkpoint(engine: Any, job: JobConfig, step: int, hf_key_prefixes: dict[str, str]) -> Path:
     """Save the engine after `step` completed optimizer steps (call on every rank)."""
     directory = checkpoint_dir(job)
     tag = f"step{step}"
-    engine.save_checkpoint(str(directory), tag=tag,
-                           client_state={"step": step, "hf_key_prefixes": hf_key_prefixes})
-    logger.info("saved DeepSpeed checkpoint %s", directory / tag)
+    tmp_tag = f".tmp-{tag}"
+    tmp = directory / tmp_tag
+    previous, _ = newest_complete(directory)
+    needed = _manifest_bytes(directory / previous) if previous else None
+    _prepare(tmp)
+    problem = None
+    try:
+        engine.save_checkpoint(str(directory), tag=tmp_tag, save_latest=False,
+                               client_state={"step": step, "hf_key_prefixes": hf_key_prefixes})
+    except (OSError, RuntimeError) as exc:
+        problem = f"saving checkpoint {directory / tag}: {write_error(exc, tmp, needed)}"
+        # The others wait in the barrier that closes DeepSpeed's save; join it before agreeing.
+        comm.barrier()
+    try:
+        _agree(problem is not None, problem, f"saving checkpoint {directory / tag}")
+    except CheckpointError:
+        if comm.rank() == 0:
+            remove_quietly(tmp)
+        raise
+    problem = None
+    if comm.rank() == 0:
+        try:
+            _publish(tmp, directory, tag, step, job.train.keep_checkpoints)
+        except OSError as exc:
+            problem = f"saving checkpoint {directory / tag}: {write_error(exc, tmp, needed)}"
+            remove_quietly(tmp)
+    _agree(problem is not None, problem, f"publishing checkpoint {directory / tag}")
+    if comm.rank() == 0:
+        logger.info("saved checkpoint %s (%d bytes)", directory / tag, dir_size(directory / tag))
     return directory / tag
 
 
 def load_latest(engine: Any, job: JobConfig) -> int:
-    """Restore the latest checkpoint into `engine`; returns the completed step to continue from."""
+    """Restore the newest complete checkpoint into `engine`; returns the completed step."""
     directory = checkpoint_dir(job)
-    path, client_state = engine.load_checkpoint(str(directory))
+    tag, skipped = newest_complete(directory)
+    for reason in skipped if comm.rank() == 0 else []:
+        logger.warning("train.resume: skipping an incomplete checkpoint: %s", reason)
+    if tag is None:
+        raise CheckpointError([f"train.resume: {directory} holds no complete checkpoint"] + skipped)
+    path, client_state = engine.load_checkpoint(str(directory), tag=tag)
     if path is None:
-        raise FileNotFoundError(f"train.resume: no checkpoint could be loaded from {directory}")
+        raise CheckpointError([f"train.resume: DeepSpeed could not load {directory / tag}"])
     step = int(client_state["step"])
     logger.info("resumed from %s at step %d", path, step)
     return step

@@ -17,13 +17,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from vlmcp.config import JobConfig
 from vlmcp.model.load import load_model
 from vlmcp.parallel import comm
-from vlmcp.training.checkpoint import checkpoint_dir, latest_tag
+from vlmcp.training.atomic import remove_quietly, replace_dir, write_error
+from vlmcp.training.checkpoint import CheckpointError, checkpoint_dir, newest_complete
 
 logger = logging.getLogger(__name__)
 
@@ -73,9 +75,34 @@ def _restore_use_cache(config: PretrainedConfig,
 
 def save_hf(hf_model: PreTrainedModel, state_dict: dict[str, torch.Tensor],
             source_dir: str | Path, out_dir: str | Path) -> Path:
-    """save_pretrained(`state_dict`) + the processor files of `source_dir` into `out_dir`."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    """save_pretrained(`state_dict`) + the processor files of `source_dir` into `out_dir`.
+
+    Written to a temporary directory beside `out_dir` and renamed into place when complete, so
+    `out_dir` is never half-written; an earlier model in `out_dir` is replaced, any other
+    non-empty directory is refused. On failure the temporary directory is removed and
+    CheckpointError says why ("no space left on ..." for a full disk).
+    """
+    out_dir = Path(out_dir).absolute()
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "config.json").is_file():
+        raise CheckpointError([f"exporting the model: {out_dir} exists and is not a model "
+                               "directory (no config.json); it would be replaced, so choose a "
+                               "new or empty directory"])
+    tmp = out_dir.with_name(f".tmp-{out_dir.name}")
+    try:
+        remove_quietly(tmp)
+        tmp.mkdir(parents=True)
+        _write_hf(hf_model, state_dict, source_dir, tmp)
+        replace_dir(tmp, out_dir)
+    except (OSError, RuntimeError, SafetensorError) as exc:
+        needed = sum(v.numel() * v.element_size() for v in state_dict.values())
+        message = write_error(exc, tmp, needed)
+        remove_quietly(tmp)
+        raise CheckpointError([f"exporting the model to {out_dir}: {message}"]) from exc
+    return out_dir
+
+
+def _write_hf(hf_model: PreTrainedModel, state_dict: dict[str, torch.Tensor],
+              source_dir: str | Path, out_dir: Path) -> None:
     state_dict = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
     changed = _restore_use_cache(hf_model.config, source_dir)
     try:
@@ -87,7 +114,6 @@ def save_hf(hf_model: PreTrainedModel, state_dict: dict[str, torch.Tensor],
         for cfg, value in changed:
             cfg.use_cache = value
     copy_processor_files(source_dir, out_dir)
-    return out_dir
 
 
 def engine_hf_state_dict(engine, module: nn.Module, hf_model: nn.Module) -> dict[str, torch.Tensor] | None:
@@ -108,12 +134,21 @@ def engine_hf_state_dict(engine, module: nn.Module, hf_model: nn.Module) -> dict
 
 def save_final(engine, module: nn.Module, hf_model: PreTrainedModel, source_dir: str | Path,
                out_dir: str | Path) -> Path:
-    """Write the trained model to `out_dir` in HF format (rank 0 writes; call on every rank)."""
+    """Write the trained model to `out_dir` in HF format (rank 0 writes; call on every rank).
+
+    Every rank raises CheckpointError when rank 0 could not write it (nothing half-written
+    stays, and the run's checkpoints are untouched).
+    """
     state = engine_hf_state_dict(engine, module, hf_model)
+    problem = None
     if state is not None:
-        save_hf(hf_model, state, source_dir, out_dir)
-        logger.info("saved the trained model (Hugging Face format) to %s", out_dir)
-    comm.barrier()
+        try:
+            save_hf(hf_model, state, source_dir, out_dir)
+            logger.info("saved the trained model (Hugging Face format) to %s", out_dir)
+        except CheckpointError as exc:
+            problem = exc
+    if comm.rank_flags(problem is not None)[0]:
+        raise problem or CheckpointError([])
     return Path(out_dir)
 
 
@@ -142,15 +177,18 @@ def read_checkpoint_state(checkpoint_dir: str | Path, tag: str) -> tuple[dict[st
 
 def export_checkpoint(job: JobConfig, tag: str | None = None,
                       out_dir: str | Path | None = None) -> Path:
-    """Convert a DeepSpeed checkpoint of `job` (default: the latest) to a HF model directory.
+    """Convert a DeepSpeed checkpoint of `job` (default: the newest complete) to a HF model dir.
 
     Parameters the checkpoint does not hold (a frozen vision tower) come from `model.path`.
     Writes to `out_dir`, default OUTPUT_DIR/export-<tag>.
     """
     directory = checkpoint_dir(job)
-    tag = tag or latest_tag(directory)
     if tag is None:
-        raise FileNotFoundError(f"no checkpoint in {directory} ('latest' file missing)")
+        tag, skipped = newest_complete(directory)
+        for reason in skipped:
+            logger.warning("skipping an incomplete checkpoint: %s", reason)
+        if tag is None:
+            raise FileNotFoundError(f"no complete checkpoint in {directory}")
     state, client = read_checkpoint_state(directory, tag)
     if "hf_key_prefixes" not in client:
         raise ValueError(f"{directory / tag} was not written by vlmcp (no hf_key_prefixes)")

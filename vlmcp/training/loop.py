@@ -11,6 +11,7 @@ accumulation boundary.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -31,9 +32,12 @@ from vlmcp.training.ds_config import zero_stage
 from vlmcp.training.evaluate import eval_loss, generation_accuracy
 from vlmcp.training.export import hf_key_prefixes, save_final
 from vlmcp.training.metrics import MetricsWriter
+from vlmcp.training.nonfinite import NonFiniteError, NonFiniteGuard
 from vlmcp.training.optim import build_optimizer, build_scheduler
 from vlmcp.training.preflight import Preflight, PreflightError, run_preflight
 from vlmcp.training.schedule import StepSchedule
+from vlmcp.training.signals import StopRequested, StopSignals
+from vlmcp.training.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +103,9 @@ def _build_engine(job: JobConfig, preflight: Preflight, sp: SequenceParallel) ->
 
 def start_run(job: JobConfig) -> Run:
     """Start the process group, check the job on every rank, build the engine and the data."""
-    comm.init_distributed()
+    # The default group's own timeout is a backstop 60 s behind the watchdog, which fires first
+    # and names the step and the collective (training/watchdog.py).
+    comm.init_distributed(job.train.collective_timeout_s + 60)
     preflight = run_preflight(job, comm.world_size())
     agree_on_problems(preflight.problems)
     seed_everything(job.train.seed)
@@ -137,23 +143,28 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     batches = run.schedule.batches(step)
     lr = engine.get_lr()[0]
     n_global = global_target_count(sum(run.module.shard_target_count(b) for b in batches))
-    sums = torch.zeros(2, dtype=torch.float64)  # [shard CE sum, pack tokens (once per SP group)]
+    # [shard CE sum, pack tokens (once per SP group), 1 where the optimizer step was not applied]
+    sums = torch.zeros(3, dtype=torch.float64)
     grad_norm = None
+    skipped_before = engine.skipped_steps
     for index, batch in enumerate(batches):
         loss_sum, _ = engine(batch)
         engine.backward(scale_for_deepspeed(loss_sum, n_global, dp_size=sp.dp_size,
                                             grad_accum=grad_accum))
         if index == len(batches) - 1 and _plain_fp32_engine(engine):
             grad_norm = _grad_norm(engine.module)
+            # DeepSpeed checks for NaN/Inf gradients itself everywhere else (training/nonfinite.py).
+            engine.optimizer.overflow = not math.isfinite(grad_norm)
         engine.step()
         sums[0] += float(loss_sum.detach())
         if sp.rank == 0:
             sums[1] += batch.num_tokens
+    sums[2] = float(engine.skipped_steps > skipped_before)
     comm.all_reduce_sum(sums)
     elapsed = time.perf_counter() - started
     if grad_norm is None:
         grad_norm = engine.get_global_grad_norm()
-    return {
+    row: dict[str, Any] = {
         "step": step + 1,
         "loss": float(sums[0]) / max(n_global, 1),
         "lr": lr,
@@ -164,6 +175,9 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         "step_time_s": elapsed,
         "epoch": run.schedule.locate(step)[0],
     }
+    if sums[2]:
+        row["skipped_step"] = True
+    return row
 
 
 def evaluate(run: Run, step: int) -> dict[str, Any]:
@@ -192,39 +206,92 @@ def _progress(run: Run) -> Any:
 
 
 def train(job: JobConfig) -> None:
-    """Train `job` to `train.max_steps`, checkpointing, evaluating and exporting on the way."""
+    """Train `job` to `train.max_steps`, checkpointing, evaluating and exporting on the way.
+
+    Raises StopRequested after a stop signal (a checkpoint is saved first), NonFiniteError on a
+    non-finite step (`train.nonfinite`), CheckpointError when a checkpoint or the export cannot
+    be written. Each watched phase must end within `train.collective_timeout_s`.
+    """
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     run = start_run(job)
-    with logging_redirect_tqdm():
-        _train_loop(run)
-    save_final(run.engine, run.module, run.module.hf_model, job.resolve_input(job.model.path),
-               f"{job.output_dir}/final")
+    timeout = job.train.collective_timeout_s
+    with StopSignals() as stop, Watchdog(timeout, rank=comm.rank()) as watchdog, \
+            logging_redirect_tqdm():
+        _train_loop(run, stop, watchdog)
+        with watchdog.watch("the final export"):
+            save_final(run.engine, run.module, run.module.hf_model,
+                       job.resolve_input(job.model.path), f"{job.output_dir}/final")
     logger.info("done: %d steps; metrics in %s/metrics.jsonl, checkpoints in %s",
                 job.train.max_steps, job.output_dir, checkpoint_dir(job))
 
 
-def _train_loop(run: Run) -> None:
-    job, train_cfg = run.job, run.job.train
+class _Saver:
+    """Saves checkpoints of the run, at most once per completed step."""
+
+    def __init__(self, run: Run, watchdog: Watchdog):
+        self.run, self.watchdog = run, watchdog
+        self.prefixes = hf_key_prefixes(run.module, run.module.hf_model)
+        self.saved_step = run.start_step if run.job.train.resume else -1
+
+    def save(self, step: int) -> None:
+        if step != self.saved_step:
+            with self.watchdog.watch(f"saving the checkpoint of step {step}"):
+                save_checkpoint(self.run.engine, self.run.job, step, self.prefixes)
+            self.saved_step = step
+
+
+def _abort_nonfinite(run: Run, step: int, row: dict[str, Any], problem: str, saver: _Saver) -> None:
+    """Log the step's packs, keep a checkpoint of the last finite state, raise NonFiniteError."""
+    ids = [sid for batch in run.schedule.batches(step) for sid in batch.sample_ids]
+    logger.error("rank %d: %s; its packs on this rank hold samples %s", comm.rank(), problem, ids)
+    if row.get("skipped_step"):
+        saver.save(step)
+        kept = (f"a checkpoint of the last finite state (step {step}) is in "
+                f"{checkpoint_dir(run.job)}")
+    else:
+        kept = "the weights took that step, so no new checkpoint was written"
+    raise NonFiniteError([f"{problem}; stopped (train.nonfinite={run.job.train.nonfinite!r}, "
+                          f"max_skipped_steps={run.job.train.max_skipped_steps}); {kept}"]
+                         if comm.rank() == 0 else [])
+
+
+def _train_loop(run: Run, stop: StopSignals, watchdog: Watchdog) -> None:
+    train_cfg = run.job.train
     progress = _progress(run)
-    prefixes = hf_key_prefixes(run.module, run.module.hf_model)
+    saver = _Saver(run, watchdog)
+    guard = NonFiniteGuard(train_cfg.nonfinite, train_cfg.max_skipped_steps)
     run.engine.train()
     for step in range(run.start_step, train_cfg.max_steps):
-        row = train_step(run, step)
+        with watchdog.watch(f"step {step + 1}"):
+            row = train_step(run, step)
         done = step + 1
-        if done % train_cfg.log_every == 0 or done == train_cfg.max_steps:
+        problem = guard.check(row)
+        if problem or done % train_cfg.log_every == 0 or done == train_cfg.max_steps:
             run.metrics.write(row)
+        if problem and guard.must_abort():
+            _abort_nonfinite(run, step, row, problem, saver)
+        if problem:
+            logger.warning("%s; skipped (%d in a row, train.max_skipped_steps=%d)", problem,
+                           guard.in_a_row, train_cfg.max_skipped_steps)
         if progress is not None:
             progress.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
             progress.update(1)
         if train_cfg.eval_every and (done % train_cfg.eval_every == 0 or done == train_cfg.max_steps):
-            eval_row = evaluate(run, done)
+            with watchdog.watch(f"evaluation after step {done}"):
+                eval_row = evaluate(run, done)
             run.metrics.write(eval_row)
             logger.info("step %d: %s", done, ", ".join(
                 f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
                 for k, v in eval_row.items() if k != "step"))
         if train_cfg.save_every and done % train_cfg.save_every == 0:
-            save_checkpoint(run.engine, job, done, prefixes)
+            saver.save(done)
+        signum = stop.agreed()
+        if signum:
+            saver.save(done)
+            logger.warning("stopped on a signal after step %d; resume with train.resume=true",
+                           done)
+            raise StopRequested(signum, done)
     if progress is not None:
         progress.close()
     run.metrics.close()

@@ -3,7 +3,9 @@
 Training rows: {"step", "loss", "lr", "grad_norm", "tokens", "targets", "tokens_per_s",
 "step_time_s", "epoch"}. Evaluation rows: {"step", "eval_loss", "eval_targets"} plus
 "eval_accuracy" and "eval_samples" when generation eval is on. `step` counts completed optimizer
-steps. TensorBoard event files go to OUTPUT_DIR/tensorboard when `tensorboard` is importable.
+steps. Rows are strict JSON: a NaN or infinite value is written as null and its key listed in
+"nonfinite"; a training row whose optimizer step was not applied carries "skipped_step": true.
+TensorBoard event files go to OUTPUT_DIR/tensorboard when `tensorboard` is importable.
 Only rank 0 writes.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,14 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """All rows of a metrics.jsonl file."""
     with Path(path).open() as handle:
         return [json.loads(line) for line in handle if line.strip()]
+
+
+def strict_row(row: dict[str, Any]) -> dict[str, Any]:
+    """`row` with NaN/Inf values replaced by None and their keys listed under "nonfinite"."""
+    bad = [k for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)]
+    if not bad:
+        return row
+    return {**{k: (None if k in bad else v) for k, v in row.items()}, "nonfinite": bad}
 
 
 def _tensorboard_writer(log_dir: Path) -> Any:
@@ -56,12 +67,14 @@ class MetricsWriter:
         """Append one row; numeric fields also go to TensorBoard under their key."""
         if not self.enabled:
             return
+        row = strict_row(row)
         with self.path.open("a") as handle:
-            handle.write(json.dumps(row) + "\n")
+            handle.write(json.dumps(row, allow_nan=False) + "\n")
         if self._tb is not None:
             step = int(row["step"])
             for key, value in row.items():
-                if key != "step" and isinstance(value, (int, float)):
+                if key != "step" and isinstance(value, (int, float)) \
+                        and not isinstance(value, bool):
                     self._tb.add_scalar(key, value, step)
             self._tb.flush()
 

@@ -17,17 +17,42 @@ from torch.optim.lr_scheduler import LambdaLR
 from vlmcp.config import OptimizerSection, SchedulerSection
 
 
+class _VetoableStep:
+    """Mixin: while `overflow` is true, step() changes nothing.
+
+    DeepSpeed's engine reads `optimizer.overflow` after stepping, as it does for its own ZeRO and
+    bf16/fp16 optimizers: a vetoed step also leaves the LR schedule where it was and counts in
+    `engine.skipped_steps`. The training loop sets it on ZeRO-0 fp32, the one configuration where
+    DeepSpeed does not check the gradients for NaN/Inf itself.
+    """
+
+    overflow = False
+
+    def step(self, closure=None):  # noqa: ANN001, ANN201 - torch.optim.Optimizer.step's signature
+        if self.overflow:
+            return None
+        return super().step(closure)
+
+
+class AdamW(_VetoableStep, torch.optim.AdamW):
+    """torch.optim.AdamW whose step can be vetoed (see `_VetoableStep`)."""
+
+
+class SGD(_VetoableStep, torch.optim.SGD):
+    """torch.optim.SGD whose step can be vetoed (see `_VetoableStep`)."""
+
+
 def build_optimizer(params: Iterable[torch.nn.Parameter],
                     section: OptimizerSection) -> torch.optim.Optimizer:
-    """torch.optim.AdamW or torch.optim.SGD over `params` (the trainable ones)."""
+    """AdamW or SGD (torch's, with a vetoable step) over `params` (the trainable ones)."""
     params = list(params)
     if not params:
         raise ValueError("the model has no trainable parameters")
     if section.type == "adamw":
-        return torch.optim.AdamW(params, lr=section.lr, betas=tuple(section.betas), eps=section.eps,
-                                 weight_decay=section.weight_decay, foreach=False)
-    return torch.optim.SGD(params, lr=section.lr, momentum=section.momentum,
-                           weight_decay=section.weight_decay, foreach=False)
+        return AdamW(params, lr=section.lr, betas=tuple(section.betas), eps=section.eps,
+                     weight_decay=section.weight_decay, foreach=False)
+    return SGD(params, lr=section.lr, momentum=section.momentum,
+               weight_decay=section.weight_decay, foreach=False)
 
 
 def lr_multiplier(step: int, section: SchedulerSection, max_steps: int) -> float:

@@ -4,11 +4,15 @@ One line per problem, each naming what to fix (a config key, or a "file:line" of
 Checked: the job schema (by `load_job`, before this), the checkpoint directory and its processor,
 the sequence-parallel constraints of the model for the world size, the DeepSpeed config, every
 line of data.train and data.eval (files, images, placeholder counts, lengths, targets), and that
-a resume has a checkpoint to resume from.
+a resume has a complete checkpoint to resume from, and that output_dir is writable.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
+import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,10 +24,14 @@ from vlmcp.data.dataset import iter_samples
 from vlmcp.data.formats import DataError, Sample
 from vlmcp.data.processor import ProcessorError, VLProcessor, load_processor
 from vlmcp.model.load import ModelLoadError, load_config, text_hidden_size
+from vlmcp.parallel import comm
 from vlmcp.parallel.constraints import check_sp_constraints
 from vlmcp.parallel.zero3_sp import largest_tensor_numel, sp_exact_zero_settings
-from vlmcp.training.checkpoint import checkpoint_dir, latest_tag
+from vlmcp.training.checkpoint import checkpoint_dir, checkpoint_tags, latest_tag, newest_complete
 from vlmcp.training.ds_config import fill_deepspeed_config, load_deepspeed_config
+
+
+logger = logging.getLogger(__name__)
 
 
 class PreflightError(JobError):
@@ -102,14 +110,42 @@ def _check_deepspeed(job: JobConfig, world_size: int, report: Preflight) -> None
 
 
 def _check_resume(job: JobConfig, report: Preflight) -> None:
-    latest = latest_tag(checkpoint_dir(job))
-    if job.train.resume and latest is None:
-        report.problems.append(f"config key 'train.resume' is true but {checkpoint_dir(job)} "
-                               "holds no checkpoint ('latest' file missing)")
-    elif not job.train.resume and latest is not None:
+    directory = checkpoint_dir(job)
+    if job.train.resume:
+        tag, skipped = newest_complete(directory)
+        if tag is None:
+            report.problems.append(f"config key 'train.resume' is true but {directory} holds no "
+                                   "complete checkpoint")
+            report.problems.extend(f"config key 'train.resume': incomplete checkpoint: {reason}"
+                                   for reason in skipped)
+        for reason in skipped if tag is not None and comm.rank() == 0 else []:
+            logger.warning("train.resume: will resume from %s, skipping an incomplete "
+                           "checkpoint: %s", directory / tag, reason)
+        return
+    tags = checkpoint_tags(directory)
+    latest = latest_tag(directory) or (tags[0][1] if tags else None)
+    if latest is not None:
         report.problems.append(f"config key 'output_dir': {job.output_dir} already holds the "
                                f"checkpoints of an earlier run (latest: {latest}); set "
                                "train.resume=true to continue it, or choose another output_dir")
+
+
+def _check_output_dir(job: JobConfig, report: Preflight) -> None:
+    """output_dir, or the nearest directory above it that exists, accepts a new file (a probe
+    file, removed again; nothing is created for a directory that does not exist yet)."""
+    out = Path(job.output_dir).absolute()
+    base = out
+    while not base.exists():
+        base = base.parent
+    try:
+        if not base.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, f"{base} is not a directory")
+        handle, probe = tempfile.mkstemp(prefix=".vlmcp-write-test-", dir=base)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as exc:
+        report.problems.append(f"config key 'output_dir': cannot write to {out}: "
+                               f"{exc.strerror or exc}")
 
 
 def run_preflight(job: JobConfig, world_size: int) -> Preflight:
@@ -117,6 +153,7 @@ def run_preflight(job: JobConfig, world_size: int) -> Preflight:
     report = Preflight()
     _check_model(job, world_size, report)
     _check_deepspeed(job, world_size, report)
+    _check_output_dir(job, report)
     _check_resume(job, report)
     if report.processor is not None:
         report.train_samples = _read_data(job, "train", job.data.train, report.processor, report)

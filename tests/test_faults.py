@@ -1,0 +1,277 @@
+"""Faults lose nothing: atomic checkpoints with fallback resume, stop signals, non-finite steps,
+a frozen rank, a full disk. Every run is `vlmcp train` under torchrun, 2 CPU ranks over gloo,
+SP 2, a tiny model, a few steps of 64-token packs, and runs under a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from safetensors.torch import load_file
+
+from launching import REPO, assert_ok, launcher_prefix, run_vlmcp, tiny_job, train_losses, write_job
+from vlmcp.cli import main
+from vlmcp.training.checkpoint import MANIFEST, incomplete_reason, newest_complete
+
+STEPS = 8
+
+
+def _job(checkpoint, digits, out, zero=2, **train):
+    return tiny_job(checkpoint, digits / "train.jsonl", out,
+                    data={"max_seq_len": 64, "shuffle": True},
+                    parallel={"sp_size": 2},
+                    optimizer={"type": "adamw", "lr": 2e-3, "weight_decay": 0.01},
+                    deepspeed={"zero_optimization": {"stage": zero}},
+                    train={"seed": 3, "max_steps": STEPS, **train})
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
+            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+
+def _start(job: Path, log: Path) -> subprocess.Popen:
+    """torchrun with 2 ranks in the background; output to `log`."""
+    command = [*launcher_prefix("torchrun", 2), "train", str(job)]
+    return subprocess.Popen(command, cwd=REPO, env=_env(), stdout=log.open("w"),
+                            stderr=subprocess.STDOUT)
+
+
+def _wait_for_rows(out: Path, rows: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    metrics = out / "metrics.jsonl"
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= rows:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no {rows} metrics rows in {metrics} (exit {proc.poll()})")
+
+
+def _strict_rows(path: Path) -> list[dict]:
+    def refuse(constant: str) -> None:
+        raise ValueError(f"bare {constant} in {path}")
+
+    return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint, digits_jsonl, tmp_path_factory):
+    """An uninterrupted run: checkpoints every 2 steps, the newest 2 kept."""
+    out = tmp_path_factory.mktemp("reference") / "out"
+    job = write_job(out.parent / "job.json", _job(tiny_checkpoint, digits_jsonl, out,
+                                                  save_every=2, keep_checkpoints=2))
+    assert_ok(run_vlmcp(["train", str(job)], launcher="torchrun", nproc=2))
+    return out
+
+
+def test_checkpoints_are_published_with_a_manifest_and_only_the_newest_are_kept(reference):
+    checkpoints = reference / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir() if p.is_dir()) == ["step6", "step8"]
+    assert (checkpoints / "latest").read_text() == "step8"
+    manifest = json.loads((checkpoints / "step8" / MANIFEST).read_text())
+    assert manifest["step"] == 8
+    assert {name: (checkpoints / "step8" / name).stat().st_size for name in manifest["files"]} \
+        == manifest["files"]
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in manifest["files"]
+    assert not list(reference.glob(".tmp-*")) and not list(checkpoints.glob(".tmp-*"))
+
+
+def test_resume_skips_an_incomplete_newest_checkpoint_and_is_exact_from_the_previous(
+        reference, tiny_checkpoint, digits_jsonl, tmp_path, caplog):
+    out = tmp_path / "out"
+    shutil.copytree(reference, out)
+    (out / "checkpoints" / "step8" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    job = write_job(tmp_path / "job.json", _job(tiny_checkpoint, digits_jsonl, out, save_every=2,
+                                                keep_checkpoints=2, resume=True))
+    assert main(["validate", str(job), "--world-size", "2"]) == 0
+    assert "optim_states.pt is missing" in caplog.text
+
+    result = run_vlmcp(["train", str(job)], launcher="torchrun", nproc=2)
+    assert_ok(result)
+    assert "skipping an incomplete checkpoint" in result.stderr
+    assert "resumed from" in result.stderr and "at step 6" in result.stderr
+    assert train_losses(out) == train_losses(reference)
+    assert incomplete_reason(out / "checkpoints" / "step8") is None
+
+    truncated = out / "checkpoints" / "step6" / "mp_rank_00_model_states.pt"
+    truncated.write_bytes(truncated.read_bytes()[:1000])
+    (out / "checkpoints" / "step8" / MANIFEST).unlink()
+    tag, skipped = newest_complete(out / "checkpoints")
+    assert tag is None and len(skipped) == 2
+    assert f"has no {MANIFEST}" in skipped[0] and f"{truncated} has 1000 bytes" in skipped[1]
+    assert main(["validate", str(job), "--world-size", "2"]) == 1
+
+
+def test_sigterm_mid_run_saves_a_checkpoint_and_resume_is_exact(
+        reference, tiny_checkpoint, digits_jsonl, tmp_path):
+    out = tmp_path / "out"
+    job = write_job(tmp_path / "job.json", _job(tiny_checkpoint, digits_jsonl, out))
+    log = tmp_path / "log"
+    proc = _start(job, log)
+    try:
+        _wait_for_rows(out, 1, proc)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert "stopped on a signal after step" in text, text[-3000:]
+    assert "exitcode  : 143" in text or "exit 143" in text, text[-3000:]
+    tag, skipped = newest_complete(out / "checkpoints")
+    assert tag is not None and not skipped
+    stopped_at = int(tag.removeprefix("step"))
+    assert 1 <= stopped_at < STEPS
+    assert not (out / "final").exists()
+
+    assert_ok(run_vlmcp(["train", str(job), "--set", "train.resume=true"], launcher="torchrun",
+                        nproc=2))
+    assert train_losses(out) == train_losses(reference)
+
+
+@pytest.mark.parametrize("zero,mode", [(0, "abort"), (3, "skip")])
+def test_a_huge_lr_stops_the_run_without_nan_weights_and_metrics_stay_strict_json(
+        zero, mode, tiny_checkpoint, digits_jsonl, tmp_path):
+    out = tmp_path / "out"
+    job = write_job(tmp_path / "job.json", _job(
+        tiny_checkpoint, digits_jsonl, out, zero=zero, nonfinite=mode, max_skipped_steps=1))
+    result = run_vlmcp(["train", str(job), "--set", "optimizer.lr=1e6"], launcher="torchrun",
+                       nproc=2, timeout=180)
+    assert result.returncode != 0
+    assert "non-finite" in result.stderr and "train.jsonl:" in result.stderr
+    rows = _strict_rows(out / "metrics.jsonl")
+    bad = [row for row in rows if row.get("nonfinite")]
+    assert bad and all(row["skipped_step"] for row in bad)
+    assert len(bad) == (1 if mode == "abort" else 2)
+    assert not (out / "final").exists()
+    tag, _ = newest_complete(out / "checkpoints")
+    assert tag == f"step{bad[-1]['step'] - 1}"
+    exported = tmp_path / "exported"
+    assert main(["export", str(job), "--out", str(exported)]) == 0
+    for path in exported.glob("*.safetensors"):
+        for key, value in load_file(path).items():
+            assert value.float().isfinite().all(), key
+
+
+def test_a_frozen_rank_ends_the_whole_job_naming_the_collective(tiny_checkpoint, digits_jsonl,
+                                                                tmp_path):
+    out = tmp_path / "out"
+    job = write_job(tmp_path / "job.json", _job(tiny_checkpoint, digits_jsonl, out,
+                                                max_steps=100000, collective_timeout_s=30))
+    log = tmp_path / "log"
+    # After the first rank exits, torchrun SIGTERMs the others and SIGKILLs them 30 s later.
+    proc = _start(job, log)
+    workers: list[psutil.Process] = []
+    try:
+        _wait_for_rows(out, 1, proc)
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        frozen = next(w for w in workers if w.environ().get("RANK") == "1")
+        frozen.send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        proc.wait(timeout=90)
+        gone = psutil.wait_procs(workers, timeout=max(1.0, 90 - (time.monotonic() - stopped_at)))
+        assert not gone[1], f"still alive: {gone[1]}"
+        elapsed = time.monotonic() - stopped_at
+    finally:
+        for worker in workers:
+            if worker.is_running():
+                worker.kill()
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert elapsed < 90
+    assert proc.returncode != 0
+    lines = [line for line in text.splitlines() if "did not finish within" in line]
+    assert lines, text[-3000:]
+    assert "step " in lines[0] and "train.collective_timeout_s=30 s: waiting in collective " \
+        "torch.distributed." in lines[0] and "group of ranks [0, 1]" in lines[0], lines[0]
+    print(f"frozen rank: all processes gone {elapsed:.1f} s after SIGSTOP; {lines[0]}",
+          file=sys.stderr)
+
+
+def test_a_full_disk_is_named_and_the_previous_checkpoint_stays_intact(
+        tiny_checkpoint, digits_jsonl, tmp_path):
+    small = tmp_path / "small"
+    small.mkdir()
+    # One checkpoint of this job takes about 3.7 MB: the first fits, the second does not.
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(small)],
+                             capture_output=True, check=False)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.decode().strip()}")
+    try:
+        out = small / "out"
+        job = write_job(tmp_path / "job.json", _job(tiny_checkpoint, digits_jsonl, out,
+                                                    save_every=2, max_steps=4))
+        result = run_vlmcp(["train", str(job)], launcher="torchrun", nproc=2)
+        assert result.returncode != 0
+        assert f"no space left on {small}" in result.stderr, result.stderr[-3000:]
+        assert "iostream error" not in result.stderr.split("error: no space")[-1]
+        assert newest_complete(out / "checkpoints") == ("step2", [])
+        assert not list((out / "checkpoints").glob(".tmp-*"))
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+
+
+def test_an_export_to_a_full_disk_leaves_no_half_written_model_and_names_the_disk(
+        reference, tiny_checkpoint, digits_jsonl, tmp_path, capsys):
+    small = tmp_path / "small"
+    small.mkdir()
+    # The exported tiny model takes about 1 MB.
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(small)],
+                             capture_output=True, check=False)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.decode().strip()}")
+    try:
+        job = write_job(tmp_path / "job.json", _job(tiny_checkpoint, digits_jsonl, reference))
+        assert main(["export", str(job), "--out", str(small / "model")]) == 1
+        assert f"no space left on {small}" in capsys.readouterr().err
+        assert list(small.iterdir()) == []
+        assert newest_complete(reference / "checkpoints") == ("step8", [])
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+
+
+def test_validate_rejects_a_non_finite_lr_and_an_unwritable_output_dir(
+        tiny_checkpoint, digits_jsonl, tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    job = write_job(tmp_path / "job.json", _job(tiny_checkpoint, digits_jsonl, blocker / "out"))
+    assert main(["validate", str(job), "--set", "optimizer.lr=NaN"]) == 1
+    assert "config key 'optimizer.lr': must be a finite number, got nan" in capsys.readouterr().err
+    assert main(["validate", str(job), "--world-size", "2"]) == 1
+    err = capsys.readouterr().err
+    assert f"config key 'output_dir': cannot write to {blocker / 'out'}" in err
+
+
+_SIGNAL_SCRIPT = """
+import logging, os, signal, time
+from vlmcp.training.signals import StopSignals
+logging.basicConfig()
+with StopSignals() as stop:
+    os.kill(os.getpid(), signal.SIGUSR1)
+    time.sleep(0.1)
+    assert stop.signum == signal.SIGUSR1
+    os.kill(os.getpid(), signal.SIGTERM)  # within 1 s of the first: counts once
+    time.sleep(1.2)
+    print("still running", flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(10)
+"""
+
+
+def test_a_second_signal_stops_at_once_with_128_plus_its_number():
+    result = subprocess.run([sys.executable, "-c", _SIGNAL_SCRIPT], env=_env(), cwd=REPO,
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.stdout == "still running\n", result.stderr
+    assert result.returncode == 128 + signal.SIGTERM, result.stderr
+    assert "received SIGTERM again: stopping at once" in result.stderr
