@@ -116,6 +116,10 @@ class TrainSection:
     gradient_checkpointing: bool = field(default=False, metadata=_key(
         "recompute each decoder layer in backward (its SP collectives too) instead of keeping "
         "its activations"))
+    loss_chunk_mb: float = field(default=256.0, metadata=_key(
+        "memory budget (MiB) of one lm_head + cross-entropy chunk; its target rows are "
+        "budget / (12 bytes x vocab), so the loss transient does not grow with the vocabulary "
+        "or the shard length", min=1.0))
 
 
 @dataclass

@@ -23,7 +23,7 @@ from torch import nn
 from vlmcp.data.batch import IGNORE_INDEX, PackedBatch
 from vlmcp.model.attention import ATTENTION_KEY, register_attention
 from vlmcp.model.deltanet import install_deltanet_hooks
-from vlmcp.model.loss import shard_loss_sum
+from vlmcp.model.loss import DEFAULT_LOSS_CHUNK_MB, shard_loss_sum
 from vlmcp.model.merge import merge_embeddings
 from vlmcp.parallel.groups import SequenceParallel
 from vlmcp.parallel.shard import ShardPlan
@@ -51,10 +51,12 @@ class PackedVLM(nn.Module):
         sp: SequenceParallel | None = None,
         deltanet_cp: str = "state",
         gradient_checkpointing: bool = False,
+        loss_chunk_mb: float = DEFAULT_LOSS_CHUNK_MB,
     ) -> None:
         super().__init__()
         object.__setattr__(self, "hf_model", hf_model)
         self.sp = sp or SequenceParallel.single()
+        self.loss_chunk_mb = loss_chunk_mb
         config = hf_model.config
         self.image_token_id = config.image_token_id
         text_config = config.text_config
@@ -115,7 +117,7 @@ class PackedVLM(nn.Module):
         positions = plan.shard(batch.position_ids.to(device), dim=1).unsqueeze(1)
         targets = plan.shard(batch.targets.to(device), dim=0, pad_value=IGNORE_INDEX)
         hidden = self.decode(hidden, positions, plan)
-        return shard_loss_sum(hidden[0], targets, self.lm_head)
+        return shard_loss_sum(hidden[0], targets, self.lm_head, self.loss_chunk_mb)
 
     def decode(self, hidden: torch.Tensor, positions: torch.Tensor, plan: ShardPlan) -> torch.Tensor:
         """Decoder stack on one shard: [1, S_local, hidden] -> final-norm [1, S_local, hidden].

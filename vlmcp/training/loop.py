@@ -87,7 +87,8 @@ def _build_engine(job: JobConfig, preflight: Preflight, sp: SequenceParallel) ->
                           freeze_vision=job.model.freeze_vision,
                           attn_implementation=job.model.attn_implementation)
     module = PackedVLM(hf_model, sp=sp, deltanet_cp=job.parallel.deltanet_cp,
-                       gradient_checkpointing=job.train.gradient_checkpointing)
+                       gradient_checkpointing=job.train.gradient_checkpointing,
+                       loss_chunk_mb=job.train.loss_chunk_mb)
     optimizer = build_optimizer((p for p in module.parameters() if p.requires_grad), job.optimizer)
     scheduler = build_scheduler(optimizer, job.scheduler, job.train.max_steps)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
