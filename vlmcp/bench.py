@@ -389,14 +389,14 @@ def _lengths(text: str) -> list[int]:
     return lengths
 
 
-def _model_dir(args: argparse.Namespace) -> str:
+def _model_dir(args: argparse.Namespace, scratch: str) -> str:
+    """`--model`, else a tiny random checkpoint written under `scratch`."""
     if args.model:
         return args.model
     from vlmcp.demo_assets import build_tiny_checkpoint
 
-    out = Path(tempfile.mkdtemp(prefix="vlmcp-bench-model-"))
-    return str(build_tiny_checkpoint(out, moe=args.moe, tokenizer=False, vocab_size=args.vocab_size,
-                                     hidden_size=args.hidden_size))
+    return str(build_tiny_checkpoint(Path(scratch, "model"), moe=args.moe, tokenizer=False,
+                                     vocab_size=args.vocab_size, hidden_size=args.hidden_size))
 
 
 def _model_sizes(args: argparse.Namespace) -> tuple[int, int]:
@@ -449,14 +449,13 @@ def _in_process_step(args: argparse.Namespace, model_dir: str, seq_len: int, dev
     task = _step_task(args, model_dir, seq_len, samples or args.samples_per_pack,
                       args.steps if steps is None else steps, args.warmup if warmup is None else warmup)
     try:
-        row = task.run(device, sp)
+        row = {**task.run(device, sp), "fresh_process": False}
     except torch.OutOfMemoryError as exc:
-        gc.collect()
+        row = {"seq_len": seq_len, "error": f"out of memory: {str(exc).splitlines()[0]}"}
+    gc.collect()
+    if device.type == "cuda":
         torch.cuda.empty_cache()
-        return {"seq_len": seq_len, "error": f"out of memory: {str(exc).splitlines()[0]}"}
-    finally:
-        gc.collect()
-    return {**row, "fresh_process": False}
+    return row
 
 
 def _bench_loss(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
@@ -580,26 +579,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.loss_only:
         report.update(mode="loss_only", results=_bench_loss(args, device))
     else:
-        model_dir = _model_dir(args)  # before any process group: save_pretrained writes on rank 0 only
-        sp = None
-        if _launched():
-            from vlmcp.parallel.groups import SequenceParallel
-
-            comm.init_distributed()
-            args.sp_size = args.sp_size or comm.world_size()
-            sp = SequenceParallel.initialize(args.sp_size)
-        world = comm.world_size() if _launched() else args.sp_size or 1
-        threads = torch.get_num_threads() if _launched() else max(1, torch.get_num_threads() // world)
-        report.update(world_size=world, sp_size=args.sp_size or 1, deltanet_cp=args.deltanet_cp,
-                      images=args.images, threads_per_rank=threads)
-        if args.find_max_len:
-            max_len, probes = find_max_len(args, model_dir, device, sp)
-            failed = [probe["seq_len"] for probe in probes if not probe["fits"]]
-            report.update(mode="find_max_len", memory_budget_gb=args.memory_budget_gb,
-                          granularity=args.granularity, max_len=max_len,
-                          first_failing_len=min(failed) if failed else None, probes=probes)
-        else:
-            report.update(mode="step", results=_bench_steps(args, model_dir, device, sp))
+        with tempfile.TemporaryDirectory(prefix="vlmcp-bench-") as scratch:
+            report.update(_bench_model(args, _model_dir(args, scratch), device))
     if comm.rank() == 0:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -608,3 +589,26 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         print()
     return report
 
+
+def _bench_model(args: argparse.Namespace, model_dir: str, device: torch.device) -> dict[str, Any]:
+    """The report entries of the step and --find-max-len modes. The checkpoint is written before
+    any process group starts (save_pretrained writes on rank 0 only)."""
+    sp = None
+    if _launched():
+        from vlmcp.parallel.groups import SequenceParallel
+
+        comm.init_distributed()
+        args.sp_size = args.sp_size or comm.world_size()
+        sp = SequenceParallel.initialize(args.sp_size)
+    world = comm.world_size() if _launched() else args.sp_size or 1
+    threads = torch.get_num_threads() if _launched() else max(1, torch.get_num_threads() // world)
+    report: dict[str, Any] = {"world_size": world, "sp_size": args.sp_size or 1,
+                              "deltanet_cp": args.deltanet_cp, "images": args.images,
+                              "threads_per_rank": threads}
+    if not args.find_max_len:
+        return {**report, "mode": "step", "results": _bench_steps(args, model_dir, device, sp)}
+    max_len, probes = find_max_len(args, model_dir, device, sp)
+    failed = [probe["seq_len"] for probe in probes if not probe["fits"]]
+    return {**report, "mode": "find_max_len", "memory_budget_gb": args.memory_budget_gb,
+            "granularity": args.granularity, "max_len": max_len,
+            "first_failing_len": min(failed) if failed else None, "probes": probes}
