@@ -65,3 +65,22 @@ def test_chunked_loss_and_gradients_equal_unchunked_cross_entropy(rows_per_chunk
     bounds = {"loss": 1e-6, "hidden grad": 1e-6 if rows_per_chunk >= 4 else 2e-5, "lm_head grad": 1e-6}
     for (name, bound), got, want in zip(bounds.items(), chunked, reference):
         assert _rel(got, want) <= bound, (name, _rel(got, want))
+
+
+def test_packed_module_hands_its_budget_to_the_loss(tiny_checkpoint):
+    from vlmcp.bench import synthetic_pack
+    from vlmcp.model.load import load_model
+    from vlmcp.model.packed import PackedVLM
+
+    losses, head_calls = [], []
+    for chunk_mb in (DEFAULT_LOSS_CHUNK_MB, 1e-6):
+        module = PackedVLM(load_model(tiny_checkpoint), loss_chunk_mb=chunk_mb)
+        batch = synthetic_pack(48, 2, module.hf_model.config)
+        calls = []
+        module.lm_head.register_forward_hook(lambda *_: calls.append(1))
+        with torch.no_grad():
+            loss, count = module(batch)
+        losses.append(loss)
+        head_calls.append(len(calls))
+    assert head_calls == [1, count]
+    assert _rel(losses[1], losses[0]) <= 1e-6
