@@ -178,4 +178,5 @@ def test_bench_reports_throughput_and_memory_per_length_under_sp2(tmp_path):
     assert report["sp_size"] == 2 and report["world_size"] == 2
     assert [row["seq_len"] for row in report["results"]] == [64, 128]
     for row in report["results"]:
-        assert row["tokens_per_s"] > 0 and row["peak_memory_mb"] > 0
+        assert row["tokens_per_s"] > 0 and row["peak_memory_mb"] >= row["model_memory_mb"] > 0
+        assert not row["fresh_process"] and [r["rank"] for r in row["per_rank"]] == [0, 1]

@@ -86,23 +86,48 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", default=None, help="output directory (default OUTPUT_DIR/export-TAG)")
 
     bench = commands.add_parser(
-        "bench", help="measure tokens/s and peak memory of forward+backward",
+        "bench", help="measure step time, tokens/s and memory of forward+backward",
         description="Time forward+backward of the packed training module at each sequence "
-                    "length and write a JSON report. Runs on the current world: launch it with "
-                    "torchrun for sp_size > 1 (e.g. torchrun --nproc_per_node 2 -m vlmcp bench "
-                    "--sp-size 2).")
+                    "length and write a JSON report with step_time_s, tokens_per_s and memory "
+                    "(model_memory_mb after the model is built, peak_memory_mb, and "
+                    "activation_memory_mb = their difference; largest rank). On CPU each length "
+                    "runs in fresh processes that bench starts itself (--sp-size ranks over "
+                    "gloo); under torchrun the launcher's ranks run every length in-process. "
+                    "--loss-only measures the lm_head + cross-entropy alone; --find-max-len "
+                    "searches the longest sample that fits --memory-budget-gb.")
     bench.add_argument("--model", default=None,
                        help="checkpoint directory (default: a tiny random Qwen3.5 built on the fly)")
     bench.add_argument("--moe", action="store_true", help="tiny MoE model instead of dense")
+    bench.add_argument("--vocab-size", type=int, default=None,
+                       help="vocabulary of the tiny model (default 512; Qwen3.5's is 248320)")
+    bench.add_argument("--hidden-size", type=int, default=None,
+                       help="hidden size of the tiny model and of --loss-only (default 64)")
     bench.add_argument("--seq-lens", default="1024,4096", help="comma-separated pack lengths")
     bench.add_argument("--samples-per-pack", type=int, default=4,
                        help="equal-length samples each pack is split into")
+    bench.add_argument("--images", type=int, default=0,
+                       help="images of mixed sizes in each pack; reports per-rank vision_s")
     bench.add_argument("--sp-size", type=int, default=None,
-                       help="sequence-parallel size (default: the world size)")
+                       help="sequence-parallel size (default: 1, or the launcher's world size)")
     bench.add_argument("--deltanet-cp", choices=["state", "heads"], default="state")
+    bench.add_argument("--vision", choices=["split", "replicated"], default="split",
+                       help="parallel.vision: split the image encoding over the SP group, or run "
+                            "it on the whole pack on every rank")
     bench.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    bench.add_argument("--loss-chunk-mb", type=float, default=None,
+                       help="memory budget (MiB) of one lm_head + cross-entropy chunk (default: "
+                            "train.loss_chunk_mb's default)")
     bench.add_argument("--steps", type=int, default=3, help="timed iterations per length")
     bench.add_argument("--warmup", type=int, default=1, help="untimed iterations per length")
+    bench.add_argument("--loss-only", action="store_true",
+                       help="measure the lm_head + cross-entropy alone: loss_peak_transient_mb")
+    bench.add_argument("--find-max-len", action="store_true",
+                       help="find the longest single sample whose step fits --memory-budget-gb")
+    bench.add_argument("--memory-budget-gb", type=float, default=None,
+                       help="peak memory budget per rank for --find-max-len (GiB)")
+    bench.add_argument("--granularity", type=int, default=1024,
+                       help="--find-max-len probes multiples of this many tokens")
+    bench.add_argument("--max-probes", type=int, default=12, help="--find-max-len probe limit")
     bench.add_argument("--out", default="runs/bench.json", help="JSON report path")
 
     demo = commands.add_parser(
@@ -200,7 +225,10 @@ def _cmd_export(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from vlmcp.bench import run_bench
 
-    run_bench(args)
+    try:
+        run_bench(args)
+    except ValueError as exc:
+        return _report([str(exc)])
     return 0
 
 

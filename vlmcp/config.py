@@ -134,6 +134,10 @@ class TrainSection:
         "a rank whose training step, checkpoint or export does not finish within this many "
         "seconds (a hung collective, a frozen peer) logs where it waits and exits; the default "
         "process group times out 60 s later", min=1.0))
+    loss_chunk_mb: float = field(default=256.0, metadata=_key(
+        "memory budget (MiB) of one lm_head + cross-entropy chunk; its target rows are "
+        "budget / (12 bytes x vocab), so the loss transient does not grow with the vocabulary "
+        "or the shard length", min=1.0))
 
 
 @dataclass

@@ -177,13 +177,15 @@ def build_tiny_tokenizer(out_dir: str | Path, vocab_size: int = 512) -> Qwen3_5T
 
 
 def build_tiny_checkpoint(
-    out_dir: str | Path, moe: bool = False, seed: int = 0, **config_overrides: Any
+    out_dir: str | Path, moe: bool = False, seed: int = 0, tokenizer: bool = True, **config_overrides: Any
 ) -> Path:
     """Write a random-init tiny Qwen3.5 (MoE when `moe`) laid out like a published checkpoint.
 
     config.json + model.safetensors (save_pretrained), tokenizer files with chat_template.jinja,
     preprocessor_config.json naming Qwen2VLImageProcessorFast, and video_preprocessor_config.json.
-    `config_overrides` go to `tiny_qwen3_5_config`. Global RNG state is left untouched.
+    Without `tokenizer`, only config.json + model.safetensors (all a model load needs; the bench
+    uses that). `config_overrides` go to `tiny_qwen3_5_config` (e.g. vocab_size: any size, the
+    tokenizer then holds at most that many tokens). Global RNG state is left untouched.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -193,6 +195,8 @@ def build_tiny_checkpoint(
         torch.manual_seed(seed)
         model = model_class(config)
     model.save_pretrained(str(out_dir))
+    if not tokenizer:
+        return out_dir
     build_tiny_tokenizer(out_dir, vocab_size=config.text_config.vocab_size)
     (out_dir / "preprocessor_config.json").write_text(
         json.dumps(TINY_PREPROCESSOR_CONFIG, indent=2) + "\n"

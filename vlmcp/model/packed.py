@@ -25,7 +25,7 @@ from torch import nn
 from vlmcp.data.batch import IGNORE_INDEX, PackedBatch
 from vlmcp.model.attention import ATTENTION_KEY, register_attention
 from vlmcp.model.deltanet import install_deltanet_hooks
-from vlmcp.model.loss import shard_loss_sum
+from vlmcp.model.loss import DEFAULT_LOSS_CHUNK_MB, shard_loss_sum
 from vlmcp.model.merge import VISION_MODES, merge_embeddings, shard_first_embeddings
 from vlmcp.parallel.groups import SequenceParallel
 from vlmcp.parallel.shard import ShardPlan
@@ -60,6 +60,7 @@ class PackedVLM(nn.Module):
         deltanet_cp: str = "state",
         gradient_checkpointing: bool = False,
         vision_mode: str = "split",
+        loss_chunk_mb: float = DEFAULT_LOSS_CHUNK_MB,
     ) -> None:
         super().__init__()
         if vision_mode not in VISION_MODES:
@@ -67,6 +68,7 @@ class PackedVLM(nn.Module):
         self.vision_mode = vision_mode
         object.__setattr__(self, "hf_model", hf_model)
         self.sp = sp or SequenceParallel.single()
+        self.loss_chunk_mb = loss_chunk_mb
         config = hf_model.config
         self.image_token_id = config.image_token_id
         text_config = config.text_config
@@ -124,7 +126,7 @@ class PackedVLM(nn.Module):
         positions = plan.shard(batch.position_ids.to(device), dim=1).unsqueeze(1)
         targets = plan.shard(batch.targets.to(device), dim=0, pad_value=IGNORE_INDEX)
         hidden = self.decode(hidden, positions, plan)
-        return shard_loss_sum(hidden[0], targets, self.lm_head)
+        return shard_loss_sum(hidden[0], targets, self.lm_head, self.loss_chunk_mb)
 
     def shard_embeddings(self, batch: PackedBatch, plan: ShardPlan) -> torch.Tensor:
         """This rank's input embeddings, image features merged: [S_local, hidden]."""

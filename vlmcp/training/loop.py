@@ -92,7 +92,8 @@ def _build_engine(job: JobConfig, preflight: Preflight, sp: SequenceParallel) ->
                           attn_implementation=job.model.attn_implementation)
     module = PackedVLM(hf_model, sp=sp, deltanet_cp=job.parallel.deltanet_cp,
                        gradient_checkpointing=job.train.gradient_checkpointing,
-                       vision_mode=job.parallel.vision)
+                       vision_mode=job.parallel.vision,
+                       loss_chunk_mb=job.train.loss_chunk_mb)
     optimizer = build_optimizer((p for p in module.parameters() if p.requires_grad), job.optimizer)
     scheduler = build_scheduler(optimizer, job.scheduler, job.train.max_steps)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,

@@ -1,0 +1,78 @@
+"""`vlmcp bench`: its flags parse, its synthetic packs are valid, the max-length search finds the
+boundary within its probe limit, and one fresh-process run of each mode writes every reported field.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from vlmcp.bench import image_grids, search_max_len, synthetic_pack
+from vlmcp.cli import build_parser, main
+from vlmcp.data.batch import IGNORE_INDEX
+from vlmcp.model.tiny import tiny_qwen3_5_config
+
+STEP_FIELDS = {"seq_len", "step_time_s", "tokens_per_s", "model_memory_mb", "peak_memory_mb",
+               "activation_memory_mb", "vision_s", "per_rank", "fresh_process", "peak_is_cumulative"}
+LOSS_FIELDS = {"seq_len", "vocab_size", "hidden_size", "chunk_rows", "loss_time_s",
+               "loss_peak_transient_mb", "logits_peak_transient_mb", "lm_head_grad_mb"}
+
+
+def test_bench_parses_every_flag():
+    args = build_parser().parse_args([
+        "bench", "--seq-lens", "16384,65536", "--steps", "2", "--warmup", "1", "--dtype", "bfloat16",
+        "--out", "x.json", "--sp-size", "2", "--deltanet-cp", "heads", "--samples-per-pack", "1",
+        "--moe", "--vocab-size", "248320", "--hidden-size", "256", "--images", "8",
+        "--loss-chunk-mb", "128", "--loss-only", "--find-max-len", "--memory-budget-gb", "4",
+        "--granularity", "2048", "--max-probes", "6"])
+    assert (args.seq_lens, args.steps, args.warmup, args.dtype, args.sp_size) == ("16384,65536", 2, 1, "bfloat16", 2)
+    assert (args.vocab_size, args.hidden_size, args.images, args.loss_chunk_mb) == (248320, 256, 8, 128.0)
+    assert args.loss_only and args.find_max_len and args.moe
+    assert (args.memory_budget_gb, args.granularity, args.max_probes) == (4.0, 2048, 6)
+
+
+def test_synthetic_pack_places_every_image_and_keeps_targets_off_placeholders():
+    config = tiny_qwen3_5_config()
+    batch = synthetic_pack(2048, 3, config, images=5)
+    grids = torch.tensor(image_grids(5))
+    assert batch.num_tokens == 2048 and sum(batch.seq_lens) == 2048
+    assert batch.pixel_values.shape[0] == int(grids.prod(dim=1).sum())
+    image = batch.input_ids == config.image_token_id
+    assert int(image.sum()) == int(grids.prod(dim=1).sum()) // 4 == int(batch.mm_token_type_ids.sum())
+    assert not bool(torch.isin(batch.targets[batch.targets != IGNORE_INDEX],
+                               torch.tensor([config.image_token_id])).any())
+    assert sorted(image_grids(8)) != [image_grids(8)[0]] * 8  # mixed sizes
+
+
+def test_max_len_search_finds_the_boundary_within_its_probe_limit():
+    for limit, expected in [(0, None), (1024, 1024), (5000, 4096), (40_000, 39_936)]:
+        probed = []
+        found = search_max_len(lambda n: probed.append(n) or n <= limit, 1024, 12)
+        assert found == expected and len(probed) <= 12, (limit, found, probed)
+    probed = []
+    assert search_max_len(lambda n: probed.append(n) or True, 1024, 3) == 4096 and len(probed) == 3
+
+
+def test_loss_only_reports_the_loss_transient_from_fresh_processes(tmp_path):
+    out = tmp_path / "loss.json"
+    assert main(["bench", "--loss-only", "--vocab-size", "2000", "--hidden-size", "16",
+                 "--seq-lens", "96", "--loss-chunk-mb", "0.25", "--steps", "1", "--warmup", "0",
+                 "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    (row,) = report["results"]
+    assert report["mode"] == "loss_only" and LOSS_FIELDS <= set(row)
+    assert row["chunk_rows"] == int(0.25 * 2**20) // (2000 * 12) and row["fresh_process"]
+    assert row["loss_peak_transient_mb"] >= 0 and row["loss_time_s"] > 0
+
+
+def test_step_bench_writes_every_field_from_a_fresh_process(tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--seq-lens", "256", "--samples-per-pack", "1", "--images", "1",
+                 "--steps", "1", "--warmup", "0", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    (row,) = report["results"]
+    assert report["mode"] == "step" and STEP_FIELDS <= set(row), set(row)
+    assert row["fresh_process"] and not row["peak_is_cumulative"]
+    assert row["peak_memory_mb"] >= row["model_memory_mb"] > 0 and row["vision_s"] > 0
+    assert row["activation_memory_mb"] == row["peak_memory_mb"] - row["model_memory_mb"]
