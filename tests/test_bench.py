@@ -8,7 +8,8 @@ import json
 
 import torch
 
-from vlmcp.bench import image_grids, search_max_len, synthetic_pack
+from vlmcp.bench import search_max_len
+from vlmcp.bench_inputs import image_grids, synthetic_pack
 from vlmcp.cli import build_parser, main
 from vlmcp.data.batch import IGNORE_INDEX
 from vlmcp.model.tiny import tiny_qwen3_5_config

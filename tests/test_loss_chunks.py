@@ -68,7 +68,7 @@ def test_chunked_loss_and_gradients_equal_unchunked_cross_entropy(rows_per_chunk
 
 
 def test_packed_module_hands_its_budget_to_the_loss(tiny_checkpoint):
-    from vlmcp.bench import synthetic_pack
+    from vlmcp.bench_inputs import synthetic_pack
     from vlmcp.model.load import load_model
     from vlmcp.model.packed import PackedVLM
 

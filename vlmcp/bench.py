@@ -18,6 +18,9 @@ alone. Under a launcher (torchrun, deepspeed) the ranks run in-process; the peak
 per length where Linux allows it (`/proc/self/clear_refs`), and the row says when it could not
 be (the max RSS is then cumulative). On CUDA one process runs every length and resets the peak
 statistics per length.
+
+The synthetic packs come from `vlmcp.bench_inputs`; memory readings and the fresh rank processes
+from `vlmcp.bench_procs`.
 """
 
 from __future__ import annotations
@@ -27,134 +30,29 @@ import gc
 import json
 import logging
 import os
-import resource
-import socket
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from vlmcp.data.batch import IGNORE_INDEX, PackedBatch
-from vlmcp.data.positions import mrope_positions
+from vlmcp.bench_inputs import synthetic_pack
+from vlmcp.bench_procs import Memory, MemoryLimitExceeded, run_fresh
+from vlmcp.data.batch import PackedBatch
 from vlmcp.device import compute_device
 from vlmcp.model.loss import CE_BYTES_PER_LOGIT, DEFAULT_LOSS_CHUNK_MB, shard_loss_sum, vocab_chunk_rows
 from vlmcp.parallel import comm
 
 logger = logging.getLogger(__name__)
 
-#: (h, w) patch grids the `--images` images cycle through: mixed sizes and aspect ratios, from 4 to
-#: 192 image tokens each after the 2 x 2 merge.
-IMAGE_GRIDS = [(16, 16), (32, 24), (8, 8), (24, 32), (16, 48), (8, 24), (32, 32), (12, 12)]
-
 #: The tiny bench model's defaults (`--vocab-size`, `--hidden-size`).
 DEFAULT_VOCAB = 512
 DEFAULT_HIDDEN = 64
-
-#: Text tokens before a sample's first image (after it, random text fills the sample).
-_TEXT_BEFORE_IMAGES = 4
-
-
-# --------------------------------------------------------------------------- synthetic inputs
-
-
-def image_grids(count: int) -> list[tuple[int, int, int]]:
-    """(t, h, w) patch grids of `count` images of mixed sizes, the same for every run."""
-    return [(1, *IMAGE_GRIDS[i % len(IMAGE_GRIDS)]) for i in range(count)]
-
-
-def synthetic_pack(seq_len: int, samples: int, config: Any, images: int = 0, seed: int = 0) -> PackedBatch:
-    """A pack of `samples` near-equal random samples totalling `seq_len` tokens, identical on every
-    rank for the same seed. `config`: the model's (VLM) config. Image i (grids from `image_grids`)
-    goes into sample i % samples, after a few text tokens, framed by vision start/end tokens, with
-    random pixels. Every token whose successor is text is a target (not a sample's last)."""
-    generator = torch.Generator().manual_seed(seed)
-    vocab = config.get_text_config().vocab_size
-    vision = config.vision_config
-    merge = vision.spatial_merge_size
-    patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
-    base, extra = divmod(seq_len, samples)
-    lens = [base + (1 if i < extra else 0) for i in range(samples)]
-    grids = image_grids(images)
-    per_sample: list[list[tuple[int, int, int]]] = [grids[s::samples] for s in range(samples)]
-    ids, types, targets, positions = [], [], [], []
-    for index, (length, sample_grids) in enumerate(zip(lens, per_sample)):
-        sample = torch.randint(8, vocab, (length,), generator=generator)
-        kind = torch.zeros(length, dtype=torch.long)
-        at = _TEXT_BEFORE_IMAGES
-        for t, h, w in sample_grids:
-            n = t * h * w // merge**2
-            if at + n + 3 > length:
-                raise ValueError(f"--images {images} do not fit into sample {index} of {length} tokens "
-                                 f"(--seq-lens {seq_len}, --samples-per-pack {samples}); use longer packs")
-            sample[at] = config.vision_start_token_id
-            sample[at + 1 : at + 1 + n] = config.image_token_id
-            kind[at + 1 : at + 1 + n] = 1
-            sample[at + 1 + n] = config.vision_end_token_id
-            at += n + 2
-        grid_rows = torch.tensor(sample_grids, dtype=torch.long).reshape(-1, 3) if sample_grids else None
-        target = torch.cat([sample[1:], torch.tensor([IGNORE_INDEX])])
-        target[torch.cat([kind[1:], torch.zeros(1, dtype=torch.long)]) == 1] = IGNORE_INDEX
-        ids.append(sample)
-        types.append(kind)
-        targets.append(target)
-        positions.append(mrope_positions(sample, kind, grid_rows, merge))
-    pixel_values = image_grid_thw = None
-    if grids:
-        image_grid_thw = torch.tensor([g for sample_grids in per_sample for g in sample_grids])
-        patches = int(image_grid_thw.prod(dim=1).sum())
-        pixel_values = torch.randn(patches, patch_dim, generator=generator)
-    return PackedBatch(input_ids=torch.cat(ids), targets=torch.cat(targets),
-                       position_ids=torch.cat(positions, dim=1), mm_token_type_ids=torch.cat(types),
-                       seq_lens=lens, pixel_values=pixel_values, image_grid_thw=image_grid_thw)
-
-
-# --------------------------------------------------------------------------- memory
-
-
-class Memory:
-    """Memory of this process in MiB: CUDA allocated bytes of `device`, else the resident set."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.kind = "cuda_allocated" if device.type == "cuda" else "cpu_rss"
-
-    def current_mb(self) -> float:
-        if self.device.type == "cuda":
-            return torch.cuda.memory_allocated(self.device) / 2**20
-        return _proc_status_mb("VmRSS")
-
-    def reset_peak(self) -> bool:
-        """Start a new peak from the current memory; False when the OS does not allow it."""
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            return True
-        try:
-            Path("/proc/self/clear_refs").write_text("5")
-        except OSError:
-            return False
-        return True
-
-    def peak_mb(self) -> float:
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device) / 2**20
-        try:
-            return _proc_status_mb("VmHWM")
-        except OSError:
-            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _proc_status_mb(field: str, pid: int | str = "self") -> float:
-    """A memory line of /proc/PID/status (kB) in MiB."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    raise OSError(f"/proc/{pid}/status has no {field}")
 
 
 # --------------------------------------------------------------------------- one rank's work
@@ -307,68 +205,6 @@ class LossTask:
         return {"loss_time_s": sum(times) / max(len(times), 1), "base_memory_mb": base_mb,
                 "peak_transient_mb": memory.peak_mb() - base_mb, "memory_kind": memory.kind,
                 "peak_is_cumulative": not peak_reset}
-
-
-# --------------------------------------------------------------------------- processes
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _rank_entry(rank: int, world: int, port: int, threads: int, out_dir: str, task: Any, distributed: bool) -> None:
-    """Body of one fresh rank process: join the world over gloo, run `task`, write rank 0's row."""
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(port), "OMP_NUM_THREADS": str(threads)})
-    torch.set_num_threads(threads)
-    if distributed:
-        comm.init_distributed(timeout_s=600)
-    row = task.run(torch.device("cpu"))
-    if rank == 0:
-        Path(out_dir, "row.json").write_text(json.dumps(row))
-    if distributed:
-        comm.barrier()
-        torch.distributed.destroy_process_group()
-
-
-class MemoryLimitExceeded(RuntimeError):
-    """A fresh-process run stopped because a rank's resident set passed the limit."""
-
-
-def run_fresh(task: Any, world: int, *, distributed: bool = True, limit_mb: float | None = None) -> dict[str, Any]:
-    """Run `task` on `world` new CPU processes (gloo when `distributed`); rank 0's row.
-
-    Each rank gets `OMP_NUM_THREADS` = this process's threads / world (at least 1). With
-    `limit_mb`, a rank whose resident set passes it is stopped with its peers, and
-    MemoryLimitExceeded is raised. A failing rank stops the others and raises.
-    """
-    import torch.multiprocessing as mp
-
-    threads = max(1, torch.get_num_threads() // world)
-    with tempfile.TemporaryDirectory(prefix="vlmcp-bench-") as out_dir:
-        context = mp.start_processes(_rank_entry, args=(world, _free_port(), threads, out_dir, task, distributed),
-                                     nprocs=world, join=False, start_method="spawn")
-        while not context.join(timeout=0.5):
-            if limit_mb is not None and _over_limit(context.pids(), limit_mb):
-                for process in context.processes:
-                    process.kill()
-                for process in context.processes:
-                    process.join()
-                raise MemoryLimitExceeded(f"a rank's resident set passed {limit_mb:.0f} MiB")
-        return json.loads(Path(out_dir, "row.json").read_text())
-
-
-def _over_limit(pids: list[int], limit_mb: float) -> bool:
-    for pid in pids:
-        try:
-            if _proc_status_mb("VmRSS", pid) > limit_mb:
-                return True
-        except OSError:
-            continue
-    return False
 
 
 # --------------------------------------------------------------------------- modes
