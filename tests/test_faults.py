@@ -5,6 +5,7 @@ SP 2, a tiny model, a few steps of 64-token packs, and runs under a timeout.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -12,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -199,16 +201,25 @@ def test_a_frozen_rank_ends_the_whole_job_naming_the_collective(tiny_checkpoint,
           file=sys.stderr)
 
 
-def test_a_full_disk_is_named_and_the_previous_checkpoint_stays_intact(
-        tiny_checkpoint, digits_jsonl, tmp_path):
-    small = tmp_path / "small"
-    small.mkdir()
-    # One checkpoint of this job takes about 3.7 MB: the first fits, the second does not.
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(small)],
+@contextlib.contextmanager
+def _small_tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` mounted at `path` for the block (the test is skipped where mounting is not
+    allowed), unmounted afterwards."""
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
                              capture_output=True, check=False)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.decode().strip()}")
     try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=False)
+
+
+def test_a_full_disk_is_named_and_the_previous_checkpoint_stays_intact(
+        tiny_checkpoint, digits_jsonl, tmp_path):
+    # One checkpoint of this job takes about 3.7 MB: the first fits, the second does not.
+    with _small_tmpfs(tmp_path / "small", "6m") as small:
         out = small / "out"
         job = write_job(tmp_path / "job.json", _job(tiny_checkpoint, digits_jsonl, out,
                                                     save_every=2, max_steps=4))
@@ -218,27 +229,17 @@ def test_a_full_disk_is_named_and_the_previous_checkpoint_stays_intact(
         assert "iostream error" not in result.stderr.split("error: no space")[-1]
         assert newest_complete(out / "checkpoints") == ("step2", [])
         assert not list((out / "checkpoints").glob(".tmp-*"))
-    finally:
-        subprocess.run(["umount", str(small)], check=False)
 
 
 def test_an_export_to_a_full_disk_leaves_no_half_written_model_and_names_the_disk(
         reference, tiny_checkpoint, digits_jsonl, tmp_path, capsys):
-    small = tmp_path / "small"
-    small.mkdir()
     # The exported tiny model takes about 1 MB.
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(small)],
-                             capture_output=True, check=False)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.decode().strip()}")
-    try:
+    with _small_tmpfs(tmp_path / "small", "256k") as small:
         job = write_job(tmp_path / "job.json", _job(tiny_checkpoint, digits_jsonl, reference))
         assert main(["export", str(job), "--out", str(small / "model")]) == 1
         assert f"no space left on {small}" in capsys.readouterr().err
         assert list(small.iterdir()) == []
         assert newest_complete(reference / "checkpoints") == ("step8", [])
-    finally:
-        subprocess.run(["umount", str(small)], check=False)
 
 
 def test_validate_rejects_a_non_finite_lr_and_an_unwritable_output_dir(
