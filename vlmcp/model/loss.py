@@ -80,11 +80,21 @@ def shard_loss_sum(hidden: torch.Tensor, targets: torch.Tensor, lm_head: nn.Line
     if not torch.is_grad_enabled():
         rows = vocab_chunk_rows(chunk_mb, vocab, CE_BYTES_PER_LOGIT)
         return _ce_sum_and_lse(lm_head, hidden, targets, rows)[0], count
-    if hasattr(lm_head.weight, "ds_id"):
+    if _zero3_partitioned(lm_head):
         rows = vocab_chunk_rows(chunk_mb, vocab, CHECKPOINTED_CE_BYTES_PER_LOGIT)
         return chunked_sum(_chunk_ce, hidden, targets, lm_head, rows), count
     rows = vocab_chunk_rows(chunk_mb, vocab, CE_BYTES_PER_LOGIT)
     return FusedLinearCrossEntropy.apply(hidden, targets, lm_head.weight, lm_head.bias, rows), count
+
+
+def _zero3_partitioned(module: nn.Module) -> bool:
+    """Whether DeepSpeed ZeRO-3 partitions `module`'s own parameters (they carry `ds_id`).
+
+    Reads the parameters by iterating them, never as `module.weight`: inside a ZeRO-3 forward
+    that attribute read gathers a partitioned weight (an all-gather) on this rank alone, while a
+    rank without targets never reaches this check, so the ranks' collectives would mismatch.
+    """
+    return any(hasattr(param, "ds_id") for param in module.parameters(recurse=False))
 
 
 class FusedLinearCrossEntropy(torch.autograd.Function):
