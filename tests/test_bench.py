@@ -12,6 +12,7 @@ from vlmcp.bench import search_max_len
 from vlmcp.bench_inputs import image_grids, synthetic_pack
 from vlmcp.cli import build_parser, main
 from vlmcp.data.batch import IGNORE_INDEX
+from vlmcp.model.loss import CE_BYTES_PER_LOGIT
 from vlmcp.model.tiny import tiny_qwen3_5_config
 
 STEP_FIELDS = {"seq_len", "step_time_s", "tokens_per_s", "model_memory_mb", "peak_memory_mb",
@@ -63,7 +64,7 @@ def test_loss_only_reports_the_loss_transient_from_fresh_processes(tmp_path):
     report = json.loads(out.read_text())
     (row,) = report["results"]
     assert report["mode"] == "loss_only" and LOSS_FIELDS <= set(row)
-    assert row["chunk_rows"] == int(0.25 * 2**20) // (2000 * 12) and row["fresh_process"]
+    assert row["chunk_rows"] == int(0.25 * 2**20) // (2000 * CE_BYTES_PER_LOGIT) and row["fresh_process"]
     assert row["loss_peak_transient_mb"] >= 0 and row["loss_time_s"] > 0
 
 

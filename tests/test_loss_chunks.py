@@ -1,10 +1,19 @@
 """The lm_head + cross-entropy chunks are sized by bytes, and chunking never changes the loss or
-its gradients: any budget gives plain `F.cross_entropy` on the whole shard (fp32, rel <= 1e-6).
+its gradients: any budget gives plain `F.cross_entropy` on the whole shard, on every path (fused
+autograd Function, no autograd, checkpointed chunks of a ZeRO-3-partitioned head), with and
+without a bias (fp32, rel <= 1e-6), and a bf16 head stays within bf16 rounding (1e-2; measured
+5.5e-3 on the hidden-state gradient, 7.7e-3 on the weight's, 6.8e-3 on the bias', the same as the
+checkpointed path).
+
+The reference runs in float64: the fused path's fp32 weight gradient is 3.4e-7 from it, while
+fp32 `F.cross_entropy` on the whole shard is itself 1.5e-6 away (2.6e-6 on the hidden-state
+gradient). The checkpointed ZeRO-3 path runs that same fp32 `F.cross_entropy` per chunk, so it
+gets 5e-6.
 
 One exception, measured: a chunk of fewer than 4 rows computes its hidden-state gradient
 ([rows, vocab] @ [vocab, hidden]) with the BLAS matrix-vector kernel, which rounds a 50,000-term
-sum differently from the matrix-matrix kernel of the reference: 8.9e-6 apart, while both are within
-8.6e-6 and 2.6e-6 of float64. Those chunks get a 2e-5 bound on that gradient.
+sum differently from the matrix-matrix kernel: 8.9e-6 from float64, where 4-row chunks are 9.3e-7
+away. Those chunks get a 2e-5 bound on that gradient.
 """
 
 from __future__ import annotations
@@ -15,7 +24,13 @@ import torch.nn.functional as F
 
 from vlmcp.config import TrainSection
 from vlmcp.data.batch import IGNORE_INDEX
-from vlmcp.model.loss import CE_BYTES_PER_LOGIT, DEFAULT_LOSS_CHUNK_MB, shard_loss_sum, vocab_chunk_rows
+from vlmcp.model.loss import (
+    CE_BYTES_PER_LOGIT,
+    CHECKPOINTED_CE_BYTES_PER_LOGIT,
+    DEFAULT_LOSS_CHUNK_MB,
+    shard_loss_sum,
+    vocab_chunk_rows,
+)
 
 VOCAB, HIDDEN, ROWS = 50_000, 16, 300
 
@@ -25,8 +40,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_chunk_rows_follow_the_byte_budget_and_the_vocabulary():
-    assert vocab_chunk_rows(256.0, 248_320, CE_BYTES_PER_LOGIT) == 90
-    assert vocab_chunk_rows(256.0, 512, CE_BYTES_PER_LOGIT) == 43_690
+    assert vocab_chunk_rows(256.0, 248_320, CE_BYTES_PER_LOGIT) == 180
+    assert vocab_chunk_rows(256.0, 248_320, CHECKPOINTED_CE_BYTES_PER_LOGIT) == 90
+    assert vocab_chunk_rows(256.0, 512, CE_BYTES_PER_LOGIT) == 87_381
     exact_mb = 100 * VOCAB * CE_BYTES_PER_LOGIT / 2**20
     assert vocab_chunk_rows(exact_mb, VOCAB, CE_BYTES_PER_LOGIT) == 100
     assert vocab_chunk_rows(exact_mb * 0.999, VOCAB, CE_BYTES_PER_LOGIT) == 99
@@ -39,32 +55,94 @@ def test_job_default_budget_is_the_model_default():
     assert TrainSection().loss_chunk_mb == DEFAULT_LOSS_CHUNK_MB
 
 
-def _loss_and_grads(chunk_mb: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _head_and_inputs(bias: bool, dtype: torch.dtype) -> tuple[torch.nn.Linear, torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
-    head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
+    head = torch.nn.Linear(HIDDEN, VOCAB, bias=bias)
     with torch.no_grad():
         head.weight.copy_(torch.randn(VOCAB, HIDDEN, generator=generator))
-    hidden = torch.randn(ROWS, HIDDEN, generator=generator).requires_grad_(True)
+        if bias:
+            head.bias.copy_(torch.randn(VOCAB, generator=generator))
+    hidden = torch.randn(ROWS, HIDDEN, generator=generator)
     targets = torch.randint(0, VOCAB, (ROWS,), generator=generator)
     targets[::7] = IGNORE_INDEX
+    return head.to(dtype), hidden.to(dtype).requires_grad_(True), targets
+
+
+def _loss_and_grads(chunk_mb: float | None, bias: bool = False, dtype: torch.dtype = torch.float32,
+                    zero3_head: bool = False) -> tuple[torch.Tensor, ...]:
+    """Loss, hidden grad, weight grad (and bias grad), as float64. chunk_mb None: the reference,
+    plain float64 `F.cross_entropy` on the whole shard, on the same (possibly bf16-rounded) values."""
+    head, hidden, targets = _head_and_inputs(bias, dtype)
     if chunk_mb is None:
+        head, hidden = head.double(), hidden.detach().double().requires_grad_(True)
         loss = F.cross_entropy(head(hidden), targets, ignore_index=IGNORE_INDEX, reduction="sum")
     else:
+        if zero3_head:
+            head.weight.ds_id = 0  # DeepSpeed's mark of a ZeRO-3-partitioned parameter
         loss, count = shard_loss_sum(hidden, targets, head, chunk_mb)
         assert count == int((targets != IGNORE_INDEX).sum())
     loss.backward()
-    return loss.detach(), hidden.grad, head.weight.grad
+    grads = (hidden.grad, head.weight.grad) + ((head.bias.grad,) if bias else ())
+    return (loss.detach().double(),) + tuple(grad.double() for grad in grads)
+
+
+_NAMES = ("loss", "hidden grad", "lm_head grad", "lm_head bias grad")
+
+
+def _budget(rows_per_chunk: int, bytes_per_logit: int = CE_BYTES_PER_LOGIT) -> float:
+    chunk_mb = rows_per_chunk * VOCAB * bytes_per_logit / 2**20
+    assert vocab_chunk_rows(chunk_mb, VOCAB, bytes_per_logit) == rows_per_chunk
+    return chunk_mb
 
 
 @pytest.mark.parametrize("rows_per_chunk", [1, 4, 64, ROWS])
-def test_chunked_loss_and_gradients_equal_unchunked_cross_entropy(rows_per_chunk):
-    chunk_mb = rows_per_chunk * VOCAB * CE_BYTES_PER_LOGIT / 2**20
-    assert vocab_chunk_rows(chunk_mb, VOCAB, CE_BYTES_PER_LOGIT) == rows_per_chunk
+def test_fused_chunked_loss_and_gradients_equal_unchunked_cross_entropy(rows_per_chunk):
     reference = _loss_and_grads(None)
-    chunked = _loss_and_grads(chunk_mb)
-    bounds = {"loss": 1e-6, "hidden grad": 1e-6 if rows_per_chunk >= 4 else 2e-5, "lm_head grad": 1e-6}
-    for (name, bound), got, want in zip(bounds.items(), chunked, reference):
+    chunked = _loss_and_grads(_budget(rows_per_chunk))
+    bounds = (1e-6, 1e-6 if rows_per_chunk >= 4 else 2e-5, 1e-6)
+    for name, bound, got, want in zip(_NAMES, bounds, chunked, reference):
         assert _rel(got, want) <= bound, (name, _rel(got, want))
+
+
+def test_fused_loss_of_a_head_with_bias_equals_unchunked_cross_entropy():
+    reference = _loss_and_grads(None, bias=True)
+    chunked = _loss_and_grads(_budget(64), bias=True)
+    for name, got, want in zip(_NAMES, chunked, reference, strict=True):
+        assert _rel(got, want) <= 1e-6, (name, _rel(got, want))
+
+
+def test_bf16_fused_loss_stays_within_bf16_rounding_of_the_fp32_reference():
+    reference = _loss_and_grads(None, bias=True, dtype=torch.bfloat16)
+    chunked = _loss_and_grads(_budget(64), bias=True, dtype=torch.bfloat16)
+    for name, got, want in zip(_NAMES, chunked, reference, strict=True):
+        assert _rel(got, want) <= 1e-2, (name, _rel(got, want))
+
+
+def test_zero3_partitioned_head_takes_the_checkpointed_module_path_with_the_same_result():
+    """A head whose weight carries DeepSpeed's `ds_id` runs every chunk through the module (its
+    hooks gather the weight under ZeRO-3): forward and checkpoint recomputation, 2 calls per chunk,
+    where the fused path never calls the module."""
+    calls = {}
+    for zero3 in (False, True):
+        head, hidden, targets = _head_and_inputs(False, torch.float32)
+        if zero3:
+            head.weight.ds_id = 0
+        calls[zero3] = []
+        head.register_forward_hook(lambda *_, c=calls[zero3]: c.append(1))
+        shard_loss_sum(hidden, targets, head, _budget(64, CHECKPOINTED_CE_BYTES_PER_LOGIT))[0].backward()
+    chunks = -(-int((targets != IGNORE_INDEX).sum()) // 64)
+    assert (len(calls[False]), len(calls[True])) == (0, 2 * chunks)
+    reference = _loss_and_grads(None)
+    chunked = _loss_and_grads(_budget(64, CHECKPOINTED_CE_BYTES_PER_LOGIT), zero3_head=True)
+    for name, got, want in zip(_NAMES, chunked, reference):
+        assert _rel(got, want) <= 5e-6, (name, _rel(got, want))
+
+
+def test_loss_without_autograd_equals_unchunked_cross_entropy():
+    head, hidden, targets = _head_and_inputs(True, torch.float32)
+    with torch.no_grad():
+        got, _ = shard_loss_sum(hidden, targets, head, _budget(64))
+    assert _rel(got.double(), _loss_and_grads(None, bias=True)[0]) <= 1e-6
 
 
 def test_packed_module_hands_its_budget_to_the_loss(tiny_checkpoint):

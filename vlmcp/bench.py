@@ -182,7 +182,7 @@ class LossTask:
         # The kernels' first use maps code and scratch pages: do it before the baseline.
         warm_head = nn.Linear(self.hidden_size, 64, bias=False).to(device, dtype)
         warm = torch.randn(8, self.hidden_size, dtype=dtype, device=device, requires_grad=True)
-        shard_loss_sum(warm, torch.randint(0, 64, (8,), device=device), warm_head, 64 * 4 * 12 / 2**20)[0].backward()
+        shard_loss_sum(warm, torch.randint(0, 64, (8,), device=device), warm_head, 4 * 64 * CE_BYTES_PER_LOGIT / 2**20)[0].backward()
         del warm_head, warm
         head = nn.Linear(self.hidden_size, self.vocab_size, bias=False).to(device, dtype)
         head.requires_grad_(not self.frozen_head)

@@ -136,8 +136,8 @@ class TrainSection:
         "process group times out 60 s later", min=1.0))
     loss_chunk_mb: float = field(default=256.0, metadata=_key(
         "memory budget (MiB) of one lm_head + cross-entropy chunk; its target rows are "
-        "budget / (12 bytes x vocab), so the loss transient does not grow with the vocabulary "
-        "or the shard length", min=1.0))
+        "budget / (6 bytes x vocab) (12 bytes for a ZeRO-3-partitioned "
+        "lm_head), so the loss transient does not grow with the vocabulary or the shard length", min=1.0))
 
 
 @dataclass

@@ -6,15 +6,21 @@ gradient-accumulation micro-batches of the step. DeepSpeed sums gradients over a
 ranks, divides by DP, and divides the loss by the accumulation steps in `engine.backward`; the
 scaling below undoes both, so the accumulated gradient is exactly d(sum CE / N).
 
-The lm_head and the cross-entropy run in checkpointed chunks of target rows, so `[rows, vocab]`
-logits exist for one chunk at a time (recomputed in backward). The chunk's row count follows from a
-memory budget and the vocabulary size (`vocab_chunk_rows`), never from a fixed token count: the
-transient stays within the budget at any vocabulary and any shard length.
+The lm_head and the cross-entropy run in chunks of target rows, so `[rows, vocab]` logits exist
+for one chunk at a time. The chunk's row count follows from a memory budget and the vocabulary
+size (`vocab_chunk_rows`), never from a fixed token count: the transient stays within the budget
+at any vocabulary and any shard length. With gradients, `FusedLinearCrossEntropy` recomputes each
+chunk's logits in backward and accumulates the lm_head's weight gradient in place in one buffer.
+A ZeRO-3-partitioned lm_head (its weight exists only inside the module's own hooks) instead runs
+each chunk through the module under activation checkpointing (`chunked_sum`), whose transient is
+higher (`CHECKPOINTED_CE_BYTES_PER_LOGIT`, and autograd sums the chunks' weight gradients out of
+place).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,15 +31,20 @@ from vlmcp.data.batch import IGNORE_INDEX
 from vlmcp.parallel import comm
 
 #: Default memory budget (MiB) of one lm_head + cross-entropy chunk (`train.loss_chunk_mb`):
-#: 90 rows at a 248,320-token vocabulary, so the loss's logits transient stays near 256 MiB.
+#: 180 rows at a 248,320-token vocabulary.
 DEFAULT_LOSS_CHUNK_MB = 256.0
 
-#: Peak bytes one target row of a cross-entropy chunk holds, per vocabulary entry: three fp32
-#: [rows, vocab] tensors at once (in the backward of log-softmax: its saved output, the incoming
-#: gradient and the outgoing one). Measured on CPU with the lm_head frozen, fp32 and bf16 heads
-#: alike (the bf16 logits are cast and freed before that peak): 129 MiB at 43 rows and 250 MiB at
-#: 86 rows of a 248,320-token vocabulary, against 122 and 244 MiB predicted.
-CE_BYTES_PER_LOGIT = 3 * 4
+#: Peak bytes one target row of a fused cross-entropy chunk holds, per vocabulary entry: a bf16
+#: head's logits (2) next to their fp32 copy (4) in forward and in the backward's recomputation,
+#: then the fp32 logit gradient (4) next to its bf16 copy for the matmuls (2). An fp32 head holds
+#: 4 (one fp32 [rows, vocab] tensor, transformed in place).
+CE_BYTES_PER_LOGIT = 6
+
+#: The same for the checkpointed chunks of a ZeRO-3-partitioned head: three fp32 [rows, vocab]
+#: tensors at once in the backward of log-softmax (its saved output, the incoming gradient and the
+#: outgoing one). Measured on CPU with the lm_head frozen: 129 MiB at 43 rows and 250 MiB at 86
+#: rows of a 248,320-token vocabulary, against 122 and 244 MiB predicted.
+CHECKPOINTED_CE_BYTES_PER_LOGIT = 3 * 4
 
 
 def vocab_chunk_rows(budget_mb: float, vocab_size: int, bytes_per_logit: int) -> int:
@@ -45,38 +56,129 @@ def vocab_chunk_rows(budget_mb: float, vocab_size: int, bytes_per_logit: int) ->
     return max(1, int(budget_mb * 2**20) // (vocab_size * bytes_per_logit))
 
 
-def shard_loss_sum(hidden: torch.Tensor, targets: torch.Tensor, lm_head: nn.Module,
+def shard_loss_sum(hidden: torch.Tensor, targets: torch.Tensor, lm_head: nn.Linear,
                    chunk_mb: float = DEFAULT_LOSS_CHUNK_MB) -> tuple[torch.Tensor, int]:
     """Sum of cross-entropy over this shard's targets.
 
     hidden: [S_local, hidden] final-norm hidden states; targets: [S_local] token ids or
     IGNORE_INDEX; lm_head: a Linear with `out_features` = vocab; chunk_mb: memory budget of one
-    chunk of rows (`vocab_chunk_rows` with `CE_BYTES_PER_LOGIT`). Returns (0-dim fp32 sum, number
-    of targets). A shard without targets returns a zero that still depends on the lm_head, so
-    every rank runs the same backward.
+    chunk of rows (`vocab_chunk_rows`). Returns (0-dim fp32 sum, number of targets). A shard
+    without targets returns a zero that still depends on the lm_head, so every rank runs the same
+    backward.
+
+    Paths: without autograd, plain chunks through the module; with autograd,
+    `FusedLinearCrossEntropy` on the head's weight and bias (`CE_BYTES_PER_LOGIT`); with a
+    ZeRO-3-partitioned head (weight has `ds_id`), checkpointed chunks through the module
+    (`chunked_sum`, `CHECKPOINTED_CE_BYTES_PER_LOGIT`).
     """
     keep = targets != IGNORE_INDEX
     count = int(keep.sum())
     if count == 0:
         return lm_head(hidden[:1]).float().sum() * 0.0, 0
-    rows = vocab_chunk_rows(chunk_mb, lm_head.out_features, CE_BYTES_PER_LOGIT)
-    return chunked_sum(_chunk_ce, hidden[keep], targets[keep], lm_head, rows), count
+    hidden, targets = hidden[keep], targets[keep]
+    vocab = lm_head.out_features
+    if not torch.is_grad_enabled():
+        rows = vocab_chunk_rows(chunk_mb, vocab, CE_BYTES_PER_LOGIT)
+        return _ce_sum_and_lse(lm_head, hidden, targets, rows)[0], count
+    if _zero3_partitioned(lm_head):
+        rows = vocab_chunk_rows(chunk_mb, vocab, CHECKPOINTED_CE_BYTES_PER_LOGIT)
+        return chunked_sum(_chunk_ce, hidden, targets, lm_head, rows), count
+    rows = vocab_chunk_rows(chunk_mb, vocab, CE_BYTES_PER_LOGIT)
+    return FusedLinearCrossEntropy.apply(hidden, targets, lm_head.weight, lm_head.bias, rows), count
+
+
+def _zero3_partitioned(module: nn.Module) -> bool:
+    """Whether DeepSpeed ZeRO-3 partitions `module`'s own parameters (they carry `ds_id`).
+
+    Reads the parameters by iterating them, never as `module.weight`: inside a ZeRO-3 forward
+    that attribute read gathers a partitioned weight (an all-gather) on this rank alone, while a
+    rank without targets never reaches this check, so the ranks' collectives would mismatch.
+    """
+    return any(hasattr(param, "ds_id") for param in module.parameters(recurse=False))
+
+
+class FusedLinearCrossEntropy(torch.autograd.Function):
+    """sum_i CE(hidden[i] @ weight.T + bias, targets[i]) in chunks of `rows` rows.
+
+    hidden: [N, hidden]; targets: [N] token ids (no IGNORE_INDEX); weight: [vocab, hidden];
+    bias: [vocab] or None. Logits are fp32 and exist for one chunk at a time, in forward and in
+    backward (recomputed). Saves hidden, targets, the parameters and each row's log-sum-exp ([N]
+    fp32). Backward writes the hidden-state gradient chunk by chunk into one [N, hidden] buffer
+    and accumulates the weight (and bias) gradient in place in one buffer of the parameter's
+    dtype, so nothing weight-sized exists beyond the gradient itself. Returns a 0-dim fp32 tensor.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None, rows: int) -> torch.Tensor:
+        total, lse = _ce_sum_and_lse(lambda h: F.linear(h, weight, bias), hidden, targets, rows)
+        ctx.save_for_backward(hidden, targets, weight, bias, lse)
+        ctx.rows = rows
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        hidden, targets, weight, bias, lse = ctx.saved_tensors
+        need_hidden, _, need_weight, need_bias, _ = ctx.needs_input_grad
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros_like(weight) if need_weight else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if need_bias else None
+        for start in range(0, hidden.shape[0], ctx.rows):
+            stop = min(start + ctx.rows, hidden.shape[0])
+            h, t = hidden[start:stop], targets[start:stop]
+            # softmax - onehot, times the incoming gradient, built in place in the fp32 logits.
+            grad_logits = F.linear(h, weight, bias).float()
+            grad_logits.sub_(lse[start:stop, None]).exp_()
+            grad_logits[torch.arange(stop - start, device=t.device), t] -= 1.0
+            grad_logits.mul_(grad_total)
+            if grad_bias is not None:
+                grad_bias.add_(grad_logits.sum(0))
+            grad_logits = grad_logits.to(weight.dtype)
+            if grad_hidden is not None:
+                torch.mm(grad_logits, weight, out=grad_hidden[start:stop])
+            if grad_weight is not None:
+                grad_weight.addmm_(grad_logits.t(), h)
+            del grad_logits
+        if grad_bias is not None:
+            grad_bias = grad_bias.to(bias.dtype)
+        return grad_hidden, None, grad_weight, grad_bias, None
+
+
+def _ce_sum_and_lse(project: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+                    targets: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """CE sum over chunks of `rows` rows of `project(hidden)` (the lm_head, [rows, vocab]
+    logits), without autograd, and each row's log-sum-exp ([N] fp32). One chunk's fp32 logits
+    exist at a time, turned into exp(logits - max) in place."""
+    lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    with torch.no_grad():
+        for start in range(0, hidden.shape[0], rows):
+            stop = min(start + rows, hidden.shape[0])
+            logits = project(hidden[start:stop]).float()
+            target_logits = logits.gather(1, targets[start:stop, None])[:, 0]
+            row_max = logits.amax(1, keepdim=True)
+            row_lse = logits.sub_(row_max).exp_().sum(1).log_().add_(row_max[:, 0])
+            del logits
+            lse[start:stop] = row_lse
+            total += (row_lse - target_logits).sum()
+    return total, lse
 
 
 def chunked_sum(fn: Callable[[torch.Tensor, torch.Tensor, nn.Module], torch.Tensor],
                 hidden: torch.Tensor, targets: torch.Tensor, lm_head: nn.Module,
                 rows: int) -> torch.Tensor:
-    """Sum of `fn(hidden_chunk, targets_chunk, lm_head)` over chunks of `rows` rows.
+    """Sum of `fn(hidden_chunk, targets_chunk, lm_head)` over chunks of `rows` rows, the path of
+    a ZeRO-3-partitioned lm_head (whose weight exists only inside the module's own hooks).
 
-    hidden: [N, hidden]; targets: [N]. With autograd on and more than one chunk, each chunk is
-    checkpointed (recomputed in backward), so only one chunk's intermediates exist at a time.
-    Returns a 0-dim fp32 tensor.
+    hidden: [N, hidden]; targets: [N]. With more than one chunk, each chunk is checkpointed
+    (recomputed in backward), so only one chunk's intermediates exist at a time. Returns a 0-dim
+    fp32 tensor.
     """
     count = hidden.shape[0]
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, count, rows):
         h, t = hidden[start : start + rows], targets[start : start + rows]
-        if torch.is_grad_enabled() and count > rows:
+        if count > rows:
             total = total + checkpoint(fn, h, t, lm_head, use_reentrant=False)
         else:
             total = total + fn(h, t, lm_head)
