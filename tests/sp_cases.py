@@ -67,7 +67,7 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
         model = cls.from_pretrained(case["checkpoint"], dtype=dtype, attn_implementation="sdpa")
         model.model.visual.requires_grad_(case.get("train_vision", False))
         module = PackedVLM(model, sp=sp, deltanet_cp=case["mode"], gradient_checkpointing=case.get("checkpointing", False),
-                           vision_mode=case.get("vision", "split"))
+                           vision_mode=case.get("vision", "split"), loss_chunk_mb=case["loss_chunk_mb"])
         params = [p for p in module.parameters() if p.requires_grad]
         engine, *_ = deepspeed.initialize(
             model=module, optimizer=torch.optim.SGD(params, lr=0.0), config=config, mpu=sp.mpu

@@ -15,6 +15,7 @@ import torch
 from tests.distributed import run_ranks
 from tests.parity import build_model, make_sample, pack, reference_loss_and_grads, rel_err
 from tests.sp_cases import engine_step
+from vlmcp.model.loss import DEFAULT_LOSS_CHUNK_MB
 
 TOL = 1e-5
 
@@ -58,9 +59,11 @@ CASES = {
     ),
     # [15] rank 0 encodes the image (placeholders 8..23 over ranks 0 and 1); ranks 1 and 2 run the
     # dummy image so that ZeRO-3 gathers the tower on every rank
-    "p3_sample_spans_three_ranks_trainable_split_vision_zero3": dict(
+    # Loss chunks of one target row: the ranks hold different target counts, and a ZeRO-3 lm_head
+    # must still make the same module calls on every rank.
+    "p3_sample_spans_three_ranks_trainable_split_vision_zero3_one_row_loss_chunks": dict(
         world=3, sp=3, model={"num_attention_heads": 6, "num_key_value_heads": 3}, stage=3, mode="state", accum=1,
-        train_vision=True,
+        train_vision=True, loss_chunk_mb=0.001,
         packs=[[[(4, []), (40, [(1, 8, 8)])]]],
     ),
     # [14] 16-patch image (larger than the two others together) on 13..16 -> ranks 0, 1; rank 1's
@@ -122,7 +125,8 @@ def _results(world: int, sp: int, tmp_root) -> dict:
         references[name] = reference_loss_and_grads(model, flat)
         cases[name] = dict(checkpoint=str(checkpoint), stage=spec["stage"], mode=spec["mode"], grad_accum=spec["accum"], packs=packs,
                            train_vision=spec.get("train_vision", False), bf16=spec.get("bf16", False),
-                           checkpointing=spec.get("checkpointing", False), vision=spec.get("vision", "split"))
+                           checkpointing=spec.get("checkpointing", False), vision=spec.get("vision", "split"),
+                           loss_chunk_mb=spec.get("loss_chunk_mb", DEFAULT_LOSS_CHUNK_MB))
     per_rank = run_ranks(engine_step, world, sp, cases)
     return {name: (references[name], [r[name] for r in per_rank]) for name in cases}
 

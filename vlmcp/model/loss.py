@@ -12,7 +12,8 @@ size (`vocab_chunk_rows`), never from a fixed token count: the transient stays w
 at any vocabulary and any shard length. With gradients, `FusedLinearCrossEntropy` recomputes each
 chunk's logits in backward and accumulates the lm_head's weight gradient in place in one buffer.
 A ZeRO-3-partitioned lm_head (its weight exists only inside the module's own hooks) instead runs
-each chunk through the module under activation checkpointing (`chunked_sum`), whose transient is
+each chunk through the module under activation checkpointing (`zero3_chunked_ce`, the same chunk
+count on every rank, since each call gathers the weight), whose transient is
 higher (`CHECKPOINTED_CE_BYTES_PER_LOGIT`, and autograd sums the chunks' weight gradients out of
 place).
 """
@@ -68,22 +69,21 @@ def shard_loss_sum(hidden: torch.Tensor, targets: torch.Tensor, lm_head: nn.Line
 
     Paths: without autograd, plain chunks through the module; with autograd,
     `FusedLinearCrossEntropy` on the head's weight and bias (`CE_BYTES_PER_LOGIT`); with a
-    ZeRO-3-partitioned head (weight has `ds_id`), checkpointed chunks through the module
-    (`chunked_sum`, `CHECKPOINTED_CE_BYTES_PER_LOGIT`).
+    ZeRO-3-partitioned head (weight has `ds_id`), with or without autograd, chunks through the
+    module, the same number on every rank (`zero3_chunked_ce`, `CHECKPOINTED_CE_BYTES_PER_LOGIT`).
     """
     keep = targets != IGNORE_INDEX
     count = int(keep.sum())
+    vocab = lm_head.out_features
+    if _zero3_partitioned(lm_head):
+        rows = vocab_chunk_rows(chunk_mb, vocab, CHECKPOINTED_CE_BYTES_PER_LOGIT)
+        return zero3_chunked_ce(hidden, keep, targets, lm_head, rows), count
     if count == 0:
         return lm_head(hidden[:1]).float().sum() * 0.0, 0
     hidden, targets = hidden[keep], targets[keep]
-    vocab = lm_head.out_features
-    if not torch.is_grad_enabled():
-        rows = vocab_chunk_rows(chunk_mb, vocab, CE_BYTES_PER_LOGIT)
-        return _ce_sum_and_lse(lm_head, hidden, targets, rows)[0], count
-    if _zero3_partitioned(lm_head):
-        rows = vocab_chunk_rows(chunk_mb, vocab, CHECKPOINTED_CE_BYTES_PER_LOGIT)
-        return chunked_sum(_chunk_ce, hidden, targets, lm_head, rows), count
     rows = vocab_chunk_rows(chunk_mb, vocab, CE_BYTES_PER_LOGIT)
+    if not torch.is_grad_enabled():
+        return _ce_sum_and_lse(lm_head, hidden, targets, rows)[0], count
     return FusedLinearCrossEntropy.apply(hidden, targets, lm_head.weight, lm_head.bias, rows), count
 
 
@@ -164,24 +164,34 @@ def _ce_sum_and_lse(project: Callable[[torch.Tensor], torch.Tensor], hidden: tor
     return total, lse
 
 
-def chunked_sum(fn: Callable[[torch.Tensor, torch.Tensor, nn.Module], torch.Tensor],
-                hidden: torch.Tensor, targets: torch.Tensor, lm_head: nn.Module,
-                rows: int) -> torch.Tensor:
-    """Sum of `fn(hidden_chunk, targets_chunk, lm_head)` over chunks of `rows` rows, the path of
-    a ZeRO-3-partitioned lm_head (whose weight exists only inside the module's own hooks).
+def zero3_chunked_ce(hidden: torch.Tensor, keep: torch.Tensor, targets: torch.Tensor,
+                     lm_head: nn.Module, rows: int) -> torch.Tensor:
+    """CE sum of a ZeRO-3-partitioned lm_head, whose weight exists only inside the module's own
+    hooks: every chunk of `rows` target rows runs through the module.
 
-    hidden: [N, hidden]; targets: [N]. With more than one chunk, each chunk is checkpointed
-    (recomputed in backward), so only one chunk's intermediates exist at a time. Returns a 0-dim
-    fp32 tensor.
+    hidden: [S_local, hidden]; keep: [S_local] bool, the target rows; targets: [S_local]. Every
+    module call gathers the weight (a collective over the ZeRO group), so every rank of the world
+    makes the same calls: the chunk count is the largest over the world (one all-reduce; at least
+    one), a rank with fewer target chunks runs the rest as chunks of one row with weight zero, and with
+    autograd every chunk is checkpointed (recomputed in backward) exactly when that count is above
+    one. Only one chunk's intermediates exist at a time. Returns a 0-dim fp32 tensor.
     """
-    count = hidden.shape[0]
+    real_hidden, real_targets = hidden[keep], targets[keep]
+    mine = torch.tensor([-(-real_targets.numel() // rows)], dtype=torch.float64)
+    chunks = max(1, int(comm.all_reduce_max(mine)[0]))
+    recompute = torch.is_grad_enabled() and chunks > 1
     total = hidden.new_zeros((), dtype=torch.float32)
-    for start in range(0, count, rows):
-        h, t = hidden[start : start + rows], targets[start : start + rows]
-        if count > rows:
-            total = total + checkpoint(fn, h, t, lm_head, use_reentrant=False)
+    for start in range(0, chunks * rows, rows):
+        h, t = real_hidden[start : start + rows], real_targets[start : start + rows]
+        weight = 1.0
+        if t.numel() == 0:
+            # The same graph as a real chunk (the module's hooks fire in the same order in
+            # backward, so ZeRO-3's gathers line up across ranks), weighted zero.
+            h, t, weight = hidden[:1], targets.new_zeros(1), 0.0
+        if recompute:
+            total = total + checkpoint(_chunk_ce, h, t, lm_head, use_reentrant=False) * weight
         else:
-            total = total + fn(h, t, lm_head)
+            total = total + _chunk_ce(h, t, lm_head) * weight
     return total
 
 
