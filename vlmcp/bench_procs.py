@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import resource
-import socket
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -60,12 +59,6 @@ def _proc_status_mb(field: str, pid: int | str = "self") -> float:
     raise OSError(f"/proc/{pid}/status has no {field}")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _rank_entry(rank: int, world: int, port: int, threads: int, out_dir: str, task: Any, distributed: bool) -> None:
     """Body of one fresh rank process: join the world over gloo, run `task`, write rank 0's row."""
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
@@ -79,7 +72,7 @@ def _rank_entry(rank: int, world: int, port: int, threads: int, out_dir: str, ta
         Path(out_dir, "row.json").write_text(json.dumps(row))
     if distributed:
         comm.barrier()
-        torch.distributed.destroy_process_group()
+        comm.shutdown()
 
 
 class MemoryLimitExceeded(RuntimeError):
@@ -97,7 +90,7 @@ def run_fresh(task: Any, world: int, *, distributed: bool = True, limit_mb: floa
 
     threads = max(1, torch.get_num_threads() // world)
     with tempfile.TemporaryDirectory(prefix="vlmcp-bench-") as out_dir:
-        context = mp.start_processes(_rank_entry, args=(world, _free_port(), threads, out_dir, task, distributed),
+        context = mp.start_processes(_rank_entry, args=(world, comm.free_local_port(), threads, out_dir, task, distributed),
                                      nprocs=world, join=False, start_method="spawn")
         while not context.join(timeout=0.5):
             if limit_mb is not None and _over_limit(context.pids(), limit_mb):

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmcp.demo_assets import build_tiny_checkpoint, write_digits_dataset
+from vlmcp.parallel import comm
 from vlmcp.training.metrics import read_metrics
 
 logger = logging.getLogger(__name__)
@@ -54,12 +54,6 @@ def demo_job(assets_dir: Path, out_dir: Path, sp_size: int) -> dict[str, Any]:
         "deepspeed": {"zero_optimization": {"stage": 0}},
         "output_dir": str(out_dir),
     }
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def plot_metrics(rows: Sequence[dict[str, Any]], path: Path) -> Path:
@@ -109,7 +103,7 @@ def run_demo(out_dir: str | Path = "runs/demo", nproc: int = 2, sp_size: int = 2
     sets = [*(["--set", f"train.max_steps={steps}"] if steps else []),
             *(arg for item in overrides for arg in ("--set", item))]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+               "--master_addr", "127.0.0.1", "--master_port", str(comm.free_local_port()),
                "-m", "vlmcp", "train", str(job_path), *sets]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "TOKENIZERS_PARALLELISM": "false"}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from datetime import timedelta
 
 import torch
@@ -115,6 +116,13 @@ def init_distributed(timeout_s: float = 600.0) -> None:
         _skip_cpu_shm_op()
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s))
     logger.debug("rank %d/%d on %s (%s)", rank(), world_size(), get_accelerator().device_name(), backend)
+
+
+def free_local_port() -> int:
+    """A TCP port free on 127.0.0.1 right now, for a rendezvous of ranks started on this machine."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def shutdown() -> None:

@@ -69,10 +69,7 @@ def agree_on_problems(problems: list[str]) -> None:
     an empty PreflightError and exits quietly, so no rank is left waiting in a collective and
     each problem is printed once.
     """
-    flags = torch.zeros(comm.world_size(), dtype=torch.float64)
-    flags[comm.rank()] = float(bool(problems))
-    comm.all_reduce_sum(flags)
-    failing = [r for r, flag in enumerate(flags.tolist()) if flag]
+    failing = [r for r, flag in enumerate(comm.rank_flags(bool(problems))) if flag]
     if not failing:
         return
     if comm.rank() == failing[0]:
