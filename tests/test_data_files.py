@@ -195,7 +195,8 @@ def test_job_config_validates_data_lists_and_rejects_eval_weights():
     with pytest.raises(ConfigError) as info:
         job_from_dict({**base, "data": {"train": [{"path": "a", "weight": "2"}], "eval": [
             {"path": "e", "weight": 2}]}})
-    assert info.value.problems[0] == "config key 'data.train[0].weight': expected a number, got \"2\""
+    assert info.value.problems[0] == \
+        "config key 'data.train[0].weight': expected a number, got \"2\""
     assert info.value.problems[1].startswith("unknown config key 'data.eval[0].weight'")
     with pytest.raises(ConfigError, match=r"'data.train': the list names no file"):
         job_from_dict({**base, "data": {"train": []}})
@@ -279,6 +280,13 @@ def test_validate_lists_every_bad_file_and_record_of_a_mixture(mixture_job, tmp_
         "error: config key 'data.train[4]': file not found: 'missing.jsonl' (looked in "
         f"{tmp_path} and in {Path.cwd()})",
         "error: config key 'data.train[3].weight': 0.01 x 8 samples rounds to 0 samples per epoch"]
+
+
+def test_a_missing_image_root_is_one_problem(mixture_job, tmp_path, capsys):
+    assert main(["validate", str(mixture_job), "--set", "data.image_root=nowhere"]) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: config key 'data.image_root': directory not found: 'nowhere' "
+                      f"(looked in {tmp_path} and in {Path.cwd()})"]
 
 
 def test_a_json_array_mixture_job_trains(mixture_job, tmp_path):

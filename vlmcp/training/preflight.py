@@ -64,17 +64,6 @@ def _where(job: JobConfig, path: str) -> str:
     return f"{path!r} (looked in {job.job_dir} and in {Path.cwd()})"
 
 
-def _image_root(job: JobConfig, report: Preflight) -> Path | None:
-    """data.image_root resolved; a missing directory is a problem (and the data is not read)."""
-    if job.data.image_root is None:
-        return None
-    root = job.resolve_input(job.data.image_root)
-    if not root.is_dir():
-        report.problems.append(f"config key 'data.image_root': directory not found: "
-                               f"{_where(job, job.data.image_root)}")
-    return root
-
-
 def _read_files(job: JobConfig, files: list[DataFile], processor: VLProcessor,
                 image_root: Path | None, report: Preflight) -> tuple[list[Sample], list[int]]:
     """The samples of every file, concatenated in file order, and each file's sample count."""
@@ -107,9 +96,14 @@ def _check_mixture(files: list[DataFile], counts: list[int], report: Preflight) 
 
 
 def _read_data(job: JobConfig, processor: VLProcessor, report: Preflight) -> None:
-    image_root = _image_root(job, report)
-    if image_root is not None and not image_root.is_dir():
-        return
+    """Read every file of data.train and data.eval into `report` (samples, problems)."""
+    image_root = None
+    if job.data.image_root is not None:
+        image_root = job.resolve_input(job.data.image_root)
+        if not image_root.is_dir():  # one line, not one "image not found" per record
+            report.problems.append(f"config key 'data.image_root': directory not found: "
+                                   f"{_where(job, job.data.image_root)}")
+            return
     train_files = data_files(job.data.train, "data.train")
     report.train_samples, report.train_file_sizes = _read_files(job, train_files, processor,
                                                                 image_root, report)
