@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from vlmcp.config import JobConfig
+from vlmcp.data.mixture import draws_per_epoch
 from vlmcp.data.pack import PackedDataset
 from vlmcp.model.load import load_model
 from vlmcp.model.loss import global_target_count, scale_for_deepspeed
@@ -111,11 +112,18 @@ def start_run(job: JobConfig) -> Run:
     logger.info("world %d = sp %d x dp %d, ZeRO stage %d, %d train / %d eval samples",
                 comm.world_size(), sp.size, sp.dp_size, zero_stage(preflight.ds_config),
                 len(preflight.train_samples), len(preflight.eval_samples))
+    if len(preflight.train_file_sizes) > 1 or any(w != 1 for w in preflight.train_weights):
+        draws = draws_per_epoch(preflight.train_file_sizes, preflight.train_weights)
+        logger.info("data.train mixture, samples per epoch: %s", ", ".join(
+            f"[{i}] {n} x {w:g} -> {k}" for i, (n, w, k) in enumerate(
+                zip(preflight.train_file_sizes, preflight.train_weights, draws))))
     engine, module = _build_engine(job, preflight, sp)
     start_step = load_latest(engine, job) if job.train.resume else 0
     dataset = PackedDataset(preflight.train_samples, job.data.max_seq_len, dp_rank=sp.dp_rank,
                             dp_size=sp.dp_size, shuffle=job.data.shuffle, seed=job.train.seed,
-                            multiple_of=job.train.grad_accum)
+                            multiple_of=job.train.grad_accum,
+                            file_sizes=preflight.train_file_sizes,
+                            weights=preflight.train_weights)
     return Run(job=job, preflight=preflight, sp=sp, engine=engine, module=module,
                schedule=StepSchedule(dataset, job.train.grad_accum),
                metrics=MetricsWriter(job.output_dir, enabled=comm.rank() == 0,

@@ -1,10 +1,11 @@
 """Every check a job must pass before training: `vlmcp validate`, and the start of every rank.
 
-One line per problem, each naming what to fix (a config key, or a "file:line" of the data).
-Checked: the job schema (by `load_job`, before this), the checkpoint directory and its processor,
-the sequence-parallel constraints of the model for the world size, the DeepSpeed config, every
-line of data.train and data.eval (files, images, placeholder counts, lengths, targets), and that
-a resume has a complete checkpoint to resume from, and that output_dir is writable.
+One line per problem, each naming what to fix (a config key, or a "file:line" / "file[index]" of
+the data). Checked: the job schema (by `load_job`, before this), the checkpoint directory and its
+processor, the sequence-parallel constraints of the model for the world size, the DeepSpeed config,
+every record of every file of data.train and data.eval (files, images, placeholder counts,
+lengths, targets; each weighted file contributing at least one sample per epoch), that a resume
+has a complete checkpoint to resume from, and that output_dir is writable.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from transformers import PretrainedConfig
 from vlmcp.config import ConfigError, JobConfig, JobError
 from vlmcp.data.dataset import iter_samples
 from vlmcp.data.formats import DataError, Sample
+from vlmcp.data.mixture import draws_per_epoch
 from vlmcp.data.processor import ProcessorError, VLProcessor, load_processor
+from vlmcp.data.sources import DataFile, data_files
 from vlmcp.model.load import ModelLoadError, load_config, text_hidden_size
 from vlmcp.parallel import comm
 from vlmcp.parallel.constraints import check_sp_constraints
@@ -47,6 +50,10 @@ class Preflight:
     processor: VLProcessor | None = None
     ds_config: dict[str, Any] | None = None
     train_samples: list[Sample] = field(default_factory=list)
+    #: Samples of each data.train file (train_samples holds them concatenated in file order).
+    train_file_sizes: list[int] = field(default_factory=list)
+    #: Weight of each data.train file (`vlmcp.data.mixture`).
+    train_weights: list[float] = field(default_factory=list)
     eval_samples: list[Sample] = field(default_factory=list)
 
 
@@ -57,19 +64,54 @@ def _where(job: JobConfig, path: str) -> str:
     return f"{path!r} (looked in {job.job_dir} and in {Path.cwd()})"
 
 
-def _read_data(job: JobConfig, key: str, path: str, processor: VLProcessor,
-               report: Preflight) -> list[Sample]:
-    resolved = job.resolve_input(path)
-    if not resolved.is_file():
-        report.problems.append(f"config key 'data.{key}': file not found: {_where(job, path)}")
-        return []
+def _read_files(job: JobConfig, files: list[DataFile], processor: VLProcessor,
+                image_root: Path | None, report: Preflight) -> tuple[list[Sample], list[int]]:
+    """The samples of every file, concatenated in file order, and each file's sample count."""
     samples: list[Sample] = []
-    for item in iter_samples(resolved, processor, job.data.max_seq_len, job.data.truncate):
-        if isinstance(item, DataError):
-            report.problems.append(str(item))
-        else:
-            samples.append(item)
-    return samples
+    counts: list[int] = []
+    for data_file in files:
+        resolved = job.resolve_input(data_file.path)
+        if not resolved.is_file():
+            report.problems.append(f"config key '{data_file.key}': file not found: "
+                                   f"{_where(job, data_file.path)}")
+            counts.append(0)
+            continue
+        before = len(samples)
+        for item in iter_samples(resolved, processor, job.data.max_seq_len, job.data.truncate,
+                                 image_root):
+            if isinstance(item, DataError):
+                report.problems.append(str(item))
+            else:
+                samples.append(item)
+        counts.append(len(samples) - before)
+    return samples, counts
+
+
+def _check_mixture(files: list[DataFile], counts: list[int], report: Preflight) -> None:
+    """Every weighted file must contribute at least one sample per epoch."""
+    for data_file, n, k in zip(files, counts, draws_per_epoch(counts, [f.weight for f in files])):
+        if n and not k:
+            report.problems.append(f"config key '{data_file.key}.weight': {data_file.weight:g} x "
+                                   f"{n} samples rounds to 0 samples per epoch")
+
+
+def _read_data(job: JobConfig, processor: VLProcessor, report: Preflight) -> None:
+    """Read every file of data.train and data.eval into `report` (samples, problems)."""
+    image_root = None
+    if job.data.image_root is not None:
+        image_root = job.resolve_input(job.data.image_root)
+        if not image_root.is_dir():  # one line, not one "image not found" per record
+            report.problems.append(f"config key 'data.image_root': directory not found: "
+                                   f"{_where(job, job.data.image_root)}")
+            return
+    train_files = data_files(job.data.train, "data.train")
+    report.train_samples, report.train_file_sizes = _read_files(job, train_files, processor,
+                                                                image_root, report)
+    report.train_weights = [f.weight for f in train_files]
+    _check_mixture(train_files, report.train_file_sizes, report)
+    if job.data.eval:
+        eval_files = data_files(job.data.eval, "data.eval", weighted=False)
+        report.eval_samples, _ = _read_files(job, eval_files, processor, image_root, report)
 
 
 def _check_model(job: JobConfig, world_size: int, report: Preflight) -> None:
@@ -156,7 +198,5 @@ def run_preflight(job: JobConfig, world_size: int) -> Preflight:
     _check_output_dir(job, report)
     _check_resume(job, report)
     if report.processor is not None:
-        report.train_samples = _read_data(job, "train", job.data.train, report.processor, report)
-        if job.data.eval:
-            report.eval_samples = _read_data(job, "eval", job.data.eval, report.processor, report)
+        _read_data(job, report.processor, report)
     return report
