@@ -52,6 +52,23 @@ def iter_samples(
         yield DataError(f"{path}: no samples")
 
 
+def nth_sample(
+    jsonl_path: str | Path, index: int, processor: VLProcessor, max_seq_len: int,
+    truncate: bool = False,
+) -> Sample:
+    """The sample at 0-based `index` (counting non-blank lines) of a JSONL file; only that line is
+    parsed and only its images are decoded. Raises `DataError` (the line's, or one naming the
+    file and how many samples it holds)."""
+    path = Path(jsonl_path)
+    count = 0
+    for number, line in _lines(path):
+        if count == index:
+            return parse_line(line, f"{path}:{number}", path.parent, processor, max_seq_len,
+                              truncate)
+        count += 1
+    raise DataError(f"{path}: no sample {index} (the file holds {count})")
+
+
 def load_samples(
     jsonl_path: str | Path, processor: VLProcessor, max_seq_len: int, truncate: bool = False
 ) -> list[Sample]:

@@ -13,7 +13,8 @@ Accepted line formats (image paths are relative to the JSONL file):
   already expanded. labels use the unshifted HF convention (labels[t] is input_ids[t] or -100);
   every maximal run of image tokens is one image and must hold t*h*w // merge**2 tokens.
 
-Chat formats are rendered once with the tokenizer's chat template (Qwen/ChatML:
+Chat formats are rendered once with the tokenizer's chat template, given the processor's
+``chat_template_kwargs`` (``data.chat_template_kwargs``) as template variables (Qwen/ChatML:
 ``<|im_start|>role\\n...<|im_end|>\\n``; an image renders as
 ``<|vision_start|><|image_pad|><|vision_end|>`` and the single ``<|image_pad|>`` is expanded to
 the image's t*h*w // merge**2 placeholders).
@@ -229,7 +230,8 @@ def _tokenize_chat(
     if tokenizer.chat_template is None:
         raise _fail(source, "the tokenizer has no chat template")
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                             **processor.chat_template_kwargs)
     except Exception as e:  # the template itself may raise on content it rejects
         raise _fail(source, f"chat template failed: {e}") from e
     num_assistant = sum(m["role"] == "assistant" for m in messages)
