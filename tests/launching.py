@@ -95,8 +95,11 @@ def run_nodes(commands: list[list[str]], *, timeout: float = 300, grace: float =
              for command, (out, err) in zip(commands, outputs)]
     deadline = time.monotonic() + timeout
     try:
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if any(p.returncode not in (None, 0) for p in procs):
+        while time.monotonic() < deadline:
+            codes = [p.poll() for p in procs]
+            if None not in codes:
+                break
+            if any(code not in (None, 0) for code in codes):
                 deadline = min(deadline, time.monotonic() + grace)
             time.sleep(0.2)
     finally:
