@@ -21,7 +21,7 @@ from vlmcp.cli import main
 from vlmcp.config import ConfigError, job_from_dict
 from vlmcp.data.batch import IGNORE_INDEX
 from vlmcp.data.dataset import load_samples
-from vlmcp.data.inspection import EMPTY_THINK
+from vlmcp.data.formats import EMPTY_THINK
 from vlmcp.data.processor import load_processor
 
 QWEN35_SHAPED_TEMPLATE = """\
@@ -92,8 +92,20 @@ def _target_texts(sample, tokenizer) -> list[str]:
     return [tokenizer.decode(run) for run in runs]
 
 
-def _sample(checkpoint: Path, path: Path, **kwargs):
-    processor = load_processor(checkpoint, kwargs or None)
+def _collapse_images(ids: list[int], image_token_id: int) -> list[int]:
+    """One image token per run of image placeholders, as the template renders an image."""
+    return [t for i, t in enumerate(ids) if t != image_token_id or i == 0 or ids[i - 1] != t]
+
+
+def _template_messages() -> list[dict]:
+    """TWO_TURNS in the typed form the template receives."""
+    return [{"role": "user", "content": [{"type": "image"},
+                                         {"type": "text", "text": "What digit is this?"}]},
+            *TWO_TURNS["messages"][1:]]
+
+
+def _sample(checkpoint: Path, path: Path, empty_think: str = "target", **kwargs):
+    processor = load_processor(checkpoint, kwargs or None, empty_think)
     (sample,) = load_samples(path, processor, max_seq_len=256)
     return sample, processor
 
@@ -103,13 +115,9 @@ def test_empty_think_block_is_a_target_of_the_last_reply_only(thinking_checkpoin
     sample, processor = _sample(thinking_checkpoint, path)
     tokenizer = processor.tokenizer
     assert _target_texts(sample, tokenizer) == ["7<|im_end|>", f"{EMPTY_THINK}14<|im_end|>"]
-    image = processor.image_token_id
-    collapsed = [t for i, t in enumerate(sample.input_ids)
-                 if t != image or sample.input_ids[i - 1] != image]
-    messages = [{"role": "user", "content": [{"type": "image"},
-                                             {"type": "text", "text": "What digit is this?"}]},
-                *TWO_TURNS["messages"][1:]]
-    assert tokenizer.decode(collapsed) == tokenizer.apply_chat_template(messages, tokenize=False)
+    collapsed = _collapse_images(sample.input_ids, processor.image_token_id)
+    assert tokenizer.decode(collapsed) == \
+        tokenizer.apply_chat_template(_template_messages(), tokenize=False)
 
 
 def test_chat_template_kwargs_reach_the_template(thinking_checkpoint, make_jsonl):
@@ -122,6 +130,26 @@ def test_chat_template_kwargs_reach_the_template(thinking_checkpoint, make_jsonl
     # Qwen3.5's enable_thinking switches the generation prompt only; a training rendering (no
     # generation prompt) keeps the empty block on the last reply.
     assert no_thinking.input_ids == default.input_ids and no_thinking.labels == default.labels
+
+
+def test_empty_think_prompt_keeps_the_block_out_of_the_targets(thinking_checkpoint, make_jsonl):
+    path = make_jsonl([TWO_TURNS], {"img/a.png": (64, 96)})
+    target, processor = _sample(thinking_checkpoint, path)
+    prompt, _ = _sample(thinking_checkpoint, path, empty_think="prompt")
+    assert _target_texts(prompt, processor.tokenizer) == ["7<|im_end|>", "14<|im_end|>"]
+    assert prompt.input_ids == target.input_ids
+    # What precedes the last reply's targets is the enable_thinking=false generation prompt.
+    tokenizer = processor.tokenizer
+    labels = prompt.labels
+    target_starts = [i for i in range(1, len(labels))
+                     if labels[i] != IGNORE_INDEX and labels[i - 1] == IGNORE_INDEX]
+    last_prompt = prompt.input_ids[:target_starts[-1]]
+    generation_prompt = tokenizer.apply_chat_template(
+        _template_messages()[:-1], tokenize=False, add_generation_prompt=True,
+        enable_thinking=False)
+    assert generation_prompt.endswith(f"<|im_start|>assistant\n{EMPTY_THINK}")
+    assert tokenizer(generation_prompt, add_special_tokens=False)["input_ids"] == \
+        _collapse_images(last_prompt, processor.image_token_id)
 
 
 def test_chat_template_kwargs_refuse_arguments_vlmcp_sets():

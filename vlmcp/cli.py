@@ -237,7 +237,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         return _report([f"--sample {args.sample}: must be >= 0"])
     try:
         processor = load_processor(job.resolve_input(job.model.path),
-                                   job.data.chat_template_kwargs)
+                                   job.data.chat_template_kwargs, job.data.empty_think)
     except (ProcessorError, OSError, ValueError) as exc:
         return _report([f"config key 'model.path': {exc}"])
     try:

@@ -69,6 +69,11 @@ class DataSection:
     chat_template_kwargs: dict = field(default_factory=dict, metadata=_key(
         "extra keyword arguments (template variables) of every apply_chat_template call that "
         "renders a sample, e.g. {\"enable_thinking\": false}"))
+    empty_think: str = field(default="target", metadata=_key(
+        "an empty <think>\\n\\n</think>\\n\\n the chat template renders at the start of a reply "
+        "(Qwen3.5: the last one): a target (as rendered; teaches answering without thinking), or "
+        "part of the prompt (as the enable_thinking=false generation prompt has it)",
+        choices=["target", "prompt"]))
 
 
 @dataclass

@@ -22,7 +22,9 @@ the image's t*h*w // merge**2 placeholders).
 Targets (label != -100) of chat formats, exactly: for every assistant turn, the tokens after its
 ``<|im_start|>assistant\\n`` header up to and including its closing ``<|im_end|>``; that is the
 reply as the template renders it (for templates with reasoning blocks this includes the rendered
-``<think>...</think>`` part) plus ``<|im_end|>``. Not targets: the header, the ``\\n`` after
+``<think>...</think>`` part) plus ``<|im_end|>``; with the processor's ``empty_think`` "prompt"
+(``data.empty_think``), an empty ``<think>\\n\\n</think>\\n\\n`` opening a reply belongs to
+the prompt instead. Not targets: the header, the ``\\n`` after
 ``<|im_end|>``, system and user turns, and image placeholders anywhere. The rendered text is cut
 at each header end and at each ``<|im_end|>`` and the pieces are tokenized separately, so the
 prompt tokenizes exactly as it does at generation time (prompt ending in the header). Spans are
@@ -53,6 +55,8 @@ from vlmcp.data.processor import IMAGE_PAD, VLProcessor
 IMAGE_MARKER = "<image>"
 ASSISTANT_HEADER = "<|im_start|>assistant\n"
 TURN_END = "<|im_end|>"
+#: What Qwen3.x templates render at the start of a reply that has no reasoning.
+EMPTY_THINK = "<think>\n\n</think>\n\n"
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                    "system": "system"}
 _CHAT_ROLES = {"system", "user", "assistant"}
@@ -177,13 +181,19 @@ def _chat_messages(record: dict[str, Any], source: str) -> list[dict[str, Any]]:
     return messages
 
 
-def _segments(text: str, source: str, num_assistant: int) -> list[tuple[str, bool]]:
-    """Split rendered text into (piece, is_target) at assistant header ends and turn ends."""
+def _segments(text: str, source: str, num_assistant: int,
+              empty_think_target: bool) -> list[tuple[str, bool]]:
+    """Split rendered text into (piece, is_target) at assistant header ends and turn ends.
+
+    Without `empty_think_target`, an `EMPTY_THINK` that opens a reply stays with the prompt.
+    """
     pieces: list[tuple[str, bool]] = []
     cursor = 0
     found = 0
     while (header := text.find(ASSISTANT_HEADER, cursor)) != -1:
         start = header + len(ASSISTANT_HEADER)
+        if not empty_think_target and text.startswith(EMPTY_THINK, start):
+            start += len(EMPTY_THINK)
         end = text.find(TURN_END, start)
         if end == -1:
             raise _fail(source, "an assistant turn has no closing <|im_end|> in the rendering")
@@ -238,7 +248,8 @@ def _tokenize_chat(
     input_ids: list[int] = []
     labels: list[int] = []
     next_image = 0
-    for piece, is_target in _segments(text, source, num_assistant):
+    for piece, is_target in _segments(text, source, num_assistant,
+                                      processor.empty_think == "target"):
         ids = tokenizer(piece, add_special_tokens=False)["input_ids"]
         piece_ids, piece_labels, next_image = _expand(ids, is_target, counts, processor, next_image)
         input_ids += piece_ids

@@ -16,11 +16,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from vlmcp.data.batch import IGNORE_INDEX
-from vlmcp.data.formats import Sample
+from vlmcp.data.formats import EMPTY_THINK, Sample
 from vlmcp.data.processor import IMAGE_PAD, VLProcessor
 
-#: What the Qwen3.5 template renders before the last assistant reply when it has no reasoning.
-EMPTY_THINK = "<think>\n\n</think>\n\n"
 TARGET_OPEN, TARGET_CLOSE = "[[", "]]"
 _GREEN, _CYAN, _RESET = "\x1b[1;32m", "\x1b[36m", "\x1b[0m"
 
