@@ -78,9 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser(
         "inspect", help="print one training sample as rendered, with its target tokens marked",
         description="Render one sample of data.train exactly as training tokenizes it (chat "
-                    "template with data.chat_template_kwargs, truncation) and print it with its "
-                    "target tokens in [[...]] (green on a terminal) and each image's "
-                    "placeholders collapsed to <|image_pad|>xN, after a summary: source "
+                    "template with data.chat_template_kwargs and data.empty_think, truncation) and "
+                    "print it with its target tokens in [[...]] (green on a terminal) and each "
+                    "image's placeholders collapsed to <|image_pad|>xN, after a summary: source "
                     "file:line, tokens, targets, and each image's grid and token count. One "
                     "process, no GPU, no DeepSpeed; only the sample's own images are decoded.")
     _add_job_args(inspect)
