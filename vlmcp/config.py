@@ -78,6 +78,14 @@ class DataSection:
         "shuffle samples (seeded by train.seed and the epoch) before packing each epoch"))
     truncate: bool = field(default=False, metadata=_key(
         "cut samples longer than max_seq_len instead of failing on them"))
+    chat_template_kwargs: dict = field(default_factory=dict, metadata=_key(
+        "extra keyword arguments (template variables) of every apply_chat_template call that "
+        "renders a sample, e.g. {\"enable_thinking\": false}"))
+    empty_think: str = field(default="target", metadata=_key(
+        "an empty <think>\\n\\n</think>\\n\\n the chat template renders at the start of a reply "
+        "(Qwen3.5: the last one): a target (as rendered; teaches answering without thinking), or "
+        "part of the prompt (as the enable_thinking=false generation prompt has it)",
+        choices=["target", "prompt"]))
 
 
 @dataclass
@@ -346,9 +354,19 @@ def _file_list_problems(value: Any, key: str, kind: str) -> list[str]:
     return []
 
 
+#: apply_chat_template arguments vlmcp sets itself, or that only act when it tokenizes (it renders
+#: text): not accepted in data.chat_template_kwargs.
+_RENDERING_ARGUMENTS = ("conversation", "tokenize", "add_generation_prompt",
+                        "continue_final_message", "return_dict", "return_tensors",
+                        "return_assistant_tokens_mask", "padding", "truncation", "max_length",
+                        "tokenizer_kwargs")
+
+
 def _cross_checks(job: JobConfig) -> list[str]:
     """Rules that involve more than one key."""
-    problems = []
+    problems = [f"config key 'data.chat_template_kwargs': '{name}' is set by vlmcp when it "
+                "renders a sample and cannot be given"
+                for name in _RENDERING_ARGUMENTS if name in job.data.chat_template_kwargs]
     if job.train.eval_every and not job.data.eval:
         problems.append("config key 'train.eval_every' is set but 'data.eval' is not")
     if job.eval.generate and not job.data.eval:

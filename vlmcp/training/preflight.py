@@ -130,7 +130,8 @@ def _check_model(job: JobConfig, world_size: int, report: Preflight) -> None:
         report.model_config.get_text_config(), sp_size=job.parallel.sp_size,
         world_size=world_size, deltanet_cp=job.parallel.deltanet_cp))
     try:
-        report.processor = load_processor(model_dir)
+        report.processor = load_processor(model_dir, job.data.chat_template_kwargs,
+                                          job.data.empty_think)
     except (ProcessorError, OSError, ValueError) as exc:
         report.problems.append(f"config key 'model.path': {exc}")
 
