@@ -71,3 +71,9 @@ def build_scheduler(optimizer: torch.optim.Optimizer, section: SchedulerSection,
                     max_steps: int) -> LambdaLR:
     """The job's LambdaLR schedule."""
     return LambdaLR(optimizer, lambda step: lr_multiplier(step, section, max_steps))
+
+
+def can_veto(optimizer: object) -> bool:
+    """Whether the loop can veto `optimizer`'s next step (a vlmcp torch optimizer; DeepSpeed's
+    own optimizers, built from a config's optimizer block, cannot be vetoed)."""
+    return isinstance(optimizer, _VetoableStep)
