@@ -94,7 +94,7 @@ def _fill_scalar(config: dict[str, Any], key: str, wanted: Any, job_key: str,
                  edits: DeepSpeedEdits) -> None:
     value = config.get(key, "auto")
     if _is_auto(value):
-        edits.set(config, key, wanted, f"\"auto\" from {job_key}")
+        edits.set(config, key, wanted, f"from {job_key}")
     elif value != wanted:
         edits.problem(f"config key 'deepspeed.{key}': {json.dumps(value)} disagrees with "
                       f"{job_key}={json.dumps(wanted)}; set it to \"auto\" or make them equal")
