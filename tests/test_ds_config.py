@@ -72,6 +72,7 @@ def test_stage_auto_is_filled_once_and_every_change_is_logged_with_old_and_new(c
         config, _ = _fill(raw)
     assert config["zero_optimization"]["stage"] == 2
     assert config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is False
+    assert config["zero_optimization"]["offload_param"] == {"device": "none"}
     log = caplog.text
     assert 'deepspeed config zero_optimization.stage: "auto" -> 2' in log
     assert 'deepspeed config optimizer.params.betas: "auto" -> [0.8, 0.9] (' in log

@@ -11,7 +11,8 @@ A stock DeepSpeed JSON works unchanged (HF Trainer's semantics). Where a value c
 - `bf16.enabled` / `fp16.enabled`: "auto" follows `model.dtype`. An explicit `true` (accelerate's
   templates say `fp16.enabled: true`) sets `model.dtype` when the job leaves it at its default,
   logged; where the job (or the launcher) sets another dtype it is an error naming both keys;
-- `zero_optimization.stage`: "auto" is 2 (accelerate's default) unless the launcher says;
+- `zero_optimization.stage`: "auto" is 2 (accelerate's default) unless the launcher says, and
+  an offload `device: "auto"` is "none";
 - `zero_optimization.reduce_bucket_size`, `stage3_prefetch_bucket_size`,
   `stage3_param_persistence_threshold`: from the text model's hidden size, as transformers does;
 - `zero_optimization.stage3_gather_16bit_weights_on_model_save`: "auto" is true at stage 3
@@ -166,6 +167,10 @@ def _fill_zero(config: dict[str, Any], hidden_size: int, edits: DeepSpeedEdits) 
         if _is_auto(zero.get(key)):
             edits.set(config, f"zero_optimization.{key}", value,
                       f"\"auto\" from the text hidden size {hidden_size}")
+    for what in ("offload_optimizer", "offload_param"):
+        if isinstance(zero.get(what), dict) and _is_auto(zero[what].get("device")):
+            edits.set(config, f"zero_optimization.{what}.device", "none",
+                      "\"auto\" without a launcher offload device: accelerate's default")
     gather = "zero_optimization.stage3_gather_16bit_weights_on_model_save"
     if _is_auto(zero.get("stage3_gather_16bit_weights_on_model_save")):
         edits.set(config, gather, stage == 3, f"\"auto\" at ZeRO stage {stage}")
