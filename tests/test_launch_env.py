@@ -30,7 +30,8 @@ def _filled(job) -> dict:
 
 def test_trl_zero3_sp2_yaml_sets_stage_sp_precision_and_16bit_save(tmp_path, caplog):
     env = accelerate_env(TRL_ZERO3_SP2, tmp_path)
-    assert env["PARALLELISM_CONFIG_SP_SIZE"] == "2" and env["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "3"
+    assert env["PARALLELISM_CONFIG_SP_SIZE"] == "2"
+    assert env["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "3"
     with caplog.at_level(logging.INFO):
         job = load_job(_job(tmp_path), environ=env)
         config = _filled(job)
@@ -73,8 +74,8 @@ def test_yaml_deepspeed_config_file_is_the_jobs_deepspeed_config(tmp_path):
 def test_yaml_and_job_that_disagree_are_one_error_each_naming_both(tmp_path):
     env = accelerate_env(TRL_ZERO3_SP2, tmp_path)
     with pytest.raises(ConfigError) as info:
-        load_job(_job(tmp_path, parallel={"sp_size": 1}, model={"path": "ckpt", "dtype": "float32"}),
-                 environ=env)
+        load_job(_job(tmp_path, parallel={"sp_size": 1},
+                      model={"path": "ckpt", "dtype": "float32"}), environ=env)
     assert info.value.problems == [
         "accelerate config mixed_precision=bf16 (ACCELERATE_MIXED_PRECISION) disagrees with the "
         "job's model.dtype='float32'; make them equal or drop one",
@@ -89,9 +90,11 @@ def test_yaml_and_job_that_disagree_are_one_error_each_naming_both(tmp_path):
 
 
 def test_settings_vlmcp_cannot_honour_are_errors_or_warnings(tmp_path, caplog):
-    yaml_text = TRL_ZERO3_SP2.replace("parallelism_config_tp_size: 1", "parallelism_config_tp_size: 2")
+    yaml_text = TRL_ZERO3_SP2.replace("parallelism_config_tp_size: 1",
+                                      "parallelism_config_tp_size: 2")
     env = accelerate_env(yaml_text, tmp_path)
-    with pytest.raises(ConfigError, match=r"parallelism_config_tp_size=2 \(PARALLELISM_CONFIG_TP_SIZE\)"):
+    with pytest.raises(ConfigError,
+                       match=r"parallelism_config_tp_size=2 \(PARALLELISM_CONFIG_TP_SIZE\)"):
         load_job(_job(tmp_path), environ=env)
     with pytest.raises(ConfigError, match="distributed_type FSDP"):
         load_job(_job(tmp_path), environ={"ACCELERATE_USE_FSDP": "true"})

@@ -5,17 +5,17 @@ for its ranks (`accelerate.utils.launch.prepare_deepspeed_cmd_env` and
 `prepare_extend_env_parallelism_config`) and applies it to the job once, when the job is loaded
 for `train` or `validate`:
 
-    YAML key (deepspeed_config / top level)   exported as                          sets
-    zero_stage                                 ACCELERATE_DEEPSPEED_ZERO_STAGE       deepspeed zero_optimization.stage
-    offload_optimizer_device                   ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE  ...offload_optimizer.device
-    offload_param_device                       ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE      ...offload_param.device
-    zero3_save_16bit_model                     ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL    ...stage3_gather_16bit_weights_on_model_save
-    zero3_init_flag                            ACCELERATE_DEEPSPEED_ZERO3_INIT       build the model partitioned (zero.Init)
-    gradient_accumulation_steps                ACCELERATE_GRADIENT_ACCUMULATION_STEPS  train.grad_accum
-    gradient_clipping                          ACCELERATE_GRADIENT_CLIPPING          train.grad_clip
-    deepspeed_config_file                      ACCELERATE_DEEPSPEED_CONFIG_FILE      deepspeed (the JSON path)
-    mixed_precision (no / bf16 / fp16)         ACCELERATE_MIXED_PRECISION            model.dtype (float32 / bfloat16 / float16)
-    parallelism_config_sp_size                 PARALLELISM_CONFIG_SP_SIZE            parallel.sp_size
+    YAML key                      exported as (ACCELERATE_ + ...)      sets
+    zero_stage                    DEEPSPEED_ZERO_STAGE                 zero_optimization.stage
+    offload_optimizer_device      DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE   ...offload_optimizer.device
+    offload_param_device          DEEPSPEED_OFFLOAD_PARAM_DEVICE       ...offload_param.device
+    zero3_save_16bit_model        DEEPSPEED_ZERO3_SAVE_16BIT_MODEL     ...stage3_gather_16bit_*
+    zero3_init_flag               DEEPSPEED_ZERO3_INIT                 build ZeRO-3 partitioned
+    gradient_accumulation_steps   GRADIENT_ACCUMULATION_STEPS          train.grad_accum
+    gradient_clipping             GRADIENT_CLIPPING                    train.grad_clip
+    deepspeed_config_file         DEEPSPEED_CONFIG_FILE                deepspeed (the JSON path)
+    mixed_precision no/bf16/fp16  MIXED_PRECISION                      model.dtype fp32/bf16/fp16
+    parallelism_config_sp_size    (PARALLELISM_CONFIG_SP_SIZE)         parallel.sp_size
 
 A job-level value fills the job's default; where the job itself sets the key (file or `--set`)
 to another value, that is one error naming both. The DeepSpeed-level values fill the DeepSpeed
@@ -112,7 +112,8 @@ def _apply_deepspeed_file(job: JobConfig, environ: Mapping[str, str], problems: 
     source = _source(env, "deepspeed_config_file", environ)
     path = Path(environ[env]).expanduser().resolve()
     if "deepspeed" in job.explicit_keys:
-        mine = job.resolve_input(job.deepspeed).resolve() if isinstance(job.deepspeed, str) else None
+        mine = (job.resolve_input(job.deepspeed).resolve() if isinstance(job.deepspeed, str)
+                else None)
         if mine != path:
             shown = job.deepspeed if isinstance(job.deepspeed, str) else "an inline object"
             problems.append(f"{source} disagrees with the job's deepspeed={shown!r}; give the "
