@@ -188,5 +188,5 @@ def test_validate_names_fp16_on_cpu_and_tensor_parallelism(tiny_checkpoint, digi
     assert result.returncode == 1
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 2, result.stderr
-    assert "'deepspeed.fp16.enabled' is true (model.dtype=float16)" in errors[0]
+    assert "'deepspeed.fp16.enabled' is true (model.dtype=\"float16\")" in errors[0]
     assert "'deepspeed.tensor_parallel.autotp_size': 2" in errors[1]

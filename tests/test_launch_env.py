@@ -87,6 +87,14 @@ def test_yaml_and_job_that_disagree_are_one_error_each_naming_both(tmp_path):
     assert info.value.problems == [
         "accelerate config zero_stage=3 (ACCELERATE_DEEPSPEED_ZERO_STAGE) disagrees with the "
         "job's deepspeed config zero_optimization.stage=2; make them equal or drop one"]
+    env = accelerate_env(ACCELERATE_PLUGIN_KEYS, tmp_path)
+    job = load_job(_job(tmp_path, deepspeed={"gradient_accumulation_steps": 2}), environ=env)
+    with pytest.raises(ConfigError) as info:
+        _filled(job)
+    assert info.value.problems == [
+        "config key 'deepspeed.gradient_accumulation_steps': 2 disagrees with train.grad_accum=4 "
+        "(from accelerate config gradient_accumulation_steps=4 "
+        "(ACCELERATE_GRADIENT_ACCUMULATION_STEPS)); set it to \"auto\" or make them equal"]
 
 
 def test_settings_vlmcp_cannot_honour_are_errors_or_warnings(tmp_path, caplog):

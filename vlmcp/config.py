@@ -183,11 +183,11 @@ class JobConfig:
     #: Set from accelerate's zero3_init_flag. Not a job key.
     zero3_init: bool | None = field(default=None, metadata={"internal": True})
 
-    def source_of(self, key: str) -> str:
-        """How to name job key `key` in a message: the key, plus the launcher setting it came
-        from, if any."""
+    def shown_key(self, key: str, value: Any) -> str:
+        """Job key `key` with its value as a message names it: ``key=value``, plus the launcher
+        setting it came from, if any."""
         source = self.key_sources.get(key)
-        return f"{key} (from {source})" if source else key
+        return f"{key}={json.dumps(value)}" + (f" (from {source})" if source else "")
 
     def resolve_input(self, path: str) -> Path:
         """An input path as the job means it: absolute, else next to the job file, else cwd."""

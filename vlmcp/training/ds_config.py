@@ -93,12 +93,13 @@ def _apply_launcher(config: dict[str, Any], job: JobConfig, edits: DeepSpeedEdit
 
 def _fill_scalar(config: dict[str, Any], key: str, wanted: Any, job_key: str,
                  edits: DeepSpeedEdits) -> None:
+    """`job_key` names where `wanted` comes from, value included (`JobConfig.shown_key`)."""
     value = config.get(key, "auto")
     if _is_auto(value):
         edits.set(config, key, wanted, f"from {job_key}")
     elif value != wanted:
         edits.problem(f"config key 'deepspeed.{key}': {json.dumps(value)} disagrees with "
-                      f"{job_key}={json.dumps(wanted)}; set it to \"auto\" or make them equal")
+                      f"{job_key}; set it to \"auto\" or make them equal")
 
 
 def _dtype_is_fixed(job: JobConfig) -> bool:
@@ -123,8 +124,8 @@ def _fill_dtype(config: dict[str, Any], job: JobConfig, edits: DeepSpeedEdits) -
         wanted = _DTYPE_FLAGS[enabled[0]]
         if _dtype_is_fixed(job):
             edits.problem(f"config key 'deepspeed.{enabled[0]}.enabled': true disagrees with "
-                          f"{job.source_of('model.dtype')}={json.dumps(job.model.dtype)}; set "
-                          f"it to \"auto\" or make them equal")
+                          f"{job.shown_key('model.dtype', job.model.dtype)}; set it to "
+                          "\"auto\" or make them equal")
             return
         logger.info("model.dtype: %r -> %r (from the deepspeed config's %s.enabled=true)",
                     job.model.dtype, wanted, enabled[0])
@@ -138,11 +139,10 @@ def _fill_dtype(config: dict[str, Any], job: JobConfig, edits: DeepSpeedEdits) -
         value = block.get("enabled", "auto")
         if _is_auto(value):
             edits.set(config, f"{flag}.enabled", wanted, f"\"auto\" from "
-                      f"{job.source_of('model.dtype')}={job.model.dtype}")
+                      f"{job.shown_key('model.dtype', job.model.dtype)}")
         elif bool(value) != wanted:
             edits.problem(f"config key 'deepspeed.{flag}.enabled': {json.dumps(value)} "
-                          f"disagrees with {job.source_of('model.dtype')}="
-                          f"{json.dumps(job.model.dtype)}")
+                          f"disagrees with {job.shown_key('model.dtype', job.model.dtype)}")
 
 
 def _fill_zero(config: dict[str, Any], hidden_size: int, edits: DeepSpeedEdits) -> None:
@@ -185,9 +185,10 @@ def _check_supported(config: dict[str, Any], job: JobConfig, edits: DeepSpeedEdi
     from vlmcp.device import use_cuda
 
     if get_path(config, "fp16.enabled") is True and not use_cuda():
-        edits.problem(f"config key 'deepspeed.fp16.enabled' is true ({job.source_of('model.dtype')}"
-                      f"={job.model.dtype}): fp16 does not run on the CPU (DeepSpeed's CPU "
-                      "accelerator has no fp16); use bf16 there, or run on CUDA")
+        edits.problem(f"config key 'deepspeed.fp16.enabled' is true "
+                      f"({job.shown_key('model.dtype', job.model.dtype)}): fp16 does not run on "
+                      "the CPU (DeepSpeed's CPU accelerator has no fp16); use bf16 there, or run "
+                      "on CUDA")
     for key in ("autotp_size", "tp_size"):
         size = get_path(config, f"tensor_parallel.{key}")
         if isinstance(size, int) and not isinstance(size, bool) and size > 1:
@@ -235,12 +236,12 @@ def fill_deepspeed_config(raw: dict[str, Any], job: JobConfig, *, dp_size: int,
     config = copy.deepcopy(raw)
     edits = DeepSpeedEdits()
     _apply_launcher(config, job, edits)
-    _fill_scalar(config, "train_micro_batch_size_per_gpu", 1, "one packed sequence per "
+    _fill_scalar(config, "train_micro_batch_size_per_gpu", 1, "1: one packed sequence per "
                  "micro-batch", edits)
     _fill_scalar(config, "gradient_accumulation_steps", job.train.grad_accum,
-                 job.source_of("train.grad_accum"), edits)
+                 job.shown_key("train.grad_accum", job.train.grad_accum), edits)
     _fill_scalar(config, "gradient_clipping", job.train.grad_clip,
-                 job.source_of("train.grad_clip"), edits)
+                 job.shown_key("train.grad_clip", job.train.grad_clip), edits)
     batch = config.get("train_batch_size", "auto")
     if _is_auto(batch):
         edits.remove(config, "train_batch_size", "DeepSpeed derives it: micro-batch x "
