@@ -34,8 +34,10 @@ def _tool(name: str) -> str:
     return str(beside_python) if beside_python.exists() else (shutil.which(name) or name)
 
 
-def launcher_prefix(launcher: str | None, nproc: int) -> list[str]:
-    """The command that starts `nproc` ranks of `-m vlmcp` (None: one plain process)."""
+def launcher_prefix(launcher: str | None, nproc: int,
+                    accelerate_yaml: Path = ACCELERATE_YAML) -> list[str]:
+    """The command that starts `nproc` ranks of `-m vlmcp` (None: one plain process); accelerate
+    takes its process count from `accelerate_yaml`."""
     port = str(free_port())
     if launcher is None:
         return [sys.executable, "-m", "vlmcp"]
@@ -46,9 +48,9 @@ def launcher_prefix(launcher: str | None, nproc: int) -> list[str]:
         return [_tool("deepspeed"), "--num_gpus", str(nproc), "--master_port", port,
                 "--module", "vlmcp"]
     if launcher == "accelerate":
-        if nproc != 2:
+        if accelerate_yaml == ACCELERATE_YAML and nproc != 2:
             raise ValueError("the accelerate test config starts 2 ranks")
-        return [_tool("accelerate"), "launch", "--config_file", str(ACCELERATE_YAML),
+        return [_tool("accelerate"), "launch", "--config_file", str(accelerate_yaml),
                 "--main_process_port", port, "-m", "vlmcp"]
     raise ValueError(f"unknown launcher {launcher!r}")
 
@@ -61,9 +63,10 @@ def vlmcp_env() -> dict[str, str]:
 
 
 def run_vlmcp(args: list[str], *, launcher: str | None = None, nproc: int = 1,
-              timeout: float = 240, cwd: Path = REPO) -> subprocess.CompletedProcess:
+              timeout: float = 240, cwd: Path = REPO,
+              accelerate_yaml: Path = ACCELERATE_YAML) -> subprocess.CompletedProcess:
     """Run `vlmcp ARGS` (under `launcher` with `nproc` ranks); output captured as text."""
-    command = [*launcher_prefix(launcher, nproc), *args]
+    command = [*launcher_prefix(launcher, nproc, accelerate_yaml), *args]
     return subprocess.run(command, cwd=cwd, env=vlmcp_env(), capture_output=True, text=True,
                           timeout=timeout, check=False)
 

@@ -190,7 +190,8 @@ def _settle_device() -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    job = load_job(args.job, args.overrides)
+    # os.environ: the settings `accelerate launch --config_file X.yaml` exports (launch_env.py).
+    job = load_job(args.job, args.overrides, environ=os.environ)
     from vlmcp.parallel import comm
     from vlmcp.training.loop import train
     from vlmcp.training.signals import StopRequested
@@ -214,7 +215,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    job = load_job(args.job, args.overrides)
+    job = load_job(args.job, args.overrides, environ=os.environ)
     world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "0")) or job.parallel.sp_size
     from vlmcp.training.preflight import run_preflight
 

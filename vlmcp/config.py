@@ -20,6 +20,7 @@ import math
 import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -191,6 +192,22 @@ class JobConfig:
     job_dir: str = field(default=".", metadata={"internal": True})
     #: `--set deepspeed.*` overrides, applied to the DeepSpeed config once loaded. Not a job key.
     deepspeed_overrides: dict[str, Any] = field(default_factory=dict, metadata={"internal": True})
+    #: Leaf key paths the job file or `--set` gave a value (the rest are defaults). Not a job key.
+    explicit_keys: frozenset[str] = field(default_factory=frozenset, metadata={"internal": True})
+    #: Job key path -> where a launcher-given value came from (vlmcp/launch_env.py). Not a job key.
+    key_sources: dict[str, str] = field(default_factory=dict, metadata={"internal": True})
+    #: DeepSpeed key path -> (value, source) the launcher sets (vlmcp/launch_env.py). Not a job key.
+    launcher_deepspeed: dict[str, tuple[Any, str]] = field(default_factory=dict,
+                                                           metadata={"internal": True})
+    #: Build the model under ZeRO-3 partitioned (deepspeed.zero.Init); None: the default (yes).
+    #: Set from accelerate's zero3_init_flag. Not a job key.
+    zero3_init: bool | None = field(default=None, metadata={"internal": True})
+
+    def shown_key(self, key: str, value: Any) -> str:
+        """Job key `key` with its value as a message names it: ``key=value``, plus the launcher
+        setting it came from, if any."""
+        source = self.key_sources.get(key)
+        return f"{key}={json.dumps(value)}" + (f" (from {source})" if source else "")
 
     def resolve_input(self, path: str) -> Path:
         """An input path as the job means it: absolute, else next to the job file, else cwd."""
@@ -417,9 +434,25 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return deepspeed_overrides
 
 
+def _leaf_keys(raw: Any, prefix: str = "") -> set[str]:
+    """Dotted paths of the values a raw job dict gives (objects are walked, except the inline
+    `deepspeed` dict, which is one value)."""
+    if not isinstance(raw, dict) or prefix == "deepspeed.":
+        return {prefix.rstrip(".")} if prefix else set()
+    keys: set[str] = set()
+    for name, value in raw.items():
+        keys |= _leaf_keys(value, f"{prefix}{name}.")
+    return keys
+
+
 def job_from_dict(raw: Any, job_dir: str | Path = ".",
-                  deepspeed_overrides: dict[str, Any] | None = None) -> JobConfig:
-    """Validate a raw job dict against the schema; raises ConfigError listing every problem."""
+                  deepspeed_overrides: dict[str, Any] | None = None,
+                  environ: Mapping[str, str] | None = None) -> JobConfig:
+    """Validate a raw job dict against the schema; raises ConfigError listing every problem.
+
+    With `environ`, the settings a launcher exported (accelerate's, see vlmcp/launch_env.py)
+    apply on top of the job's defaults; a value the job sets that disagrees is an error.
+    """
     problems: list[str] = []
     job = _build(JobConfig, raw, "", problems)
     if not problems:
@@ -428,11 +461,18 @@ def job_from_dict(raw: Any, job_dir: str | Path = ".",
         raise ConfigError(problems)
     job.job_dir = str(job_dir)
     job.deepspeed_overrides = dict(deepspeed_overrides or {})
+    job.explicit_keys = frozenset(_leaf_keys(raw))
+    if environ is not None:
+        from vlmcp.launch_env import apply_launch_env
+
+        apply_launch_env(job, environ)
     return job
 
 
-def load_job(path: str | Path, overrides: list[str] | None = None) -> JobConfig:
-    """Read a job JSON file, apply ``--set`` overrides and validate it."""
+def load_job(path: str | Path, overrides: list[str] | None = None,
+             environ: Mapping[str, str] | None = None) -> JobConfig:
+    """Read a job JSON file, apply ``--set`` overrides and validate it (with a launcher's
+    exported settings from `environ`, see `job_from_dict`)."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -445,4 +485,4 @@ def load_job(path: str | Path, overrides: list[str] | None = None) -> JobConfig:
     if not isinstance(raw, dict):
         raise ConfigError([f"{path}: a job must be a JSON object"])
     deepspeed_overrides = apply_overrides(raw, overrides or [])
-    return job_from_dict(raw, path.resolve().parent, deepspeed_overrides)
+    return job_from_dict(raw, path.resolve().parent, deepspeed_overrides, environ)

@@ -34,7 +34,8 @@ from vlmcp.training.evaluate import eval_loss, generation_accuracy
 from vlmcp.training.export import hf_key_prefixes, save_final
 from vlmcp.training.metrics import MetricsWriter
 from vlmcp.training.nonfinite import NonFiniteError, NonFiniteGuard
-from vlmcp.training.optim import build_optimizer, build_scheduler
+from vlmcp.training.ds_engine import describe_engine, engine_optim_args
+from vlmcp.training.optim import can_veto
 from vlmcp.training.preflight import Preflight, PreflightError, run_preflight
 from vlmcp.training.schedule import StepSchedule
 from vlmcp.training.signals import StopRequested, StopSignals
@@ -83,8 +84,10 @@ def _build_engine(job: JobConfig, preflight: Preflight, sp: SequenceParallel) ->
     from transformers.integrations import HfDeepSpeedConfig
 
     ds_config = preflight.ds_config
-    # Kept alive while the model loads, so that from_pretrained partitions under ZeRO-3.
-    hf_ds_config = HfDeepSpeedConfig(ds_config) if zero_stage(ds_config) == 3 else None
+    # Kept alive while the model loads, so that from_pretrained partitions under ZeRO-3
+    # (unless accelerate's zero3_init_flag says false: DeepSpeed then partitions it afterwards).
+    partitioned = zero_stage(ds_config) == 3 and job.zero3_init is not False
+    hf_ds_config = HfDeepSpeedConfig(ds_config) if partitioned else None
     hf_model = load_model(job.resolve_input(job.model.path), job.model.dtype,
                           freeze_vision=job.model.freeze_vision,
                           attn_implementation=job.model.attn_implementation)
@@ -92,11 +95,12 @@ def _build_engine(job: JobConfig, preflight: Preflight, sp: SequenceParallel) ->
                        gradient_checkpointing=job.train.gradient_checkpointing,
                        vision_mode=job.parallel.vision,
                        loss_chunk_mb=job.train.loss_chunk_mb)
-    optimizer = build_optimizer((p for p in module.parameters() if p.requires_grad), job.optimizer)
-    scheduler = build_scheduler(optimizer, job.scheduler, job.train.max_steps)
-    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=ds_config, mpu=sp.mpu)
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=trainable,
+                                           config=ds_config, mpu=sp.mpu,
+                                           **engine_optim_args(job, ds_config, trainable))
     del hf_ds_config
+    logger.info("%s", describe_engine(engine, ds_config))
     return engine, module
 
 
@@ -160,7 +164,8 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         if index == len(batches) - 1 and _plain_fp32_engine(engine):
             grad_norm = _grad_norm(engine.module)
             # DeepSpeed checks for NaN/Inf gradients itself everywhere else (training/nonfinite.py).
-            engine.optimizer.overflow = not math.isfinite(grad_norm)
+            if can_veto(engine.optimizer):
+                engine.optimizer.overflow = not math.isfinite(grad_norm)
         engine.step()
         sums[0] += float(loss_sum.detach())
         if sp.rank == 0:
