@@ -165,8 +165,8 @@ class LoraSection:
         "parts: q_proj, in_proj_qkv, mlp.down_proj, ...), or \"all-linear\" for every Linear "
         "of the decoder layers"))
     modules_to_save: list[str] = field(default_factory=list, metadata=_key(
-        "leaf modules of the decoder layers trained in full next to the adapters (e.g. norms); "
-        "not with ZeRO-3"))
+        "leaf modules of the language model trained in full next to the adapters (norms, "
+        "Linear layers; not embed_tokens or lm_head); not with ZeRO-3"))
 
 
 @dataclass

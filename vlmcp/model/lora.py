@@ -4,7 +4,7 @@ The job's `lora` section names modules the way PEFT does: an entry matches a mod
 name equals it or ends with "." + entry (`"q_proj"`, `"linear_attn.out_proj"`), and
 `"all-linear"` stands for every `nn.Linear` of the decoder layers. vlmcp resolves the entries
 itself, against the whole model, before PEFT sees them, and hands PEFT only full module names of
-the language model's decoder layers, so that:
+the language model, so that:
 
 * the vision tower (frozen, replicated outside DeepSpeed), the embeddings and the lm_head are
   never adapted: the fused cross-entropy (model.loss) reads `lm_head.weight` directly, and the
@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 ALL_LINEAR = "all-linear"
 #: Where the decoder layers live inside `Qwen3_5(Moe)ForConditionalGeneration`.
 LAYERS_PREFIX = "model.language_model.layers."
+LANGUAGE_MODEL_PREFIX = "model.language_model."
 _FUSED_EXPERTS = ("the routed experts hold fused 3-D weights, not Linear layers, and are not "
                   "adapted (gate_proj, up_proj and down_proj adapt the shared expert)")
 
@@ -70,8 +71,8 @@ def _refused(name: str, key: str, entry: str) -> str | None:
                 "weight directly)")
     if name.endswith("embed_tokens"):
         return f"{where}: the embeddings stay frozen under LoRA"
-    if not name.startswith(LAYERS_PREFIX):
-        return f"{where}, outside the decoder layers ({LAYERS_PREFIX}*)"
+    if not name.startswith(LANGUAGE_MODEL_PREFIX):
+        return f"{where}, outside the language model ({LANGUAGE_MODEL_PREFIX}*)"
     if name.endswith(".conv1d"):
         return (f"{where}: the sharded DeltaNet reads the conv1d weight directly, so it cannot be "
                 "wrapped")
@@ -123,9 +124,10 @@ def resolve_lora_modules(model: nn.Module, section: LoraSection) -> tuple[list[s
                             "the model")
         for name in found:
             problem = _refused(name, "modules_to_save", entry)
-            if problem is None and any(True for _ in modules[name].children()):
+            if problem is None and (any(True for _ in modules[name].children())
+                                    or not any(True for _ in modules[name].parameters())):
                 problem = (f"config key 'lora.modules_to_save': {entry!r} matches {name}, which "
-                           "has submodules; name leaf modules (a norm, a Linear layer)")
+                           "is not a leaf module with weights; name norms or Linear layers")
             if problem is None and name in targets:
                 problem = (f"config key 'lora.modules_to_save': {name} is also a LoRA target "
                            "(lora.target_modules)")
