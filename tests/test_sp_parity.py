@@ -117,6 +117,15 @@ CASES = {
         world=1, sp=1, model={}, stage=3, mode="state", accum=1, lora=dict(targets="all-linear"),
         packs=[[[(21, [(1, 4, 4)]), (30, [(1, 4, 8)])]]],
     ),
+    "sp1_lora_zero0": dict(
+        world=1, sp=1, model={}, stage=0, mode="state", accum=1, lora=dict(targets=["in_proj_qkv", "q_proj", "up_proj"]),
+        packs=[[[(19, [(1, 4, 4)]), (26, [])]]],
+    ),
+    "p2_lora_replicated_vision_zero1": dict(
+        world=2, sp=2, model={}, stage=1, mode="state", accum=1, vision="replicated",
+        lora=dict(targets=["in_proj_z", "out_proj", "k_proj", "gate_proj"]),
+        packs=[[[(19, [(1, 4, 4)]), (26, [])]]],
+    ),
     "p2_lora_image_straddles_edge_modules_to_save_zero2": dict(
         world=2, sp=2, model={}, stage=2, mode="state", accum=1,
         lora=dict(targets=DENSE_TARGETS, modules_to_save=["post_attention_layernorm", "language_model.norm"]),
