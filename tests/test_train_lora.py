@@ -2,8 +2,8 @@
 
 * OUTPUT_DIR/final is a PEFT adapter that `PeftModel.from_pretrained` loads onto the plain
   transformers model, and that model's eval loss (each sample alone) equals vlmcp's eval_loss;
-* a run resumed from its step-1 checkpoint (adapter and AdamW state) ends with the same losses
-  and the same adapter as the unbroken run;
+* a run resumed from its step-1 checkpoint (adapter and AdamW state, no frozen base weights)
+  ends with the same losses and the same adapter as the unbroken run;
 * `vlmcp export` writes the checkpoint's adapter, and `vlmcp export --merge` a merged HF model
   with the same eval loss;
 * LoRA targets that match no module are one clear error from `vlmcp validate`.
@@ -87,6 +87,11 @@ def test_lora_final_adapter_loads_in_peft_resumes_exactly_and_exports_merged(
     assert _eval_loss(peft_model, samples) == pytest.approx(vlmcp_eval["eval_loss"], rel=1e-5)
     assert _eval_loss(_plain(tiny_checkpoint), samples) != pytest.approx(vlmcp_eval["eval_loss"],
                                                                         rel=1e-3)
+
+    # The checkpoints hold the adapters and their optimizer state, not the frozen base weights.
+    step1 = straight / "checkpoints" / "step1"
+    checkpoint_bytes = sum(p.stat().st_size for p in step1.rglob("*") if p.is_file())
+    assert checkpoint_bytes < (tiny_checkpoint / "model.safetensors").stat().st_size / 2
 
     # Resume from the step-1 checkpoint in a fresh output_dir.
     resumed = tmp_path / "resumed"
