@@ -121,8 +121,8 @@ CASES = {
         world=1, sp=1, model={}, stage=0, mode="state", accum=1, lora=dict(targets=["in_proj_qkv", "q_proj", "up_proj"]),
         packs=[[[(19, [(1, 4, 4)]), (26, [])]]],
     ),
-    "p2_lora_replicated_vision_zero1": dict(
-        world=2, sp=2, model={}, stage=1, mode="state", accum=1, vision="replicated",
+    "p2_lora_replicated_vision_gradient_checkpointing_zero1": dict(
+        world=2, sp=2, model={}, stage=1, mode="state", accum=1, vision="replicated", checkpointing=True,
         lora=dict(targets=["in_proj_z", "out_proj", "k_proj", "gate_proj"]),
         packs=[[[(19, [(1, 4, 4)]), (26, [])]]],
     ),

@@ -176,6 +176,8 @@ def apply_lora(model: PreTrainedModel, section: LoraSection, base_path: str | Pa
     weights are fp32 for a bf16/fp16 base (PEFT's autocast).
     """
     config = lora_config(model, section, base_path)
+    if any(type(m).__name__.endswith("Experts") for m in model.modules()):
+        logger.info("LoRA on a MoE model: %s", _FUSED_EXPERTS)
     peft_model = get_peft_model(model, config)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     logger.info("LoRA r=%d alpha=%g on %d modules: %d trainable parameters", section.r,
