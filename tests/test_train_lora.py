@@ -133,3 +133,15 @@ def test_lora_targets_matching_no_module_are_one_clear_error(tiny_checkpoint, di
     err = capsys.readouterr().err
     assert "config key 'lora.target_modules': 'qkv_projection' matches no module" in err
     assert err.count("error:") == 1
+
+
+def test_lora_modules_to_save_under_zero3_is_one_clear_error(tiny_checkpoint, digits_jsonl,
+                                                              tmp_path, capsys):
+    job = tiny_job(tiny_checkpoint, digits_jsonl / "train.jsonl", tmp_path / "out",
+                   deepspeed={"zero_optimization": {"stage": 3}},
+                   lora={"r": 4, "target_modules": ["q_proj"], "modules_to_save": ["norm"]})
+    path = write_job(tmp_path / "job.json", job)
+    assert main(["validate", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "config key 'lora.modules_to_save' is not supported with ZeRO-3" in err
+    assert err.count("error:") == 1

@@ -2,7 +2,8 @@
 
 The job's `lora` section names modules the way PEFT does: an entry matches a module whose full
 name equals it or ends with "." + entry (`"q_proj"`, `"linear_attn.out_proj"`), and
-`"all-linear"` stands for every `nn.Linear` of the decoder layers. vlmcp resolves the entries
+`"all-linear"` stands for every `nn.Linear` of the decoder layers. An entry that matches modules
+of the language model selects only those (`"norm"` never reaches the vision merger's norm). vlmcp resolves the entries
 itself, against the whole model, before PEFT sees them, and hands PEFT only full module names of
 the language model, so that:
 
@@ -79,6 +80,19 @@ def _refused(name: str, key: str, entry: str) -> str | None:
     return None
 
 
+def _scoped_matches(modules: dict[str, nn.Module], entry: str, key: str) -> list[str]:
+    """Modules `entry` matches: those inside the language model when there are any (matches
+    elsewhere, e.g. the vision merger's `norm`, are left out with a log line), else all (which
+    `_refused` then names)."""
+    found = [n for n in modules if _matches(n, entry)]
+    inside = [n for n in found if n.startswith(LANGUAGE_MODEL_PREFIX)]
+    if inside and len(inside) < len(found):
+        logger.info("lora.%s: %r also matches %d modules outside the language model (e.g. %s); "
+                    "only the language model's are used", key, entry, len(found) - len(inside),
+                    next(n for n in found if n not in inside))
+    return inside or found
+
+
 def resolve_lora_modules(model: nn.Module, section: LoraSection) -> tuple[list[str], list[str]]:
     """(full names of the Linear modules to adapt, full names of the modules to train whole).
 
@@ -96,7 +110,7 @@ def resolve_lora_modules(model: nn.Module, section: LoraSection) -> tuple[list[s
     else:
         targets = set()
         for entry in entries:
-            found = [n for n in modules if _matches(n, entry)]
+            found = _scoped_matches(modules, entry, "target_modules")
             if not found and any(_matches(n, entry) and ".experts." in n for n in parameters):
                 problems.append(f"config key 'lora.target_modules': {entry!r} names a parameter "
                                 f"of the routed experts: {_FUSED_EXPERTS}")
@@ -118,7 +132,7 @@ def resolve_lora_modules(model: nn.Module, section: LoraSection) -> tuple[list[s
 
     to_save: set[str] = set()
     for entry in section.modules_to_save:
-        found = [n for n in modules if _matches(n, entry)]
+        found = _scoped_matches(modules, entry, "modules_to_save")
         if not found:
             problems.append(f"config key 'lora.modules_to_save': {entry!r} matches no module of "
                             "the model")
