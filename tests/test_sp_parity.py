@@ -3,7 +3,7 @@ DeepSpeed step equal those of a plain transformers model that forwards each samp
 (fp32, rel <= 1e-5), with the vision work split over the SP group (frozen and trainable tower)
 or replicated. Real engine, real gloo processes, real checkpoints on disk.
 
-LoRA cases (P = 1, 2, 3, 4; ZeRO 2 and 3; both DeltaNet modes): vlmcp's adapters on the DeltaNet,
+LoRA cases (P = 1, 2, 3, 4; ZeRO 0-3; both DeltaNet modes; gradient checkpointing): vlmcp's adapters on the DeltaNet,
 attention and MLP projections against PEFT's on plain transformers, the same adapter weights on
 both sides; the trainable parameters are then exactly the adapters (and modules_to_save).
 
