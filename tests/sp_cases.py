@@ -12,11 +12,14 @@ from transformers.integrations import HfDeepSpeedConfig
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForConditionalGeneration
 
+from vlmcp.config import LoraSection
+from vlmcp.model.lora import apply_lora
 from vlmcp.model.loss import global_target_count, scale_for_deepspeed
 from vlmcp.model.packed import PackedVLM
 from vlmcp.parallel import comm
 from vlmcp.parallel.zero3_sp import largest_tensor_numel, sp_exact_zero_settings
 from vlmcp.parallel.groups import SequenceParallel
+from tests.parity import seed_adapter_weights
 
 
 def ds_config(stage: int, grad_accum: int, dp_size: int, bf16: bool = False) -> dict:
@@ -52,8 +55,10 @@ def _record_tower_calls(vision: torch.nn.Module, calls: list) -> None:
 
 def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
     """For each case {checkpoint, stage, mode, grad_accum, vision, packs: list per DP rank of lists
-    of PackedBatch}: one DeepSpeed step; returns the step loss and every trainable parameter's full
-    gradient (HF names) as DeepSpeed holds them at the accumulation boundary."""
+    of PackedBatch, optionally lora: LoraSection keys}: one DeepSpeed step; returns the step loss
+    and every trainable parameter's full gradient (HF names) as DeepSpeed holds them at the
+    accumulation boundary. A LoRA case injects vlmcp's adapters (then `seed_adapter_weights`)
+    before the engine is built, as `vlmcp train` does."""
     sp = SequenceParallel.initialize(sp_size)
     results = {}
     for name, case in cases.items():
@@ -66,6 +71,9 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
         dtype = torch.bfloat16 if case.get("bf16") else torch.float32
         model = cls.from_pretrained(case["checkpoint"], dtype=dtype, attn_implementation="sdpa")
         model.model.visual.requires_grad_(case.get("train_vision", False))
+        if case.get("lora"):
+            apply_lora(model, LoraSection(**case["lora"]), case["checkpoint"])
+            seed_adapter_weights(model)
         module = PackedVLM(model, sp=sp, deltanet_cp=case["mode"], gradient_checkpointing=case.get("checkpointing", False),
                            vision_mode=case.get("vision", "split"), loss_chunk_mb=case["loss_chunk_mb"])
         params = [p for p in module.parameters() if p.requires_grad]

@@ -3,21 +3,32 @@ DeepSpeed step equal those of a plain transformers model that forwards each samp
 (fp32, rel <= 1e-5), with the vision work split over the SP group (frozen and trainable tower)
 or replicated. Real engine, real gloo processes, real checkpoints on disk.
 
+LoRA cases (P = 1, 2, 3, 4; ZeRO 0-3; both DeltaNet modes; gradient checkpointing): vlmcp's adapters on the DeltaNet,
+attention and MLP projections against PEFT's on plain transformers, the same adapter weights on
+both sides; the trainable parameters are then exactly the adapters (and modules_to_save).
+
 Each world size runs all its cases in one set of processes."""
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
 
 from tests.distributed import run_ranks
-from tests.parity import build_model, make_sample, pack, reference_loss_and_grads, rel_err
+from tests.parity import (build_model, make_sample, pack, reference_loss_and_grads, rel_err,
+                          seed_adapter_weights)
 from tests.sp_cases import engine_step
 from vlmcp.model.loss import DEFAULT_LOSS_CHUNK_MB
 
 TOL = 1e-5
+LORA_R, LORA_ALPHA = 4, 8.0
+#: Every Linear of a dense model's decoder layers: DeltaNet, attention and MLP projections.
+DENSE_TARGETS = ["in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj",
+                 "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 # name -> world, sp size, model overrides, zero stage, DeltaNet mode, grad accumulation, pack layout,
 # and optionally vision ("split", the default, or "replicated"), train_vision, checkpointing, bf16.
@@ -96,7 +107,73 @@ CASES = {
             [[(9, []), (22, [(1, 2, 2)])], [(12, [(1, 4, 2)]), (5, [])]],
         ],
     ),
+    # LoRA: adapters on DeltaNet, attention and MLP projections; images straddle shard edges as in
+    # the cases above.
+    "sp1_lora_deltanet_attention_mlp_zero2": dict(
+        world=1, sp=1, model={}, stage=2, mode="state", accum=1, lora=dict(targets=DENSE_TARGETS),
+        packs=[[[(11, []), (37, [(1, 8, 8)])]]],
+    ),
+    "sp1_lora_all_linear_zero3": dict(
+        world=1, sp=1, model={}, stage=3, mode="state", accum=1, lora=dict(targets="all-linear"),
+        packs=[[[(21, [(1, 4, 4)]), (30, [(1, 4, 8)])]]],
+    ),
+    "sp1_lora_zero0": dict(
+        world=1, sp=1, model={}, stage=0, mode="state", accum=1, lora=dict(targets=["in_proj_qkv", "q_proj", "up_proj"]),
+        packs=[[[(19, [(1, 4, 4)]), (26, [])]]],
+    ),
+    "p2_lora_replicated_vision_gradient_checkpointing_zero1": dict(
+        world=2, sp=2, model={}, stage=1, mode="state", accum=1, vision="replicated", checkpointing=True,
+        lora=dict(targets=["in_proj_z", "out_proj", "k_proj", "gate_proj"]),
+        packs=[[[(19, [(1, 4, 4)]), (26, [])]]],
+    ),
+    "p2_lora_image_straddles_edge_modules_to_save_zero2": dict(
+        world=2, sp=2, model={}, stage=2, mode="state", accum=1,
+        lora=dict(targets=DENSE_TARGETS, modules_to_save=["post_attention_layernorm", "language_model.norm"]),
+        packs=[[[(11, []), (37, [(1, 8, 8)])]]],
+    ),
+    "p2_lora_all_linear_heads_mode_zero3": dict(
+        world=2, sp=2, model={}, stage=3, mode="heads", accum=1, lora=dict(targets="all-linear"),
+        packs=[[[(21, [(1, 4, 4)]), (30, [(1, 4, 8)])]]],
+    ),
+    "p2_lora_moe_shared_expert_zero3": dict(
+        world=2, sp=2, model={"moe": True}, stage=3, mode="state", accum=1,
+        lora=dict(targets=["in_proj_qkv", "out_proj", "q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+        packs=[[[(25, [(1, 4, 4), (1, 2, 4)]), (15, [(1, 2, 2)])]]],
+    ),
+    "p3_lora_sample_spans_three_ranks_zero3": dict(
+        world=3, sp=3, model={"num_attention_heads": 6, "num_key_value_heads": 3}, stage=3, mode="state", accum=1,
+        lora=dict(targets=DENSE_TARGETS), packs=[[[(4, []), (40, [(1, 8, 8)])]]],
+    ),
+    "p4_lora_state_mode_zero3": dict(
+        world=4, sp=4, model={"num_key_value_heads": 2}, stage=3, mode="state", accum=1,
+        lora=dict(targets=DENSE_TARGETS), packs=[[[(44, [(1, 4, 4), (1, 8, 8)])]]],
+    ),
+    "p4_lora_heads_mode_zero2": dict(
+        world=4, sp=4, model={"num_key_value_heads": 1, "linear_num_key_heads": 4, "linear_num_value_heads": 4},
+        stage=2, mode="heads", accum=1, lora=dict(targets="all-linear"),
+        packs=[[[(23, [(1, 8, 8)]), (3, []), (17, [(1, 2, 2), (1, 2, 2)])]]],
+    ),
 }
+
+
+def _lora_section(spec: dict) -> dict:
+    """The case's vlmcp `lora` section."""
+    lora = spec["lora"]
+    return dict(r=LORA_R, alpha=LORA_ALPHA, target_modules=lora["targets"],
+                modules_to_save=lora.get("modules_to_save", []))
+
+
+def _peft_reference(model, spec: dict, samples) -> tuple[float, dict[str, torch.Tensor]]:
+    """PEFT's LoRA on the plain model (every Linear of the decoder layers for "all-linear"), with
+    the adapter weights vlmcp's ranks get; gradients under the plain model's names."""
+    lora = spec["lora"]
+    targets = DENSE_TARGETS if lora["targets"] == "all-linear" else lora["targets"]
+    peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(
+        r=LORA_R, lora_alpha=LORA_ALPHA, target_modules=targets, modules_to_save=lora.get("modules_to_save")))
+    seed_adapter_weights(peft_model)
+    loss, grads = reference_loss_and_grads(peft_model, samples)
+    prefix = "base_model.model."
+    return loss, {name.removeprefix(prefix): grad for name, grad in grads.items()}
 
 
 def _materialise(name: str, tmp_root):
@@ -122,11 +199,15 @@ def _results(world: int, sp: int, tmp_root) -> dict:
         if (spec["world"], spec["sp"]) != (world, sp):
             continue
         model, checkpoint, packs, flat = _materialise(name, tmp_root)
-        references[name] = reference_loss_and_grads(model, flat)
+        if spec.get("lora"):
+            references[name] = _peft_reference(model, spec, flat)
+        else:
+            references[name] = reference_loss_and_grads(model, flat)
         cases[name] = dict(checkpoint=str(checkpoint), stage=spec["stage"], mode=spec["mode"], grad_accum=spec["accum"], packs=packs,
                            train_vision=spec.get("train_vision", False), bf16=spec.get("bf16", False),
                            checkpointing=spec.get("checkpointing", False), vision=spec.get("vision", "split"),
-                           loss_chunk_mb=spec.get("loss_chunk_mb", DEFAULT_LOSS_CHUNK_MB))
+                           loss_chunk_mb=spec.get("loss_chunk_mb", DEFAULT_LOSS_CHUNK_MB),
+                           lora=_lora_section(spec) if spec.get("lora") else None)
     per_rank = run_ranks(engine_step, world, sp, cases)
     return {name: (references[name], [r[name] for r in per_rank]) for name in cases}
 
@@ -150,6 +231,8 @@ def test_sp_step_equals_plain_transformers_per_sample(name, tmp_root):
         trained = {n: g for n, g in result["grads"].items()}
         expected = {n: g for n, g in ref_grads.items() if spec.get("train_vision") or not n.startswith("model.visual")}
         assert trained.keys() == expected.keys()
+        if spec.get("lora"):
+            assert all(".lora_" in n or ".modules_to_save." in n for n in trained), "a base weight trains"
         for pname, grad in trained.items():
             assert rel_err(grad, expected[pname]) <= TOL, pname
 

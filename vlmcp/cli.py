@@ -95,10 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write config.json, safetensors, tokenizer and processor files of a saved "
                     "checkpoint (default: the latest in OUTPUT_DIR/checkpoints), loadable with "
                     "from_pretrained. Parameters a checkpoint does not hold (a frozen vision "
-                    "tower) come from model.path.")
+                    "tower) come from model.path. A LoRA job writes its PEFT adapter directory, "
+                    "or with --merge the model with the adapters merged in.")
     _add_job_args(export)
     export.add_argument("--tag", default=None, help="checkpoint tag, e.g. step100 (default: latest)")
     export.add_argument("--out", default=None, help="output directory (default OUTPUT_DIR/export-TAG)")
+    export.add_argument("--merge", action="store_true",
+                        help="LoRA jobs: write the HF model with the adapters merged in "
+                             "(default: the PEFT adapter directory)")
 
     bench = commands.add_parser(
         "bench", help="measure step time, tokens/s and memory of forward+backward",
@@ -268,7 +272,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from vlmcp.training.export import export_checkpoint
 
     try:
-        print(export_checkpoint(job, tag=args.tag, out_dir=args.out))
+        print(export_checkpoint(job, tag=args.tag, out_dir=args.out, merge=args.merge))
     except (FileNotFoundError, ValueError) as exc:
         return _report([str(exc)])
     return 0

@@ -173,6 +173,24 @@ class EvalSection:
 
 
 @dataclass
+class LoraSection:
+    r: int = field(default=0, metadata=_key(
+        "LoRA rank; 0 trains full weights (LoRA off), > 0 trains PEFT LoRA adapters on the "
+        "language model only (base weights, vision tower, embeddings and lm_head frozen)", min=0))
+    alpha: float = field(default=16.0, metadata=_key(
+        "LoRA scaling numerator (PEFT lora_alpha; the update is scaled by alpha / r)", min=0.0))
+    dropout: float = field(default=0.0, metadata=_key(
+        "dropout on the adapters' input", min=0.0, max=1.0))
+    target_modules: list[str] | str = field(default="all-linear", metadata=_key(
+        "Linear modules to adapt: names matched as PEFT does (full name, or its last dotted "
+        "parts: q_proj, in_proj_qkv, mlp.down_proj, ...), or \"all-linear\" for every Linear "
+        "of the decoder layers"))
+    modules_to_save: list[str] = field(default_factory=list, metadata=_key(
+        "leaf modules of the language model trained in full next to the adapters (norms, "
+        "Linear layers; not embed_tokens or lm_head); not with ZeRO-3"))
+
+
+@dataclass
 class JobConfig:
     model: ModelSection = field(default_factory=ModelSection, metadata=_key("the checkpoint"))
     data: DataSection = field(default_factory=DataSection, metadata=_key("data and packing"))
@@ -184,6 +202,8 @@ class JobConfig:
         "learning-rate schedule"))
     train: TrainSection = field(default_factory=TrainSection, metadata=_key("training loop"))
     eval: EvalSection = field(default_factory=EvalSection, metadata=_key("evaluation"))
+    lora: LoraSection = field(default_factory=LoraSection, metadata=_key(
+        "LoRA adapters (PEFT); off while lora.r is 0"))
     deepspeed: str | dict = field(default_factory=lambda: {"zero_optimization": {"stage": 0}},
                                   metadata=_key("DeepSpeed JSON path or inline dict"))
     output_dir: str = field(default="runs/job", metadata=_key(
@@ -391,6 +411,25 @@ def _cross_checks(job: JobConfig) -> list[str]:
     if job.eval.generate and not job.train.eval_every:
         problems.append("config key 'eval.generate' is true but 'train.eval_every' is 0, so no "
                         "evaluation runs")
+    problems.extend(_lora_checks(job.lora, job.model))
+    return problems
+
+
+def _lora_checks(lora: LoraSection, model: ModelSection) -> list[str]:
+    """The `lora` section's own rules (the module names are checked against the model later)."""
+    if not lora.r:
+        changed = [f.name for f in fields(LoraSection)
+                   if f.name != "r" and getattr(lora, f.name) != getattr(LoraSection(), f.name)]
+        return [f"config key 'lora.{name}' is set but 'lora.r' is 0 (LoRA off)" for name in changed]
+    problems = []
+    if isinstance(lora.target_modules, str) and lora.target_modules != "all-linear":
+        problems.append(f"config key 'lora.target_modules': expected a list of module names or "
+                        f"\"all-linear\", got {json.dumps(lora.target_modules)}")
+    if isinstance(lora.target_modules, list) and not lora.target_modules:
+        problems.append("config key 'lora.target_modules': must name at least one module")
+    if not model.freeze_vision:
+        problems.append("config key 'model.freeze_vision' is false but LoRA (lora.r > 0) keeps "
+                        "the vision tower frozen")
     return problems
 
 

@@ -24,6 +24,7 @@ from vlmcp.config import JobConfig
 from vlmcp.data.mixture import draws_per_epoch
 from vlmcp.data.pack import PackedDataset
 from vlmcp.model.load import load_model
+from vlmcp.model.lora import apply_lora
 from vlmcp.model.loss import global_target_count, scale_for_deepspeed
 from vlmcp.model.packed import PackedVLM
 from vlmcp.parallel import comm
@@ -32,6 +33,7 @@ from vlmcp.training.checkpoint import checkpoint_dir, load_latest, save_checkpoi
 from vlmcp.training.ds_config import zero_stage
 from vlmcp.training.evaluate import eval_loss, generation_accuracy
 from vlmcp.training.export import hf_key_prefixes, save_final
+from vlmcp.training.lora_export import save_final_adapter
 from vlmcp.training.metrics import MetricsWriter
 from vlmcp.training.nonfinite import NonFiniteError, NonFiniteGuard
 from vlmcp.training.ds_engine import describe_engine, engine_optim_args
@@ -56,6 +58,8 @@ class Run:
     schedule: StepSchedule
     metrics: MetricsWriter
     start_step: int
+    #: The PeftModel around `module.hf_model` when the job trains LoRA adapters (lora.r > 0).
+    adapter: Any = None
 
 
 def seed_everything(seed: int) -> None:
@@ -79,7 +83,14 @@ def agree_on_problems(problems: list[str]) -> None:
     raise PreflightError([])
 
 
-def _build_engine(job: JobConfig, preflight: Preflight, sp: SequenceParallel) -> tuple[Any, PackedVLM]:
+def _build_engine(job: JobConfig, preflight: Preflight,
+                  sp: SequenceParallel) -> tuple[Any, PackedVLM, Any]:
+    """(DeepSpeed engine, training module, the PeftModel when lora.r > 0 else None).
+
+    With LoRA the adapters are injected into the loaded model before PackedVLM wraps it, so
+    only adapter weights (and modules_to_save copies) enter the optimizer; under ZeRO-3 the new
+    adapter weights are partitioned by deepspeed.initialize next to the frozen base weights.
+    """
     import deepspeed
     from transformers.integrations import HfDeepSpeedConfig
 
@@ -88,9 +99,11 @@ def _build_engine(job: JobConfig, preflight: Preflight, sp: SequenceParallel) ->
     # (unless accelerate's zero3_init_flag says false: DeepSpeed then partitions it afterwards).
     partitioned = zero_stage(ds_config) == 3 and job.zero3_init is not False
     hf_ds_config = HfDeepSpeedConfig(ds_config) if partitioned else None
-    hf_model = load_model(job.resolve_input(job.model.path), job.model.dtype,
+    model_dir = job.resolve_input(job.model.path)
+    hf_model = load_model(model_dir, job.model.dtype,
                           freeze_vision=job.model.freeze_vision,
                           attn_implementation=job.model.attn_implementation)
+    adapter = apply_lora(hf_model, job.lora, model_dir) if job.lora.r else None
     module = PackedVLM(hf_model, sp=sp, deltanet_cp=job.parallel.deltanet_cp,
                        gradient_checkpointing=job.train.gradient_checkpointing,
                        vision_mode=job.parallel.vision,
@@ -101,7 +114,7 @@ def _build_engine(job: JobConfig, preflight: Preflight, sp: SequenceParallel) ->
                                            **engine_optim_args(job, ds_config, trainable))
     del hf_ds_config
     logger.info("%s", describe_engine(engine, ds_config))
-    return engine, module
+    return engine, module, adapter
 
 
 def start_run(job: JobConfig) -> Run:
@@ -121,7 +134,7 @@ def start_run(job: JobConfig) -> Run:
         logger.info("data.train mixture, samples per epoch: %s", ", ".join(
             f"[{i}] {n} x {w:g} -> {k}" for i, (n, w, k) in enumerate(
                 zip(preflight.train_file_sizes, preflight.train_weights, draws))))
-    engine, module = _build_engine(job, preflight, sp)
+    engine, module, adapter = _build_engine(job, preflight, sp)
     start_step = load_latest(engine, job) if job.train.resume else 0
     dataset = PackedDataset(preflight.train_samples, job.data.max_seq_len, dp_rank=sp.dp_rank,
                             dp_size=sp.dp_size, shuffle=job.data.shuffle, seed=job.train.seed,
@@ -132,7 +145,7 @@ def start_run(job: JobConfig) -> Run:
                schedule=StepSchedule(dataset, job.train.grad_accum),
                metrics=MetricsWriter(job.output_dir, enabled=comm.rank() == 0,
                                      start_step=start_step),
-               start_step=start_step)
+               start_step=start_step, adapter=adapter)
 
 
 def _plain_fp32_engine(engine: Any) -> bool:
@@ -231,8 +244,12 @@ def train(job: JobConfig) -> None:
             logging_redirect_tqdm():
         _train_loop(run, stop, watchdog)
         with watchdog.watch("the final export"):
-            save_final(run.engine, run.module, run.module.hf_model,
-                       job.resolve_input(job.model.path), f"{job.output_dir}/final")
+            if run.adapter is not None:
+                save_final_adapter(run.module, run.adapter, job.resolve_input(job.model.path),
+                                   f"{job.output_dir}/final")
+            else:
+                save_final(run.engine, run.module, run.module.hf_model,
+                           job.resolve_input(job.model.path), f"{job.output_dir}/final")
     logger.info("done: %d steps; metrics in %s/metrics.jsonl, checkpoints in %s",
                 job.train.max_steps, job.output_dir, checkpoint_dir(job))
 

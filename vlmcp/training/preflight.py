@@ -27,11 +27,12 @@ from vlmcp.data.mixture import draws_per_epoch
 from vlmcp.data.processor import ProcessorError, VLProcessor, load_processor
 from vlmcp.data.sources import DataFile, data_files
 from vlmcp.model.load import ModelLoadError, load_config, text_hidden_size
+from vlmcp.model.lora import lora_problems
 from vlmcp.parallel import comm
 from vlmcp.parallel.constraints import check_sp_constraints
 from vlmcp.parallel.zero3_sp import largest_tensor_numel, sp_exact_zero_settings
 from vlmcp.training.checkpoint import checkpoint_dir, checkpoint_tags, latest_tag, newest_complete
-from vlmcp.training.ds_config import fill_deepspeed_config, load_deepspeed_config
+from vlmcp.training.ds_config import fill_deepspeed_config, load_deepspeed_config, zero_stage
 
 
 logger = logging.getLogger(__name__)
@@ -152,6 +153,17 @@ def _check_deepspeed(job: JobConfig, world_size: int, report: Preflight) -> None
                                               largest_tensor_numel(model_dir))
 
 
+def _check_lora(job: JobConfig, report: Preflight) -> None:
+    """The `lora` module names against the model (built on the meta device)."""
+    if not job.lora.r or report.model_config is None:
+        return
+    report.problems.extend(lora_problems(report.model_config, job.lora))
+    if job.lora.modules_to_save and report.ds_config and zero_stage(report.ds_config) == 3:
+        report.problems.append("config key 'lora.modules_to_save' is not supported with ZeRO-3 "
+                               "(PEFT copies the partitioned modules); use ZeRO 0-2 or train "
+                               "adapters only")
+
+
 def _check_resume(job: JobConfig, report: Preflight) -> None:
     directory = checkpoint_dir(job)
     if job.train.resume:
@@ -196,6 +208,7 @@ def run_preflight(job: JobConfig, world_size: int) -> Preflight:
     report = Preflight()
     _check_model(job, world_size, report)
     _check_deepspeed(job, world_size, report)
+    _check_lora(job, report)
     _check_output_dir(job, report)
     _check_resume(job, report)
     if report.processor is not None:
