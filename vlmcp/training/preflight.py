@@ -24,6 +24,7 @@ from vlmcp.data.dataset import iter_samples
 from vlmcp.data.formats import DataError, Sample
 from vlmcp.data.processor import ProcessorError, VLProcessor, load_processor
 from vlmcp.model.load import ModelLoadError, load_config, text_hidden_size
+from vlmcp.model.router_loss import router_config_problem
 from vlmcp.parallel import comm
 from vlmcp.parallel.constraints import check_sp_constraints
 from vlmcp.parallel.zero3_sp import largest_tensor_numel, sp_exact_zero_settings
@@ -87,6 +88,10 @@ def _check_model(job: JobConfig, world_size: int, report: Preflight) -> None:
     report.problems.extend(check_sp_constraints(
         report.model_config.get_text_config(), sp_size=job.parallel.sp_size,
         world_size=world_size, deltanet_cp=job.parallel.deltanet_cp))
+    if job.model.router_aux_loss:
+        problem = router_config_problem(report.model_config.get_text_config())
+        if problem:
+            report.problems.append(problem)
     try:
         report.processor = load_processor(model_dir)
     except (ProcessorError, OSError, ValueError) as exc:
