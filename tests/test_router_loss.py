@@ -2,19 +2,23 @@
 CE / N + router_aux_loss_coef x aux equals plain transformers (CE of each sample alone, aux of the
 pack's samples batched and right-padded with an attention mask) in fp32 to rel <= 1e-5, also under
 activation checkpointing. A dense checkpoint with `model.router_aux_loss` is an error naming the
-key; without it, the warning about `output_router_logits` stays. (SP = 2 and 4, DP and gradient
+key (also in `vlmcp validate`); without it, the warning about `output_router_logits` stays.
+`vlmcp train` reports the router loss beside an unchanged LM loss. (SP = 2 and 4, DP and gradient
 accumulation: tests/test_sp_parity.py.)"""
 
 from __future__ import annotations
 
 import copy
+import json
 import logging
 
 import pytest
 import torch
 
+from launching import assert_ok, run_vlmcp, tiny_job, write_job
 from tests.parity import build_model, make_sample, pack, reference_loss_and_grads, rel_err
 from tests.router_reference import add_grads, reference_router_aux_and_grads
+from vlmcp.cli import main
 from vlmcp.model.packed import PackedVLM
 from vlmcp.model.router_loss import router_config_problem
 
@@ -67,3 +71,29 @@ def test_output_router_logits_warns_only_without_the_router_loss(router_aux_loss
     warned = any("no router aux loss" in r.getMessage() for r in caplog.records)
     assert warned == (not router_aux_loss)
     assert (module.router_loss is not None) == router_aux_loss
+
+
+def test_validate_rejects_the_router_loss_on_a_dense_checkpoint(tiny_checkpoint, digits_jsonl, tmp_path, capsys):
+    job = write_job(tmp_path / "job.json", tiny_job(tiny_checkpoint, digits_jsonl / "train.jsonl", tmp_path / "out",
+                                                    model={"router_aux_loss": True}))
+    assert main(["validate", str(job)]) == 1
+    assert "config key 'model.router_aux_loss'" in capsys.readouterr().err
+
+
+def _first_train_row(checkpoint, data, out, router_aux_loss: bool) -> dict:
+    job = write_job(out / "job.json", tiny_job(checkpoint, data, out, model={"router_aux_loss": router_aux_loss},
+                                               train={"max_steps": 1}))
+    assert_ok(run_vlmcp(["train", str(job)]))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [row for row in rows if "loss" in row][0]
+
+
+def test_train_rows_report_the_router_loss_beside_an_unchanged_lm_loss(tiny_moe_checkpoint, digits_jsonl, tmp_path):
+    """The first step's `loss` (before any update) is the same CE with and without the router loss."""
+    data = digits_jsonl / "train.jsonl"
+    with_router = _first_train_row(tiny_moe_checkpoint, data, tmp_path / "router", True)
+    without = _first_train_row(tiny_moe_checkpoint, data, tmp_path / "plain", False)
+    # top-2 of 4 experts: the loss is 2 when the routing is balanced, and at most 4
+    assert 1.0 <= with_router["router_aux_loss"] <= 4.0
+    assert "router_aux_loss" not in without
+    assert abs(with_router["loss"] - without["loss"]) <= 1e-6 * without["loss"]
