@@ -110,8 +110,8 @@ CASES = {
     ),
     # [11] one padding row; the 64-patch image's placeholders 4..19 over ranks 0 and 1, the
     # 4-patch one on 30 (rank 2)
-    "p4_moe_router_aux_loss_padded_image_straddles_zero0": dict(
-        world=4, sp=4, model={"moe": True, "router_aux_loss_coef": 0.5}, stage=0, mode="state", accum=1,
+    "p4_moe_router_aux_loss_padded_image_straddles_zero3": dict(
+        world=4, sp=4, model={"moe": True, "router_aux_loss_coef": 0.5}, stage=3, mode="state", accum=1,
         router_aux=True,
         packs=[[[(23, [(1, 8, 8)]), (3, []), (17, [(1, 2, 2)])]]],
     ),
