@@ -57,6 +57,10 @@ class ModelSection:
         "attention implementation given to from_pretrained (null: sdpa); in training the "
         "text model's full attention always runs vlmcp's registered Ulysses kernel",
         choices=[None, "sdpa", "eager", "flash_attention_2"]))
+    router_aux_loss: bool = field(default=False, metadata=_key(
+        "MoE checkpoints only: add router_aux_loss_coef (from the checkpoint's config) x the "
+        "router load-balancing loss of each micro-batch over its real tokens, as transformers "
+        "computes it with output_router_logits; reported as router_aux_loss in metrics"))
 
 
 @dataclass

@@ -6,6 +6,11 @@ of target-token cross-entropy over all micro-batches and ranks / the number of t
 each micro-batch's shard loss is scaled so that DeepSpeed's averaging and accumulation yield
 exactly that gradient. DeepSpeed clips, steps the optimizer and the LR schedule at the
 accumulation boundary.
+
+With `model.router_aux_loss` (MoE), each micro-batch also adds router_aux_loss_coef x its router
+load-balancing loss (model.router_loss): the step's gradient is d(sum CE / N) + coef x d(mean of
+the micro-batches' aux losses over DP x accumulation). The row's `loss` stays the LM loss; the
+mean aux loss (without the coefficient) is reported as `router_aux_loss`.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from vlmcp.model.load import load_model
 from vlmcp.model.lora import apply_lora
 from vlmcp.model.loss import global_target_count, scale_for_deepspeed
 from vlmcp.model.packed import PackedVLM
+from vlmcp.model.router_loss import router_objective
 from vlmcp.parallel import comm
 from vlmcp.parallel.groups import SequenceParallel
 from vlmcp.training.checkpoint import checkpoint_dir, load_latest, save_checkpoint
@@ -107,7 +113,8 @@ def _build_engine(job: JobConfig, preflight: Preflight,
     module = PackedVLM(hf_model, sp=sp, deltanet_cp=job.parallel.deltanet_cp,
                        gradient_checkpointing=job.train.gradient_checkpointing,
                        vision_mode=job.parallel.vision,
-                       loss_chunk_mb=job.train.loss_chunk_mb)
+                       loss_chunk_mb=job.train.loss_chunk_mb,
+                       router_aux_loss=job.model.router_aux_loss)
     trainable = [p for p in module.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=trainable,
                                            config=ds_config, mpu=sp.mpu,
@@ -166,14 +173,16 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     batches = run.schedule.batches(step)
     lr = engine.get_lr()[0]
     n_global = global_target_count(sum(run.module.shard_target_count(b) for b in batches))
-    # [shard CE sum, pack tokens (once per SP group), 1 where the optimizer step was not applied]
-    sums = torch.zeros(3, dtype=torch.float64)
+    # [shard CE sum, pack tokens (once per SP group), 1 where the optimizer step was not applied,
+    #  this rank's shares of the router aux losses]
+    sums = torch.zeros(4, dtype=torch.float64)
     grad_norm = None
     skipped_before = engine.skipped_steps
     for index, batch in enumerate(batches):
-        loss_sum, _ = engine(batch)
+        loss_sum, _, router_share = engine(batch)
         engine.backward(scale_for_deepspeed(loss_sum, n_global, dp_size=sp.dp_size,
-                                            grad_accum=grad_accum))
+                                            grad_accum=grad_accum)
+                        + router_objective(router_share, run.module.router_aux_coef))
         if index == len(batches) - 1 and _plain_fp32_engine(engine):
             grad_norm = _grad_norm(engine.module)
             # DeepSpeed checks for NaN/Inf gradients itself everywhere else (training/nonfinite.py).
@@ -181,6 +190,8 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
                 engine.optimizer.overflow = not math.isfinite(grad_norm)
         engine.step()
         sums[0] += float(loss_sum.detach())
+        if router_share is not None:
+            sums[3] += float(router_share.detach())
         if sp.rank == 0:
             sums[1] += batch.num_tokens
     sums[2] = float(engine.skipped_steps > skipped_before)
@@ -199,6 +210,8 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         "step_time_s": elapsed,
         "epoch": run.schedule.locate(step)[0],
     }
+    if run.module.router_loss is not None:
+        row["router_aux_loss"] = float(sums[3]) / (sp.dp_size * grad_accum)
     if sums[2]:
         row["skipped_step"] = True
     return row

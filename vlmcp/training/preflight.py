@@ -28,6 +28,7 @@ from vlmcp.data.processor import ProcessorError, VLProcessor, load_processor
 from vlmcp.data.sources import DataFile, data_files
 from vlmcp.model.load import ModelLoadError, load_config, text_hidden_size
 from vlmcp.model.lora import lora_problems
+from vlmcp.model.router_loss import router_config_problem
 from vlmcp.parallel import comm
 from vlmcp.parallel.constraints import check_sp_constraints
 from vlmcp.parallel.zero3_sp import largest_tensor_numel, sp_exact_zero_settings
@@ -130,6 +131,10 @@ def _check_model(job: JobConfig, world_size: int, report: Preflight) -> None:
     report.problems.extend(check_sp_constraints(
         report.model_config.get_text_config(), sp_size=job.parallel.sp_size,
         world_size=world_size, deltanet_cp=job.parallel.deltanet_cp))
+    if job.model.router_aux_loss:
+        problem = router_config_problem(report.model_config.get_text_config())
+        if problem:
+            report.problems.append(problem)
     try:
         report.processor = load_processor(model_dir, job.data.chat_template_kwargs,
                                           job.data.empty_think)
