@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +133,19 @@ def engine_hf_state_dict(engine, module: nn.Module, hf_model: nn.Module) -> dict
     return state
 
 
+def write_on_rank0(state: dict[str, torch.Tensor] | None, write: Callable[[], None]) -> None:
+    """Run `write` where `state` is not None (rank 0); call on every rank. Every rank raises
+    CheckpointError when rank 0's write failed (the write itself leaves nothing half-written)."""
+    problem = None
+    if state is not None:
+        try:
+            write()
+        except CheckpointError as exc:
+            problem = exc
+    if comm.rank_flags(problem is not None)[0]:
+        raise problem or CheckpointError([])
+
+
 def save_final(engine, module: nn.Module, hf_model: PreTrainedModel, source_dir: str | Path,
                out_dir: str | Path) -> Path:
     """Write the trained model to `out_dir` in HF format (rank 0 writes; call on every rank).
@@ -140,15 +154,12 @@ def save_final(engine, module: nn.Module, hf_model: PreTrainedModel, source_dir:
     stays, and the run's checkpoints are untouched).
     """
     state = engine_hf_state_dict(engine, module, hf_model)
-    problem = None
-    if state is not None:
-        try:
-            save_hf(hf_model, state, source_dir, out_dir)
-            logger.info("saved the trained model (Hugging Face format) to %s", out_dir)
-        except CheckpointError as exc:
-            problem = exc
-    if comm.rank_flags(problem is not None)[0]:
-        raise problem or CheckpointError([])
+
+    def write() -> None:
+        save_hf(hf_model, state, source_dir, out_dir)
+        logger.info("saved the trained model (Hugging Face format) to %s", out_dir)
+
+    write_on_rank0(state, write)
     return Path(out_dir)
 
 

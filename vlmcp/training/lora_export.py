@@ -24,7 +24,8 @@ from vlmcp.model.lora import apply_lora
 from vlmcp.parallel import comm
 from vlmcp.training.atomic import remove_quietly, replace_dir, write_error
 from vlmcp.training.checkpoint import CheckpointError
-from vlmcp.training.export import copy_processor_files, hf_key_prefixes, save_hf, to_hf_keys
+from vlmcp.training.export import (copy_processor_files, hf_key_prefixes, save_hf, to_hf_keys,
+                                   write_on_rank0)
 
 logger = logging.getLogger(__name__)
 
@@ -88,15 +89,12 @@ def save_final_adapter(module: nn.Module, peft_model: PeftModel, source_dir: str
     """Write the run's adapter to `out_dir` (rank 0 writes; call on every rank). Every rank raises
     CheckpointError when rank 0 could not write it."""
     state = trained_state_dict(module, peft_model.base_model.model)
-    problem = None
-    if state is not None:
-        try:
-            save_adapter(peft_model, state, source_dir, out_dir)
-            logger.info("saved the LoRA adapter (PEFT format) to %s", out_dir)
-        except CheckpointError as exc:
-            problem = exc
-    if comm.rank_flags(problem is not None)[0]:
-        raise problem or CheckpointError([])
+
+    def write() -> None:
+        save_adapter(peft_model, state, source_dir, out_dir)
+        logger.info("saved the LoRA adapter (PEFT format) to %s", out_dir)
+
+    write_on_rank0(state, write)
     return Path(out_dir)
 
 
