@@ -12,11 +12,14 @@ from transformers.integrations import HfDeepSpeedConfig
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForConditionalGeneration
 
-from vlmcp.model.loss import global_target_count, scale_for_deepspeed
+from vlmcp.model.loss import scale_for_deepspeed
+from vlmcp.model.objectives import STAT_KEYS
 from vlmcp.model.packed import PackedVLM
 from vlmcp.parallel import comm
 from vlmcp.parallel.zero3_sp import largest_tensor_numel, sp_exact_zero_settings
 from vlmcp.parallel.groups import SequenceParallel
+from vlmcp.training.objective_step import step_counts
+from vlmcp.training.score import score_samples
 
 
 def ds_config(stage: int, grad_accum: int, dp_size: int, bf16: bool = False) -> dict:
@@ -52,8 +55,10 @@ def _record_tower_calls(vision: torch.nn.Module, calls: list) -> None:
 
 def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
     """For each case {checkpoint, stage, mode, grad_accum, vision, packs: list per DP rank of lists
-    of PackedBatch}: one DeepSpeed step; returns the step loss and every trainable parameter's full
-    gradient (HF names) as DeepSpeed holds them at the accumulation boundary."""
+    of PackedBatch, optionally objective (model.objectives.Objective) and score (Samples to run
+    `score_samples` on after the step, with score_max_len)}: one DeepSpeed step; returns the step
+    loss, the metric sums (STAT_KEYS) / global targets, every trainable parameter's full gradient
+    (HF names) as DeepSpeed holds them at the accumulation boundary, and the score records."""
     sp = SequenceParallel.initialize(sp_size)
     results = {}
     for name, case in cases.items():
@@ -67,7 +72,8 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
         model = cls.from_pretrained(case["checkpoint"], dtype=dtype, attn_implementation="sdpa")
         model.model.visual.requires_grad_(case.get("train_vision", False))
         module = PackedVLM(model, sp=sp, deltanet_cp=case["mode"], gradient_checkpointing=case.get("checkpointing", False),
-                           vision_mode=case.get("vision", "split"), loss_chunk_mb=case["loss_chunk_mb"])
+                           vision_mode=case.get("vision", "split"), loss_chunk_mb=case["loss_chunk_mb"],
+                           objective=case.get("objective"))
         params = [p for p in module.parameters() if p.requires_grad]
         engine, *_ = deepspeed.initialize(
             model=module, optimizer=torch.optim.SGD(params, lr=0.0), config=config, mpu=sp.mpu
@@ -79,12 +85,14 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
         tower_calls = []
         _record_tower_calls(module.vision, tower_calls)
         micro_batches = case["packs"][sp.dp_rank]
-        n_global = global_target_count(sum(module.shard_target_count(b) for b in micro_batches))
+        counts = step_counts(module, micro_batches, module.objective)
         loss_total = torch.zeros(())
+        stat_total = torch.zeros(len(STAT_KEYS), dtype=torch.float64)
         for batch in micro_batches:
-            loss_sum, _ = engine(batch)
+            loss_sum, _, stats = engine(batch, stats=True)
             loss_total += loss_sum.detach()
-            engine.backward(scale_for_deepspeed(loss_sum, n_global, sp.dp_size, case["grad_accum"]))
+            stat_total += stats
+            engine.backward(scale_for_deepspeed(loss_sum, counts.denominator, sp.dp_size, case["grad_accum"]))
             if not engine.is_gradient_accumulation_boundary():
                 engine.step()
         grads = {
@@ -93,8 +101,11 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
             if p.requires_grad
         }
         engine.step()
+        scores = score_samples(engine, case["score"], case["score_max_len"], sp, entropy=True) if case.get("score") else None
         results[name] = {
-            "loss": float(comm.all_reduce_sum(loss_total)) / n_global,
+            "loss": float(comm.all_reduce_sum(loss_total)) / counts.denominator,
+            "stats": dict(zip(STAT_KEYS, (comm.all_reduce_sum(stat_total) / counts.targets).tolist())),
+            "scores": scores,
             "grads": grads,
             "layer0_mlp_calls": len(calls),
             "tower_calls": tower_calls,

@@ -1,4 +1,4 @@
-"""Command line: `vlmcp {train,validate,export,bench,demo}` (also `python -m vlmcp ...`).
+"""Command line: `vlmcp {train,validate,export,score,bench,demo}` (also `python -m vlmcp ...`).
 
 Heavy imports (torch, transformers, deepspeed) happen inside the commands, so `--help` is quick.
 Exit codes: 0 success, 1 a problem with the job or data (one line per problem on stderr; also a
@@ -84,6 +84,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_job_args(export)
     export.add_argument("--tag", default=None, help="checkpoint tag, e.g. step100 (default: latest)")
     export.add_argument("--out", default=None, help="output directory (default OUTPUT_DIR/export-TAG)")
+
+    score = commands.add_parser(
+        "score", help="write the model's logprob of every target token of data.train (JSONL)",
+        description="Run the packed, sequence-parallel forward of the job's model (model.path; "
+                    "point it at OUTPUT_DIR/final with --set to score a trained policy) over "
+                    "data.train without a backward, and write one JSON line per sample in data "
+                    "order: {\"index\": i, \"logprobs\": [...]}, the logprob of each target "
+                    "token in order. Run under a launcher for >1 rank, like train.",
+        epilog="  torchrun --nproc_per_node 2 -m vlmcp score JOB.json --out scores.jsonl",
+        formatter_class=formatter)
+    _add_job_args(score)
+    score.add_argument("--out", default=None, help="output JSONL (default OUTPUT_DIR/scores.jsonl)")
+    score.add_argument("--entropy", action="store_true",
+                       help='also write "entropy": the policy\'s entropy at each target position')
 
     bench = commands.add_parser(
         "bench", help="measure step time, tokens/s and memory of forward+backward",
@@ -222,6 +236,23 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_score(args: argparse.Namespace) -> int:
+    job = load_job(args.job, args.overrides)
+    from vlmcp.parallel import comm
+    from vlmcp.training.score import score
+
+    try:
+        path = score(job, out=args.out, entropy=args.entropy)
+    except JobError:
+        comm.shutdown()
+        raise
+    writer = comm.rank() == 0
+    comm.shutdown()
+    if writer:
+        print(path)
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from vlmcp.bench import run_bench
 
@@ -240,7 +271,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"train": _cmd_train, "validate": _cmd_validate, "export": _cmd_export,
-            "bench": _cmd_bench, "demo": _cmd_demo}
+            "score": _cmd_score, "bench": _cmd_bench, "demo": _cmd_demo}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

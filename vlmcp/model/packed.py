@@ -20,6 +20,7 @@ With P == 1 the same code is the exact packed single-rank path.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from torch import nn
@@ -127,15 +128,20 @@ class PackedVLM(nn.Module):
         samples count on SP rank 0 only, so a sum over the world counts each sample once."""
         return self.shard_target_count(batch), len(batch.seq_lens) if self.sp.rank == 0 else 0
 
-    def forward(self, batch: PackedBatch, stats: bool = False, objective: Objective | None = None
-                ) -> tuple[torch.Tensor, int] | tuple[torch.Tensor, int, torch.Tensor]:
+    def forward(self, batch: PackedBatch, stats: bool = False, objective: Objective | None = None,
+                scores: bool = False) -> tuple[Any, ...]:
         """Loss sum over this rank's shard of the pack, and its number of target tokens.
+
+        With `scores`, no loss: `token_scores(batch)` (called through the engine so that ZeRO-3
+        gathers as in training).
 
         Returns (0-dim fp32 tensor, int), and with `stats` also the shard's metric sums
         ([len(STAT_KEYS)] float64, `model.objectives`). The loss sum is sum_t c_t l_t of the
         objective (`objective`, else the module's); divide by the global target count (token
         normalisation) or sample count (sequence) for the step's mean (model.loss).
         """
+        if scores:
+            return self.token_scores(batch)
         objective = objective or self.objective
         plan = self.plan(batch)
         hidden = self.shard_hidden(batch, plan)

@@ -23,7 +23,8 @@ import torch
 from vlmcp.config import JobConfig
 from vlmcp.data.pack import PackedDataset
 from vlmcp.model.load import load_model
-from vlmcp.model.loss import global_target_count, scale_for_deepspeed
+from vlmcp.model.loss import scale_for_deepspeed
+from vlmcp.model.objectives import STAT_KEYS
 from vlmcp.model.packed import PackedVLM
 from vlmcp.parallel import comm
 from vlmcp.parallel.groups import SequenceParallel
@@ -33,6 +34,7 @@ from vlmcp.training.evaluate import eval_loss, generation_accuracy
 from vlmcp.training.export import hf_key_prefixes, save_final
 from vlmcp.training.metrics import MetricsWriter
 from vlmcp.training.nonfinite import NonFiniteError, NonFiniteGuard
+from vlmcp.training.objective_step import objective_metrics, objective_of, step_counts
 from vlmcp.training.optim import build_optimizer, build_scheduler
 from vlmcp.training.preflight import Preflight, PreflightError, run_preflight
 from vlmcp.training.schedule import StepSchedule
@@ -90,7 +92,8 @@ def _build_engine(job: JobConfig, preflight: Preflight, sp: SequenceParallel) ->
     module = PackedVLM(hf_model, sp=sp, deltanet_cp=job.parallel.deltanet_cp,
                        gradient_checkpointing=job.train.gradient_checkpointing,
                        vision_mode=job.parallel.vision,
-                       loss_chunk_mb=job.train.loss_chunk_mb)
+                       loss_chunk_mb=job.train.loss_chunk_mb,
+                       objective=objective_of(job))
     optimizer = build_optimizer((p for p in module.parameters() if p.requires_grad), job.optimizer)
     scheduler = build_scheduler(optimizer, job.scheduler, job.train.max_steps)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
@@ -140,14 +143,17 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     engine, sp, grad_accum = run.engine, run.sp, run.job.train.grad_accum
     batches = run.schedule.batches(step)
     lr = engine.get_lr()[0]
-    n_global = global_target_count(sum(run.module.shard_target_count(b) for b in batches))
-    # [shard CE sum, pack tokens (once per SP group), 1 where the optimizer step was not applied]
-    sums = torch.zeros(3, dtype=torch.float64)
+    counts = step_counts(run.module, batches, run.module.objective)
+    n_global = counts.targets
+    # [shard loss sum, pack tokens (once per SP group), 1 where the optimizer step was not
+    # applied, then the objective's metric sums (STAT_KEYS)]
+    sums = torch.zeros(3 + len(STAT_KEYS), dtype=torch.float64)
     grad_norm = None
     skipped_before = engine.skipped_steps
     for index, batch in enumerate(batches):
-        loss_sum, _ = engine(batch)
-        engine.backward(scale_for_deepspeed(loss_sum, n_global, dp_size=sp.dp_size,
+        loss_sum, _, stat_sums = engine(batch, stats=True)
+        sums[3:] += stat_sums
+        engine.backward(scale_for_deepspeed(loss_sum, counts.denominator, dp_size=sp.dp_size,
                                             grad_accum=grad_accum))
         if index == len(batches) - 1 and _plain_fp32_engine(engine):
             grad_norm = _grad_norm(engine.module)
@@ -164,7 +170,7 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         grad_norm = engine.get_global_grad_norm()
     row: dict[str, Any] = {
         "step": step + 1,
-        "loss": float(sums[0]) / max(n_global, 1),
+        "loss": float(sums[0]) / max(counts.denominator, 1),
         "lr": lr,
         "grad_norm": float(grad_norm) if grad_norm is not None else None,
         "tokens": int(sums[1]),
@@ -172,6 +178,7 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         "tokens_per_s": float(sums[1]) / elapsed,
         "step_time_s": elapsed,
         "epoch": run.schedule.locate(step)[0],
+        **objective_metrics(sums[3:], n_global, run.module.objective),
     }
     if sums[2]:
         row["skipped_step"] = True

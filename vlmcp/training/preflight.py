@@ -4,7 +4,8 @@ One line per problem, each naming what to fix (a config key, or a "file:line" of
 Checked: the job schema (by `load_job`, before this), the checkpoint directory and its processor,
 the sequence-parallel constraints of the model for the world size, the DeepSpeed config, every
 line of data.train and data.eval (files, images, placeholder counts, lengths, targets), and that
-a resume has a complete checkpoint to resume from, and that output_dir is writable.
+a resume has a complete checkpoint to resume from, that output_dir is writable, and that every
+training sample carries the per-token arrays `loss.type` needs.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from vlmcp.parallel.constraints import check_sp_constraints
 from vlmcp.parallel.zero3_sp import largest_tensor_numel, sp_exact_zero_settings
 from vlmcp.training.checkpoint import checkpoint_dir, checkpoint_tags, latest_tag, newest_complete
 from vlmcp.training.ds_config import fill_deepspeed_config, load_deepspeed_config
+from vlmcp.training.objective_step import objective_problems
 
 
 logger = logging.getLogger(__name__)
@@ -148,15 +150,21 @@ def _check_output_dir(job: JobConfig, report: Preflight) -> None:
                                f"{exc.strerror or exc}")
 
 
-def run_preflight(job: JobConfig, world_size: int) -> Preflight:
-    """Run every check of `job` for a world of `world_size` ranks and load its data."""
+def run_preflight(job: JobConfig, world_size: int, training: bool = True) -> Preflight:
+    """Run every check of `job` for a world of `world_size` ranks and load its data.
+
+    `training` False (`vlmcp score`): no checkpoint-resume check and no check of the per-token
+    arrays `loss.type` needs."""
     report = Preflight()
     _check_model(job, world_size, report)
     _check_deepspeed(job, world_size, report)
     _check_output_dir(job, report)
-    _check_resume(job, report)
+    if training:
+        _check_resume(job, report)
     if report.processor is not None:
         report.train_samples = _read_data(job, "train", job.data.train, report.processor, report)
         if job.data.eval:
             report.eval_samples = _read_data(job, "eval", job.data.eval, report.processor, report)
+    if training:
+        report.problems.extend(objective_problems(job, report.train_samples))
     return report
