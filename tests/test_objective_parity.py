@@ -22,7 +22,7 @@ from tests.sp_cases import engine_step
 from vlmcp.data.batch import IGNORE_INDEX
 from vlmcp.data.formats import Sample
 from vlmcp.data.pack import shifted_array
-from vlmcp.model.loss import DEFAULT_LOSS_CHUNK_MB
+from vlmcp.model.loss import CHECKPOINTED_CE_BYTES_PER_LOGIT, DEFAULT_LOSS_CHUNK_MB
 from vlmcp.model.objectives import Objective
 
 TOL = 1e-5
@@ -35,10 +35,11 @@ SAMPLES = {"A": (11, []), "B": (37, [(1, 8, 8)]), "C": (17, [(1, 2, 2), (1, 2, 2
 LAYOUTS = {1: (2, 1, 1, [[["C", "B"]], [["A"]]]),
            2: (2, 2, 2, [[["C", "B"], ["A"]]]),
            4: (4, 4, 1, [[["C", "B", "A"]]])}
-#: ZeRO stage per SP size; at SP 4 the partitioned lm_head runs one-row loss chunks (the ranks hold
+#: ZeRO stage per SP size; at SP 4 the partitioned lm_head runs 4-row loss chunks (the ranks hold
 #: different target counts and must still make the same module calls).
 STAGES = {1: 0, 2: 2, 4: 3}
-CHUNK_MB = {1: DEFAULT_LOSS_CHUNK_MB, 2: DEFAULT_LOSS_CHUNK_MB, 4: 0.001}
+CHUNK_MB = {1: DEFAULT_LOSS_CHUNK_MB, 2: DEFAULT_LOSS_CHUNK_MB,
+            4: 4 * 512 * CHECKPOINTED_CE_BYTES_PER_LOGIT / 2**20}
 OBJECTIVES = {
     "weighted_ce": Objective("weighted_ce"),
     "policy_gradient_token": Objective("policy_gradient"),
@@ -92,9 +93,9 @@ def _reference(model, samples, arrays, objective):
             clipped += int(is_clipped.sum())
             sides["high"] += int((is_clipped & (adv > 0)).sum())
             sides["low"] += int((is_clipped & (adv < 0)).sum())
-            ratio_sum += float(ratio.sum())
-            approx_kl += float(((ratio - 1) - torch.log(ratio)).sum())
-            ref_kl += float((torch.exp(d) - d - 1).sum())
+            ratio_sum += float(ratio.detach().sum())
+            approx_kl += float(((ratio - 1) - torch.log(ratio)).detach().sum())
+            ref_kl += float((torch.exp(d) - d - 1).detach().sum())
         per_sample = losses.sum() / (len(positions) if objective.normalize == "sequence" else 1)
         (per_sample / denominator).backward()
         total += float(per_sample.detach()) / denominator
