@@ -155,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the job's)")
     demo.add_argument("--set", dest="overrides", action="append", default=[],
                       metavar="KEY.PATH=VALUE", help="override a key of the demo job; repeatable")
+    demo.add_argument("--rl", action="store_true",
+                      help="policy-gradient variant: candidate answers per digit prompt with "
+                           "group-relative advantages from their correctness, loss.type "
+                           "policy_gradient, output in OUT/rl (vlmcp/rl_demo.py)")
     return parser
 
 
@@ -264,6 +268,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    if args.rl:
+        from vlmcp.rl_demo import run_rl_demo
+
+        return run_rl_demo(out_dir=args.out, nproc=args.nproc, sp_size=args.sp_size,
+                           steps=args.steps, overrides=args.overrides)
     from vlmcp.demo import run_demo
 
     return run_demo(out_dir=args.out, nproc=args.nproc, sp_size=args.sp_size, steps=args.steps,

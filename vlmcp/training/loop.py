@@ -2,8 +2,9 @@
 
 Per optimizer step, each rank runs `train.grad_accum` packed micro-batches (every rank of a
 sequence-parallel group gets the same pack and shards it internally). The step's loss is the sum
-of target-token cross-entropy over all micro-batches and ranks / the number of those targets;
-each micro-batch's shard loss is scaled so that DeepSpeed's averaging and accumulation yield
+of target-token cross-entropy over all micro-batches and ranks / the number of those targets (or
+the `loss` section's objective and normaliser, training/objective_step.py); each micro-batch's
+shard loss is scaled so that DeepSpeed's averaging and accumulation yield
 exactly that gradient. DeepSpeed clips, steps the optimizer and the LR schedule at the
 accumulation boundary.
 """
