@@ -273,12 +273,6 @@ def logits_entropy(logits: torch.Tensor) -> torch.Tensor:
         return chunk_entropy(log_z, dot)
 
 
-def global_target_count(local_count: int, group: comm.ProcessGroup | None = None) -> int:
-    """Sum of per-rank shard target counts over `group` (the whole world when None)."""
-    total = torch.tensor([local_count], dtype=torch.float64)
-    return int(comm.all_reduce_sum(total, group)[0])
-
-
 def scale_for_deepspeed(loss_sum: torch.Tensor, global_targets: int, dp_size: int, grad_accum: int) -> torch.Tensor:
     """The value to hand to `engine.backward` so the step's gradient is d(sum CE / N).
 
