@@ -16,6 +16,11 @@ each chunk through the module under activation checkpointing (`zero3_chunked_ce`
 count on every rank, since each call gathers the weight), whose transient is
 higher (`CHECKPOINTED_CE_BYTES_PER_LOGIT`, and autograd sums the chunks' weight gradients out of
 place).
+
+Every path also returns the sum of the policy's softmax entropy over the targets (a metric, never
+differentiated), from the same chunks: per row log Z and sum_v exp(s_v) s_v of the max-shifted
+logits s, the latter over column blocks (`softmax_dot_shifted`), so no extra `[rows, vocab]`
+tensor is held.
 """
 
 from __future__ import annotations
