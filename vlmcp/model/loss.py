@@ -19,8 +19,9 @@ place).
 
 Every path also returns the sum of the policy's softmax entropy over the targets (a metric, never
 differentiated), from the same chunks: per row log Z and sum_v exp(s_v) s_v of the max-shifted
-logits s, the latter over column blocks (`softmax_dot_shifted`), so no extra `[rows, vocab]`
-tensor is held.
+logits s, the latter over column blocks (`softmax_dot_shifted`): the fused and no-grad paths hold
+no extra `[rows, vocab]` tensor for it, the ZeRO-3 path one (within its 12-byte budget: in forward
+no log-softmax backward buffers exist yet).
 """
 
 from __future__ import annotations
