@@ -1,15 +1,16 @@
 """`vlmcp demo --rl`: the digits demo as a policy-gradient job, offline on CPU ranks.
 
 vlmcp has no generation loop of its own, so the rollouts are enumerated: every training prompt
-(a digit image and "What digit is this?") gets `candidates` answers (default all 10), the correct
+(a digit image and "What digit is this?") gets `candidates` answers (default 4), the correct
 digit and distinct wrong ones drawn at random. The reward is 1 for the correct digit and 0
 otherwise; the advantage of each answer is group-relative, as in GRPO: (reward - the group's mean
-reward) / the group's standard deviation, so with 10 candidates +3 for the correct answer and
--1/3 for each wrong one. Each answer becomes one tokens-format line whose per-token "advantages"
+reward) / the group's standard deviation, so with 4 candidates +1.73 for the correct answer and
+-0.58 for each wrong one (with all 10, +3 and -1/3; but then a 512-token pack holds only ~2.5
+prompts, and the same steps see a quarter of the prompts). Each answer becomes one tokens-format line whose per-token "advantages"
 hold that value on the answer's tokens and null elsewhere, except its closing <|im_end|>, which
 gets the advantage only when it is positive (0 after a wrong digit: ending the turn is not the
-mistake, and with every answer enumerated, each digit is wrong for 9 prompts in 10, so the
-end-of-turn after it would otherwise be pushed down as often as up)
+mistake, and with answers enumerated rather than sampled from the policy, each digit is wrong far
+more often than right, so the end-of-turn after it would otherwise be pushed down as often as up)
 (OUT/assets/digits/rl_train.jsonl, next to the images). The job trains with `loss.type`
 policy_gradient (-A log pi per target token). Held-out accuracy is measured twice: the way the
 CE demo measures it, by greedy generation on the held-out digits (`eval_accuracy`), and by
@@ -99,7 +100,7 @@ def rl_job(assets_dir: Path, out_dir: Path, sp_size: int) -> dict[str, Any]:
     job = demo_job(assets_dir, out_dir, sp_size)
     job["data"]["train"] = os.path.relpath(assets_dir / "digits" / "rl_train.jsonl", out_dir)
     job["loss"] = {"type": "policy_gradient", "normalize": "token"}
-    job["train"].update({"max_steps": 300, "eval_every": 100})
+    job["train"].update({"max_steps": 500, "eval_every": 250})
     return job
 
 
@@ -114,7 +115,7 @@ def _torchrun(nproc: int, args: list[str]) -> int:
 
 def run_rl_demo(out_dir: str | Path = "runs/demo", nproc: int = 2, sp_size: int = 2,
                 steps: int | None = None, overrides: list[str] | tuple[str, ...] = (),
-                candidates: int = 10) -> int:
+                candidates: int = 4) -> int:
     """Build the assets and the RL dataset, train OUT/rl with policy_gradient, then measure the
     held-out accuracy twice: greedy generation (eval rows of OUT/rl/metrics.jsonl) and the
     choice of the highest-logprob digit answer by `vlmcp score` on the trained policy. Returns
