@@ -4,9 +4,9 @@ A job is a JSON object with the sections below. Every key has a default except `
 `data.train`. An unknown key, a value of the wrong type or a value out of range is an error that
 names the full key path (for example ``unknown config key 'train.max_stepz'``).
 
-Relative input paths (`model.path`, `data.train`, `data.eval`, a `deepspeed` JSON path) are looked
-up next to the job file first and then in the current directory. `output_dir` is relative to the
-current directory.
+Relative input paths (`model.path`, the files of `data.train` and `data.eval`, `data.image_root`, a
+`deepspeed` JSON path) are looked up next to the job file first and then in the current directory.
+`output_dir` is relative to the current directory.
 
 Overrides given as ``--set key.path=value`` are parsed as JSON when they parse (``4``, ``true``,
 ``[0.9, 0.99]``, ``null``) and taken as a plain string otherwise. Keys under ``deepspeed.`` edit the
@@ -20,8 +20,11 @@ import math
 import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from vlmcp.data.sources import DataSpecError, data_files
 
 
 class JobError(ValueError):
@@ -54,18 +57,40 @@ class ModelSection:
         "attention implementation given to from_pretrained (null: sdpa); in training the "
         "text model's full attention always runs vlmcp's registered Ulysses kernel",
         choices=[None, "sdpa", "eager", "flash_attention_2"]))
+    router_aux_loss: bool = field(default=False, metadata=_key(
+        "MoE checkpoints only: add router_aux_loss_coef (from the checkpoint's config) x the "
+        "router load-balancing loss of each micro-batch over its real tokens, as transformers "
+        "computes it with output_router_logits; reported as router_aux_loss in metrics"))
 
 
 @dataclass
 class DataSection:
-    train: str = field(default="", metadata=_key("training JSONL file", required=True))
-    eval: str | None = field(default=None, metadata=_key("held-out JSONL file (optional)"))
+    train: str | list = field(default="", metadata=_key(
+        "training data: a JSONL or JSON-array file, a list of them, or a weighted mixture "
+        '[{"path": ..., "weight": w}, ...] (paths and objects may mix); weight w (default 1) is '
+        "the per-epoch multiplier of that file's samples: each epoch draws round(w x n) of its "
+        "n samples (w < 1 a seeded subset, w > 1 whole copies plus a seeded remainder)",
+        required=True, files="weighted"))
+    eval: str | list | None = field(default=None, metadata=_key(
+        "held-out data: a JSONL or JSON-array file or a list of them (not weighted; optional)",
+        files="plain"))
+    image_root: str | None = field(default=None, metadata=_key(
+        "directory that relative image paths of the data are relative to (null: each data "
+        "file's own directory); absolute image paths are used as they are"))
     max_seq_len: int = field(default=4096, metadata=_key(
         "tokens per packed micro-batch (one pack of whole samples)", min=2))
     shuffle: bool = field(default=False, metadata=_key(
         "shuffle samples (seeded by train.seed and the epoch) before packing each epoch"))
     truncate: bool = field(default=False, metadata=_key(
         "cut samples longer than max_seq_len instead of failing on them"))
+    chat_template_kwargs: dict = field(default_factory=dict, metadata=_key(
+        "extra keyword arguments (template variables) of every apply_chat_template call that "
+        "renders a sample, e.g. {\"enable_thinking\": false}"))
+    empty_think: str = field(default="target", metadata=_key(
+        "an empty <think>\\n\\n</think>\\n\\n the chat template renders at the start of a reply "
+        "(Qwen3.5: the last one): a target (as rendered; teaches answering without thinking), or "
+        "part of the prompt (as the enable_thinking=false generation prompt has it)",
+        choices=["target", "prompt"]))
 
 
 @dataclass
@@ -171,6 +196,24 @@ class LossSection:
 
 
 @dataclass
+class LoraSection:
+    r: int = field(default=0, metadata=_key(
+        "LoRA rank; 0 trains full weights (LoRA off), > 0 trains PEFT LoRA adapters on the "
+        "language model only (base weights, vision tower, embeddings and lm_head frozen)", min=0))
+    alpha: float = field(default=16.0, metadata=_key(
+        "LoRA scaling numerator (PEFT lora_alpha; the update is scaled by alpha / r)", min=0.0))
+    dropout: float = field(default=0.0, metadata=_key(
+        "dropout on the adapters' input", min=0.0, max=1.0))
+    target_modules: list[str] | str = field(default="all-linear", metadata=_key(
+        "Linear modules to adapt: names matched as PEFT does (full name, or its last dotted "
+        "parts: q_proj, in_proj_qkv, mlp.down_proj, ...), or \"all-linear\" for every Linear "
+        "of the decoder layers"))
+    modules_to_save: list[str] = field(default_factory=list, metadata=_key(
+        "leaf modules of the language model trained in full next to the adapters (norms, "
+        "Linear layers; not embed_tokens or lm_head); not with ZeRO-3"))
+
+
+@dataclass
 class JobConfig:
     model: ModelSection = field(default_factory=ModelSection, metadata=_key("the checkpoint"))
     data: DataSection = field(default_factory=DataSection, metadata=_key("data and packing"))
@@ -184,6 +227,8 @@ class JobConfig:
     eval: EvalSection = field(default_factory=EvalSection, metadata=_key("evaluation"))
     loss: LossSection = field(default_factory=LossSection, metadata=_key(
         "token-level training objective"))
+    lora: LoraSection = field(default_factory=LoraSection, metadata=_key(
+        "LoRA adapters (PEFT); off while lora.r is 0"))
     deepspeed: str | dict = field(default_factory=lambda: {"zero_optimization": {"stage": 0}},
                                   metadata=_key("DeepSpeed JSON path or inline dict"))
     output_dir: str = field(default="runs/job", metadata=_key(
@@ -192,6 +237,22 @@ class JobConfig:
     job_dir: str = field(default=".", metadata={"internal": True})
     #: `--set deepspeed.*` overrides, applied to the DeepSpeed config once loaded. Not a job key.
     deepspeed_overrides: dict[str, Any] = field(default_factory=dict, metadata={"internal": True})
+    #: Leaf key paths the job file or `--set` gave a value (the rest are defaults). Not a job key.
+    explicit_keys: frozenset[str] = field(default_factory=frozenset, metadata={"internal": True})
+    #: Job key path -> where a launcher-given value came from (vlmcp/launch_env.py). Not a job key.
+    key_sources: dict[str, str] = field(default_factory=dict, metadata={"internal": True})
+    #: DeepSpeed key path -> (value, source) the launcher sets (vlmcp/launch_env.py). Not a job key.
+    launcher_deepspeed: dict[str, tuple[Any, str]] = field(default_factory=dict,
+                                                           metadata={"internal": True})
+    #: Build the model under ZeRO-3 partitioned (deepspeed.zero.Init); None: the default (yes).
+    #: Set from accelerate's zero3_init_flag. Not a job key.
+    zero3_init: bool | None = field(default=None, metadata={"internal": True})
+
+    def shown_key(self, key: str, value: Any) -> str:
+        """Job key `key` with its value as a message names it: ``key=value``, plus the launcher
+        setting it came from, if any."""
+        source = self.key_sources.get(key)
+        return f"{key}={json.dumps(value)}" + (f" (from {source})" if source else "")
 
     def resolve_input(self, path: str) -> Path:
         """An input path as the job means it: absolute, else next to the job file, else cwd."""
@@ -326,6 +387,10 @@ def _build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
             if f.metadata.get("required"):
                 problems.append(f"missing required config key '{key}'")
             continue
+        if f.metadata.get("files") and raw[f.name] is not None:
+            problems.extend(_file_list_problems(raw[f.name], key, f.metadata["files"]))
+            values[f.name] = raw[f.name]
+            continue
         ok, value = _matches(raw[f.name], tp)
         if not ok:
             problems.append(f"config key '{key}': expected {_type_name(tp)}, "
@@ -342,9 +407,28 @@ def _build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
     return cls(**values)
 
 
+def _file_list_problems(value: Any, key: str, kind: str) -> list[str]:
+    """Problems of a data file key: a path, or a list of paths / {"path", "weight"} objects."""
+    try:
+        data_files(value, key, weighted=kind == "weighted")
+    except DataSpecError as exc:
+        return exc.problems
+    return []
+
+
+#: apply_chat_template arguments vlmcp sets itself, or that only act when it tokenizes (it renders
+#: text): not accepted in data.chat_template_kwargs.
+_RENDERING_ARGUMENTS = ("conversation", "tokenize", "add_generation_prompt",
+                        "continue_final_message", "return_dict", "return_tensors",
+                        "return_assistant_tokens_mask", "padding", "truncation", "max_length",
+                        "tokenizer_kwargs")
+
+
 def _cross_checks(job: JobConfig) -> list[str]:
     """Rules that involve more than one key."""
-    problems = []
+    problems = [f"config key 'data.chat_template_kwargs': '{name}' is set by vlmcp when it "
+                "renders a sample and cannot be given"
+                for name in _RENDERING_ARGUMENTS if name in job.data.chat_template_kwargs]
     if job.train.eval_every and not job.data.eval:
         problems.append("config key 'train.eval_every' is set but 'data.eval' is not")
     if job.eval.generate and not job.data.eval:
@@ -355,6 +439,25 @@ def _cross_checks(job: JobConfig) -> list[str]:
     if job.loss.kl_coef > 0 and job.loss.type != "ppo_clip":
         problems.append(f"config key 'loss.kl_coef' is {job.loss.kl_coef} but 'loss.type' is "
                         f"{job.loss.type!r}; the KL penalty applies to ppo_clip only")
+    problems.extend(_lora_checks(job.lora, job.model))
+    return problems
+
+
+def _lora_checks(lora: LoraSection, model: ModelSection) -> list[str]:
+    """The `lora` section's own rules (the module names are checked against the model later)."""
+    if not lora.r:
+        changed = [f.name for f in fields(LoraSection)
+                   if f.name != "r" and getattr(lora, f.name) != getattr(LoraSection(), f.name)]
+        return [f"config key 'lora.{name}' is set but 'lora.r' is 0 (LoRA off)" for name in changed]
+    problems = []
+    if isinstance(lora.target_modules, str) and lora.target_modules != "all-linear":
+        problems.append(f"config key 'lora.target_modules': expected a list of module names or "
+                        f"\"all-linear\", got {json.dumps(lora.target_modules)}")
+    if isinstance(lora.target_modules, list) and not lora.target_modules:
+        problems.append("config key 'lora.target_modules': must name at least one module")
+    if not model.freeze_vision:
+        problems.append("config key 'model.freeze_vision' is false but LoRA (lora.r > 0) keeps "
+                        "the vision tower frozen")
     return problems
 
 
@@ -398,9 +501,25 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return deepspeed_overrides
 
 
+def _leaf_keys(raw: Any, prefix: str = "") -> set[str]:
+    """Dotted paths of the values a raw job dict gives (objects are walked, except the inline
+    `deepspeed` dict, which is one value)."""
+    if not isinstance(raw, dict) or prefix == "deepspeed.":
+        return {prefix.rstrip(".")} if prefix else set()
+    keys: set[str] = set()
+    for name, value in raw.items():
+        keys |= _leaf_keys(value, f"{prefix}{name}.")
+    return keys
+
+
 def job_from_dict(raw: Any, job_dir: str | Path = ".",
-                  deepspeed_overrides: dict[str, Any] | None = None) -> JobConfig:
-    """Validate a raw job dict against the schema; raises ConfigError listing every problem."""
+                  deepspeed_overrides: dict[str, Any] | None = None,
+                  environ: Mapping[str, str] | None = None) -> JobConfig:
+    """Validate a raw job dict against the schema; raises ConfigError listing every problem.
+
+    With `environ`, the settings a launcher exported (accelerate's, see vlmcp/launch_env.py)
+    apply on top of the job's defaults; a value the job sets that disagrees is an error.
+    """
     problems: list[str] = []
     job = _build(JobConfig, raw, "", problems)
     if not problems:
@@ -409,11 +528,18 @@ def job_from_dict(raw: Any, job_dir: str | Path = ".",
         raise ConfigError(problems)
     job.job_dir = str(job_dir)
     job.deepspeed_overrides = dict(deepspeed_overrides or {})
+    job.explicit_keys = frozenset(_leaf_keys(raw))
+    if environ is not None:
+        from vlmcp.launch_env import apply_launch_env
+
+        apply_launch_env(job, environ)
     return job
 
 
-def load_job(path: str | Path, overrides: list[str] | None = None) -> JobConfig:
-    """Read a job JSON file, apply ``--set`` overrides and validate it."""
+def load_job(path: str | Path, overrides: list[str] | None = None,
+             environ: Mapping[str, str] | None = None) -> JobConfig:
+    """Read a job JSON file, apply ``--set`` overrides and validate it (with a launcher's
+    exported settings from `environ`, see `job_from_dict`)."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -426,4 +552,4 @@ def load_job(path: str | Path, overrides: list[str] | None = None) -> JobConfig:
     if not isinstance(raw, dict):
         raise ConfigError([f"{path}: a job must be a JSON object"])
     deepspeed_overrides = apply_overrides(raw, overrides or [])
-    return job_from_dict(raw, path.resolve().parent, deepspeed_overrides)
+    return job_from_dict(raw, path.resolve().parent, deepspeed_overrides, environ)

@@ -1,6 +1,12 @@
-"""One JSONL line -> one tokenized `Sample` with labels and processed images.
+"""One data record -> one tokenized `Sample` with labels and processed images.
 
-Accepted line formats (image paths are relative to the JSONL file):
+Records come from `vlmcp.data.sources` (JSON Lines or JSON arrays). Image paths are relative to
+data.image_root when it is set, else to the data file's directory; absolute paths stay as they
+are. ``"image"`` (one path or a list) is an alias of ``"images"``; a record with both is an
+error. Audio and video (``"audios"``/``"audio"``, ``"videos"``/``"video"``, ``<audio>``/``<video>``
+markers, typed audio/video entries) are errors: vlmcp trains text and images only.
+
+Accepted record formats:
 
 * messages: ``{"messages": [{"role": "user", "content": "<image>What digit is this?"},
   {"role": "assistant", "content": "7"}], "images": ["img/1.png"]}``. Each ``<image>`` marker in
@@ -19,7 +25,8 @@ Accepted line formats (image paths are relative to the JSONL file):
   number; where labels[t] is -100 (and on image placeholders) an entry may be any number or null
   and is ignored. Chat formats carry no per-token arrays (they train with `ce` only).
 
-Chat formats are rendered once with the tokenizer's chat template (Qwen/ChatML:
+Chat formats are rendered once with the tokenizer's chat template, given the processor's
+``chat_template_kwargs`` (``data.chat_template_kwargs``) as template variables (Qwen/ChatML:
 ``<|im_start|>role\\n...<|im_end|>\\n``; an image renders as
 ``<|vision_start|><|image_pad|><|vision_end|>`` and the single ``<|image_pad|>`` is expanded to
 the image's t*h*w // merge**2 placeholders).
@@ -27,7 +34,9 @@ the image's t*h*w // merge**2 placeholders).
 Targets (label != -100) of chat formats, exactly: for every assistant turn, the tokens after its
 ``<|im_start|>assistant\\n`` header up to and including its closing ``<|im_end|>``; that is the
 reply as the template renders it (for templates with reasoning blocks this includes the rendered
-``<think>...</think>`` part) plus ``<|im_end|>``. Not targets: the header, the ``\\n`` after
+``<think>...</think>`` part) plus ``<|im_end|>``; with the processor's ``empty_think`` "prompt"
+(``data.empty_think``), an empty ``<think>\\n\\n</think>\\n\\n`` opening a reply belongs to
+the prompt instead. Not targets: the header, the ``\\n`` after
 ``<|im_end|>``, system and user turns, and image placeholders anywhere. The rendered text is cut
 at each header end and at each ``<|im_end|>`` and the pieces are tokenized separately, so the
 prompt tokenizes exactly as it does at generation time (prompt ending in the header). Spans are
@@ -38,7 +47,8 @@ Length: a sample longer than max_seq_len is an error unless truncate is set; the
 first max_seq_len tokens, moved back to the start of an image block (``<|vision_start|>``) that
 the cut would split, drops the images past the cut, and is still an error if no target is left.
 
-Every bad input raises `DataError` whose message starts with "file:line".
+Every bad input raises `DataError` whose message starts with the record's source label
+("file:line", or "file[index] (line N)" in a JSON array).
 """
 
 from __future__ import annotations
@@ -55,17 +65,18 @@ from PIL import Image
 from vlmcp.data.batch import IGNORE_INDEX, TOKEN_ARRAYS
 from vlmcp.data.positions import mrope_positions
 from vlmcp.data.processor import IMAGE_PAD, VLProcessor
+from vlmcp.data.sources import DataError
 
 IMAGE_MARKER = "<image>"
+AUDIO_MARKER = "<audio>"
+VIDEO_MARKER = "<video>"
 ASSISTANT_HEADER = "<|im_start|>assistant\n"
 TURN_END = "<|im_end|>"
+#: What Qwen3.x templates render at the start of a reply that has no reasoning.
+EMPTY_THINK = "<think>\n\n</think>\n\n"
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                    "system": "system"}
 _CHAT_ROLES = {"system", "user", "assistant"}
-
-
-class DataError(ValueError):
-    """A training sample that cannot be used; the message names file:line (and image path)."""
 
 
 @dataclass
@@ -113,13 +124,32 @@ def _load_image(path: Path, source: str) -> Image.Image:
         raise _fail(source, f"cannot decode image {path}: {e}") from e
 
 
+def _reject_media(record: dict[str, Any], source: str) -> None:
+    """Audio and video records are errors: vlmcp trains text and images only."""
+    for kind, keys in (("audio", ("audios", "audio")), ("video", ("videos", "video"))):
+        present = [k for k in keys if record.get(k)]
+        if present:
+            raise _fail(source, f'"{present[0]}": {kind} is not supported (vlmcp trains text and '
+                                "images only)")
+
+
 def _image_paths(record: dict[str, Any], base_dir: Path, source: str) -> list[Path]:
-    if record.get("videos") or record.get("video"):
-        raise _fail(source, "videos are not supported (images only)")
-    images = record.get("images", [])
-    if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
-        raise _fail(source, '"images" must be a list of path strings')
-    return [base_dir / p for p in images]
+    """Resolved image paths of a record: "images", or its alias "image" (a path or a list).
+
+    Relative paths are taken relative to base_dir (data.image_root, else the data file's
+    directory); absolute paths are kept.
+    """
+    _reject_media(record, source)
+    if "image" in record and "images" in record:
+        raise _fail(source, 'both "image" and "images" are set; use one of them')
+    key = "image" if "image" in record else "images"
+    images = record.get(key, [])
+    if key == "image" and isinstance(images, str):
+        images = [images]
+    if not isinstance(images, list) or not all(isinstance(p, str) and p for p in images):
+        raise _fail(source, f'"{key}" must be a list of path strings'
+                            + (" or one path string" if key == "image" else ""))
+    return [base_dir / Path(p).expanduser() for p in images]
 
 
 def _process_images(
@@ -150,6 +180,10 @@ def _typed_content(text: str) -> str | list[dict[str, str]]:
 def _normalize_content(content: Any, source: str) -> tuple[str | list[dict[str, str]], int]:
     """Content in template form and its number of images."""
     if isinstance(content, str):
+        for marker, kind in ((AUDIO_MARKER, "audio"), (VIDEO_MARKER, "video")):
+            if marker in content:
+                raise _fail(source, f"{marker} marker: {kind} is not supported (vlmcp trains "
+                                    "text and images only)")
         return _typed_content(content), content.count(IMAGE_MARKER)
     if not isinstance(content, list):
         raise _fail(source, "message content must be a string or a list of typed entries")
@@ -160,8 +194,9 @@ def _normalize_content(content: Any, source: str) -> tuple[str | list[dict[str, 
             parts.append({"type": "text", "text": entry["text"]})
         elif kind == "image":
             parts.append({"type": "image"})
-        elif kind == "video":
-            raise _fail(source, "videos are not supported (images only)")
+        elif kind in ("video", "audio", "input_audio"):
+            raise _fail(source, f'content entry of type "{kind}": {kind.removeprefix("input_")} '
+                                "is not supported (vlmcp trains text and images only)")
         else:
             raise _fail(source, f"content entry {entry!r} is not {{type: text|image}}")
     return parts, sum(p["type"] == "image" for p in parts)
@@ -186,13 +221,19 @@ def _chat_messages(record: dict[str, Any], source: str) -> list[dict[str, Any]]:
     return messages
 
 
-def _segments(text: str, source: str, num_assistant: int) -> list[tuple[str, bool]]:
-    """Split rendered text into (piece, is_target) at assistant header ends and turn ends."""
+def _segments(text: str, source: str, num_assistant: int,
+              empty_think_target: bool) -> list[tuple[str, bool]]:
+    """Split rendered text into (piece, is_target) at assistant header ends and turn ends.
+
+    Without `empty_think_target`, an `EMPTY_THINK` that opens a reply stays with the prompt.
+    """
     pieces: list[tuple[str, bool]] = []
     cursor = 0
     found = 0
     while (header := text.find(ASSISTANT_HEADER, cursor)) != -1:
         start = header + len(ASSISTANT_HEADER)
+        if not empty_think_target and text.startswith(EMPTY_THINK, start):
+            start += len(EMPTY_THINK)
         end = text.find(TURN_END, start)
         if end == -1:
             raise _fail(source, "an assistant turn has no closing <|im_end|> in the rendering")
@@ -234,19 +275,21 @@ def _tokenize_chat(
         num_images += n
     if num_images != len(counts):
         raise _fail(source, f"{num_images} image markers (<image> or typed image entries) for "
-                            f'{len(counts)} paths in "images"')
+                            f'{len(counts)} paths in "images" (or "image")')
     tokenizer = processor.tokenizer
     if tokenizer.chat_template is None:
         raise _fail(source, "the tokenizer has no chat template")
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                             **processor.chat_template_kwargs)
     except Exception as e:  # the template itself may raise on content it rejects
         raise _fail(source, f"chat template failed: {e}") from e
     num_assistant = sum(m["role"] == "assistant" for m in messages)
     input_ids: list[int] = []
     labels: list[int] = []
     next_image = 0
-    for piece, is_target in _segments(text, source, num_assistant):
+    for piece, is_target in _segments(text, source, num_assistant,
+                                      processor.empty_think == "target"):
         ids = tokenizer(piece, add_special_tokens=False)["input_ids"]
         piece_ids, piece_labels, next_image = _expand(ids, is_target, counts, processor, next_image)
         input_ids += piece_ids
@@ -388,9 +431,13 @@ def parse_record(
     record: Any, source: str, base_dir: Path, processor: VLProcessor, max_seq_len: int,
     truncate: bool = False,
 ) -> Sample:
-    """Turn one decoded JSONL record into a `Sample`; raises `DataError` naming `source`."""
+    """Turn one decoded record into a `Sample`; raises `DataError` naming `source`.
+
+    base_dir: what relative image paths are relative to (data.image_root, else the data file's
+    directory). See the module docstring for formats and targets.
+    """
     if not isinstance(record, dict):
-        raise _fail(source, "a line must be a JSON object")
+        raise _fail(source, "a record must be a JSON object")
     is_chat = "messages" in record or "conversations" in record
     if not is_chat and "input_ids" not in record:
         raise _fail(source, f"unknown format (keys {sorted(record)}); expected messages, "
@@ -410,15 +457,3 @@ def parse_record(
         arrays = _token_arrays(record, labels, source)
     return _finish(input_ids, labels, paths, pixel_values, grid, source, processor,
                    max_seq_len, truncate, arrays)
-
-
-def parse_line(
-    line: str, source: str, base_dir: Path, processor: VLProcessor, max_seq_len: int,
-    truncate: bool = False,
-) -> Sample:
-    """Parse one JSONL line (see the module docstring for formats and targets)."""
-    try:
-        record = json.loads(line.strip())
-    except json.JSONDecodeError as e:
-        raise _fail(source, f"malformed JSON: {e.msg} at column {e.colno}") from e
-    return parse_record(record, source, base_dir, processor, max_seq_len, truncate)

@@ -13,6 +13,8 @@ PackedBatch):
     final norm, lm_head + CE on this shard's targets             (model.loss)
         or, for a token-level objective, per-token logprobs          (model.token_logprobs)
         and the objective on them                                    (model.objectives)
+    with model.router_aux_loss: router statistics of the shard's real tokens, summed over the
+        SP group, give this rank's share of the load-balancing loss   (model.router_loss)
 
 With P == 1 the same code is the exact packed single-rank path.
 """
@@ -32,6 +34,7 @@ from vlmcp.model.loss import DEFAULT_LOSS_CHUNK_MB, shard_ce_and_entropy
 from vlmcp.model.merge import VISION_MODES, merge_embeddings, shard_first_embeddings
 from vlmcp.model.objectives import STAT_KEYS, Objective, sequence_weights
 from vlmcp.model.token_logprobs import shard_token_logprobs
+from vlmcp.model.router_loss import RouterAuxLoss
 from vlmcp.parallel.groups import SequenceParallel
 from vlmcp.parallel.shard import ShardPlan
 from vlmcp.model.vision import replicated_copy
@@ -55,6 +58,10 @@ class PackedVLM(nn.Module):
     `self.vision`; under "split" each rank calls it at most once per micro-batch (module hooks on
     it time one rank's share).
 
+    `router_aux_loss` (MoE only, `model.router_aux_loss`): `forward` also returns this rank's
+    share of the micro-batch's router load-balancing loss (model.router_loss), and
+    `router_aux_coef` is the checkpoint's `router_aux_loss_coef` (0.0 when off).
+
     The wrapped model keeps working with plain transformers calls (`generate`, `save_pretrained`):
     the text attention key and the DeltaNet hooks fall back to the stock computation whenever no
     shard plan is passed.
@@ -69,6 +76,7 @@ class PackedVLM(nn.Module):
         vision_mode: str = "split",
         loss_chunk_mb: float = DEFAULT_LOSS_CHUNK_MB,
         objective: Objective | None = None,
+        router_aux_loss: bool = False,
     ) -> None:
         super().__init__()
         if vision_mode not in VISION_MODES:
@@ -82,8 +90,9 @@ class PackedVLM(nn.Module):
         self.image_token_id = config.image_token_id
         text_config = config.text_config
         self.conv_halo = text_config.linear_conv_kernel_dim - 1
-        if getattr(text_config, "output_router_logits", False):
-            logger.warning("output_router_logits is set, but vlmcp trains on token cross-entropy only (no router aux loss)")
+        if getattr(text_config, "output_router_logits", False) and not router_aux_loss:
+            logger.warning("output_router_logits is set, but vlmcp trains on token cross-entropy only "
+                           "(no router aux loss); set model.router_aux_loss: true to add it")
 
         register_attention()
         vision_attention = config.vision_config._attn_implementation or "sdpa"
@@ -99,6 +108,8 @@ class PackedVLM(nn.Module):
             hf_model.model.visual = vision
             object.__setattr__(self, "frozen_visual", vision)
         self.deltanet_layers = install_deltanet_hooks(self.language_model, deltanet_cp)
+        self.router_loss = RouterAuxLoss(self.language_model, text_config) if router_aux_loss else None
+        self.router_aux_coef = self.router_loss.coef if self.router_loss is not None else 0.0
         if gradient_checkpointing:
             hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
@@ -130,21 +141,24 @@ class PackedVLM(nn.Module):
 
     def forward(self, batch: PackedBatch, stats: bool = False, objective: Objective | None = None,
                 scores: bool = False) -> tuple[Any, ...]:
-        """Loss sum over this rank's shard of the pack, and its number of target tokens.
+        """Loss sum over this rank's shard of the pack, its number of target tokens, and this
+        rank's share of the router aux loss; with `stats` also the shard's metric sums.
+
+        Returns (0-dim fp32 tensor, int, 0-dim fp32 tensor or None without `router_aux_loss`),
+        plus with `stats` the metric sums ([len(STAT_KEYS)] float64, `model.objectives`). The
+        loss sum is sum_t c_t l_t of the objective (`objective`, else the module's); divide it by
+        the global target count (token normalisation) or sample count (sequence) for the step's
+        mean (model.loss); the router shares of an SP group sum to the micro-batch's aux loss
+        (model.router_loss).
 
         With `scores`, no loss: `token_scores(batch)` (called through the engine so that ZeRO-3
         gathers as in training).
-
-        Returns (0-dim fp32 tensor, int), and with `stats` also the shard's metric sums
-        ([len(STAT_KEYS)] float64, `model.objectives`). The loss sum is sum_t c_t l_t of the
-        objective (`objective`, else the module's); divide by the global target count (token
-        normalisation) or sample count (sequence) for the step's mean (model.loss).
         """
         if scores:
             return self.token_scores(batch)
         objective = objective or self.objective
         plan = self.plan(batch)
-        hidden = self.shard_hidden(batch, plan)
+        hidden, router_share = self.shard_hidden(batch, plan)
         targets = plan.shard(batch.targets.to(hidden.device), dim=0, pad_value=IGNORE_INDEX)
         if objective.plain_ce:
             loss, count, entropy = shard_ce_and_entropy(hidden, targets, self.lm_head,
@@ -153,13 +167,21 @@ class PackedVLM(nn.Module):
             sums[0] = float(entropy)
         else:
             loss, count, sums = self._objective_loss(batch, plan, hidden, targets, objective)
-        return (loss, count, sums) if stats else (loss, count)
+        return (loss, count, router_share, sums) if stats else (loss, count, router_share)
 
-    def shard_hidden(self, batch: PackedBatch, plan: ShardPlan) -> torch.Tensor:
-        """Final-norm hidden states of this rank's shard: [S_local, hidden]."""
+    def shard_hidden(self, batch: PackedBatch, plan: ShardPlan
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Final-norm hidden states of this rank's shard ([S_local, hidden]) and, with
+        `router_aux_loss`, this rank's share of the router aux loss (else None)."""
         hidden = self.shard_embeddings(batch, plan).unsqueeze(0)
-        positions = plan.shard(batch.position_ids.to(hidden.device), dim=1).unsqueeze(1)
-        return self.decode(hidden, positions, plan)[0]
+        device = hidden.device
+        positions = plan.shard(batch.position_ids.to(device), dim=1).unsqueeze(1)
+        if self.router_loss is None:
+            return self.decode(hidden, positions, plan)[0], None
+        real = plan.shard(torch.ones(len(batch.input_ids), device=device), dim=0, pad_value=0.0)
+        with self.router_loss.capture(real) as router_stats:
+            hidden = self.decode(hidden, positions, plan)
+        return hidden[0], router_stats.share(self.sp.group)
 
     def _objective_loss(self, batch: PackedBatch, plan: ShardPlan, hidden: torch.Tensor,
                         targets: torch.Tensor, objective: Objective
@@ -185,7 +207,7 @@ class PackedVLM(nn.Module):
         backward: ([S_local] fp32, [S_local] fp32), NaN where the target is IGNORE_INDEX or
         padding. Position t holds log pi(targets[t]), i.e. of the sample's label t+1."""
         plan = self.plan(batch)
-        hidden = self.shard_hidden(batch, plan)
+        hidden, _ = self.shard_hidden(batch, plan)
         targets = plan.shard(batch.targets.to(hidden.device), dim=0, pad_value=IGNORE_INDEX)
         scored = shard_token_logprobs(hidden, targets, self.lm_head, self.loss_chunk_mb)
         logprobs = torch.full(targets.shape, float("nan"), device=targets.device)

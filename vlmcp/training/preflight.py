@@ -1,11 +1,12 @@
 """Every check a job must pass before training: `vlmcp validate`, and the start of every rank.
 
-One line per problem, each naming what to fix (a config key, or a "file:line" of the data).
-Checked: the job schema (by `load_job`, before this), the checkpoint directory and its processor,
-the sequence-parallel constraints of the model for the world size, the DeepSpeed config, every
-line of data.train and data.eval (files, images, placeholder counts, lengths, targets), and that
-a resume has a complete checkpoint to resume from, that output_dir is writable, and that every
-training sample carries the per-token arrays `loss.type` needs.
+One line per problem, each naming what to fix (a config key, or a "file:line" / "file[index]" of
+the data). Checked: the job schema (by `load_job`, before this), the checkpoint directory and its
+processor, the sequence-parallel constraints of the model for the world size, the DeepSpeed config,
+every record of every file of data.train and data.eval (files, images, placeholder counts,
+lengths, targets; each weighted file contributing at least one sample per epoch), that a resume
+has a complete checkpoint to resume from, and that output_dir is writable.
+Every training sample must carry the per-token arrays `loss.type` needs.
 """
 
 from __future__ import annotations
@@ -23,13 +24,17 @@ from transformers import PretrainedConfig
 from vlmcp.config import ConfigError, JobConfig, JobError
 from vlmcp.data.dataset import iter_samples
 from vlmcp.data.formats import DataError, Sample
+from vlmcp.data.mixture import draws_per_epoch
 from vlmcp.data.processor import ProcessorError, VLProcessor, load_processor
+from vlmcp.data.sources import DataFile, data_files
 from vlmcp.model.load import ModelLoadError, load_config, text_hidden_size
+from vlmcp.model.lora import lora_problems
+from vlmcp.model.router_loss import router_config_problem
 from vlmcp.parallel import comm
 from vlmcp.parallel.constraints import check_sp_constraints
 from vlmcp.parallel.zero3_sp import largest_tensor_numel, sp_exact_zero_settings
 from vlmcp.training.checkpoint import checkpoint_dir, checkpoint_tags, latest_tag, newest_complete
-from vlmcp.training.ds_config import fill_deepspeed_config, load_deepspeed_config
+from vlmcp.training.ds_config import fill_deepspeed_config, load_deepspeed_config, zero_stage
 from vlmcp.training.objective_step import objective_problems
 
 
@@ -49,6 +54,10 @@ class Preflight:
     processor: VLProcessor | None = None
     ds_config: dict[str, Any] | None = None
     train_samples: list[Sample] = field(default_factory=list)
+    #: Samples of each data.train file (train_samples holds them concatenated in file order).
+    train_file_sizes: list[int] = field(default_factory=list)
+    #: Weight of each data.train file (`vlmcp.data.mixture`).
+    train_weights: list[float] = field(default_factory=list)
     eval_samples: list[Sample] = field(default_factory=list)
 
 
@@ -59,19 +68,54 @@ def _where(job: JobConfig, path: str) -> str:
     return f"{path!r} (looked in {job.job_dir} and in {Path.cwd()})"
 
 
-def _read_data(job: JobConfig, key: str, path: str, processor: VLProcessor,
-               report: Preflight) -> list[Sample]:
-    resolved = job.resolve_input(path)
-    if not resolved.is_file():
-        report.problems.append(f"config key 'data.{key}': file not found: {_where(job, path)}")
-        return []
+def _read_files(job: JobConfig, files: list[DataFile], processor: VLProcessor,
+                image_root: Path | None, report: Preflight) -> tuple[list[Sample], list[int]]:
+    """The samples of every file, concatenated in file order, and each file's sample count."""
     samples: list[Sample] = []
-    for item in iter_samples(resolved, processor, job.data.max_seq_len, job.data.truncate):
-        if isinstance(item, DataError):
-            report.problems.append(str(item))
-        else:
-            samples.append(item)
-    return samples
+    counts: list[int] = []
+    for data_file in files:
+        resolved = job.resolve_input(data_file.path)
+        if not resolved.is_file():
+            report.problems.append(f"config key '{data_file.key}': file not found: "
+                                   f"{_where(job, data_file.path)}")
+            counts.append(0)
+            continue
+        before = len(samples)
+        for item in iter_samples(resolved, processor, job.data.max_seq_len, job.data.truncate,
+                                 image_root):
+            if isinstance(item, DataError):
+                report.problems.append(str(item))
+            else:
+                samples.append(item)
+        counts.append(len(samples) - before)
+    return samples, counts
+
+
+def _check_mixture(files: list[DataFile], counts: list[int], report: Preflight) -> None:
+    """Every weighted file must contribute at least one sample per epoch."""
+    for data_file, n, k in zip(files, counts, draws_per_epoch(counts, [f.weight for f in files])):
+        if n and not k:
+            report.problems.append(f"config key '{data_file.key}.weight': {data_file.weight:g} x "
+                                   f"{n} samples rounds to 0 samples per epoch")
+
+
+def _read_data(job: JobConfig, processor: VLProcessor, report: Preflight) -> None:
+    """Read every file of data.train and data.eval into `report` (samples, problems)."""
+    image_root = None
+    if job.data.image_root is not None:
+        image_root = job.resolve_input(job.data.image_root)
+        if not image_root.is_dir():  # one line, not one "image not found" per record
+            report.problems.append(f"config key 'data.image_root': directory not found: "
+                                   f"{_where(job, job.data.image_root)}")
+            return
+    train_files = data_files(job.data.train, "data.train")
+    report.train_samples, report.train_file_sizes = _read_files(job, train_files, processor,
+                                                                image_root, report)
+    report.train_weights = [f.weight for f in train_files]
+    _check_mixture(train_files, report.train_file_sizes, report)
+    if job.data.eval:
+        eval_files = data_files(job.data.eval, "data.eval", weighted=False)
+        report.eval_samples, _ = _read_files(job, eval_files, processor, image_root, report)
 
 
 def _check_model(job: JobConfig, world_size: int, report: Preflight) -> None:
@@ -89,8 +133,13 @@ def _check_model(job: JobConfig, world_size: int, report: Preflight) -> None:
     report.problems.extend(check_sp_constraints(
         report.model_config.get_text_config(), sp_size=job.parallel.sp_size,
         world_size=world_size, deltanet_cp=job.parallel.deltanet_cp))
+    if job.model.router_aux_loss:
+        problem = router_config_problem(report.model_config.get_text_config())
+        if problem:
+            report.problems.append(problem)
     try:
-        report.processor = load_processor(model_dir)
+        report.processor = load_processor(model_dir, job.data.chat_template_kwargs,
+                                          job.data.empty_think)
     except (ProcessorError, OSError, ValueError) as exc:
         report.problems.append(f"config key 'model.path': {exc}")
 
@@ -109,6 +158,17 @@ def _check_deepspeed(job: JobConfig, world_size: int, report: Preflight) -> None
     model_dir = str(job.resolve_input(job.model.path))
     report.ds_config = sp_exact_zero_settings(filled, job.parallel.sp_size,
                                               largest_tensor_numel(model_dir))
+
+
+def _check_lora(job: JobConfig, report: Preflight) -> None:
+    """The `lora` module names against the model (built on the meta device)."""
+    if not job.lora.r or report.model_config is None:
+        return
+    report.problems.extend(lora_problems(report.model_config, job.lora))
+    if job.lora.modules_to_save and report.ds_config and zero_stage(report.ds_config) == 3:
+        report.problems.append("config key 'lora.modules_to_save' is not supported with ZeRO-3 "
+                               "(PEFT copies the partitioned modules); use ZeRO 0-2 or train "
+                               "adapters only")
 
 
 def _check_resume(job: JobConfig, report: Preflight) -> None:
@@ -158,13 +218,12 @@ def run_preflight(job: JobConfig, world_size: int, training: bool = True) -> Pre
     report = Preflight()
     _check_model(job, world_size, report)
     _check_deepspeed(job, world_size, report)
+    _check_lora(job, report)
     _check_output_dir(job, report)
     if training:
         _check_resume(job, report)
     if report.processor is not None:
-        report.train_samples = _read_data(job, "train", job.data.train, report.processor, report)
-        if job.data.eval:
-            report.eval_samples = _read_data(job, "eval", job.data.eval, report.processor, report)
+        _read_data(job, report.processor, report)
     if training:
         report.problems.extend(objective_problems(job, report.train_samples))
     return report

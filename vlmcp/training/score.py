@@ -95,7 +95,7 @@ def score(job: JobConfig, out: str | None = None, entropy: bool = False) -> Path
     preflight = run_preflight(job, comm.world_size(), training=False)
     agree_on_problems(preflight.problems)
     sp = SequenceParallel.initialize(job.parallel.sp_size)
-    engine, _ = _build_engine(job, preflight, sp)
+    engine, _, _ = _build_engine(job, preflight, sp)
     engine.eval()
     records = score_samples(engine, preflight.train_samples, job.data.max_seq_len, sp, entropy)
     path = Path(out) if out else Path(job.output_dir) / "scores.jsonl"
