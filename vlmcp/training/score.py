@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from vlmcp.config import JobConfig
+from vlmcp.config import ConfigError, JobConfig
 from vlmcp.data.batch import IGNORE_INDEX
 from vlmcp.data.formats import Sample
 from vlmcp.data.pack import build_batch, first_fit, shifted_targets
@@ -87,10 +87,15 @@ def write_scores(records: Sequence[dict[str, Any]], path: Path) -> None:
 
 def score(job: JobConfig, out: str | None = None, entropy: bool = False) -> Path:
     """Score data.train with the job's model on every rank of the launcher's world; returns the
-    output path (default OUTPUT_DIR/scores.jsonl), written by global rank 0."""
+    output path (default OUTPUT_DIR/scores.jsonl), written by global rank 0. A LoRA job
+    (lora.r > 0) is a ConfigError: its adapters are not at model.path."""
     from vlmcp.training.loop import _build_engine, agree_on_problems
     from vlmcp.training.preflight import run_preflight
 
+    if job.lora.r:
+        raise ConfigError(["config key 'lora.r': vlmcp score runs the model at model.path without "
+                           "trained adapters; score the merged model of `vlmcp export --merge` "
+                           "with lora.r 0"])
     comm.init_distributed(job.train.collective_timeout_s + 60)
     preflight = run_preflight(job, comm.world_size(), training=False)
     agree_on_problems(preflight.problems)
