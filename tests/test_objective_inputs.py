@@ -102,3 +102,11 @@ def test_score_writes_one_line_per_sample_in_data_order(tiny_checkpoint, digits_
     for record in records:
         assert len(record["logprobs"]) == len(record["entropy"]) > 0
         assert all(lp <= 0 for lp in record["logprobs"]) and all(e >= 0 for e in record["entropy"])
+
+
+def test_score_refuses_a_lora_job_whose_adapters_are_not_at_model_path(make_jsonl, tiny_checkpoint,
+                                                                         tmp_path, capsys):
+    job = write_job(tmp_path / "job.json", tiny_job(tiny_checkpoint, make_jsonl([_record()]),
+                                                    tmp_path / "out", lora={"r": 4}))
+    assert main(["score", str(job)]) == 1
+    assert "config key 'lora.r'" in capsys.readouterr().err
