@@ -14,12 +14,15 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForCo
 
 from vlmcp.config import LoraSection
 from vlmcp.model.lora import apply_lora
-from vlmcp.model.loss import global_target_count, scale_for_deepspeed
+from vlmcp.model.loss import scale_for_deepspeed
+from vlmcp.model.objectives import STAT_KEYS
 from vlmcp.model.packed import PackedVLM
 from vlmcp.model.router_loss import router_objective
 from vlmcp.parallel import comm
 from vlmcp.parallel.zero3_sp import largest_tensor_numel, sp_exact_zero_settings
 from vlmcp.parallel.groups import SequenceParallel
+from vlmcp.training.objective_step import step_counts
+from vlmcp.training.score import score_samples
 from tests.parity import seed_adapter_weights
 
 
@@ -56,9 +59,11 @@ def _record_tower_calls(vision: torch.nn.Module, calls: list) -> None:
 
 def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
     """For each case {checkpoint, stage, mode, grad_accum, vision, packs: list per DP rank of lists
-    of PackedBatch, optionally lora: LoraSection keys}: one DeepSpeed step; returns the step loss
-    and every trainable parameter's full gradient (HF names) as DeepSpeed holds them at the
-    accumulation boundary. A LoRA case injects vlmcp's adapters (then `seed_adapter_weights`)
+    of PackedBatch, optionally lora: LoraSection keys, objective (model.objectives.Objective) and
+    score (Samples to run `score_samples` on after the step, with score_max_len)}: one DeepSpeed
+    step; returns the step loss, the metric sums (STAT_KEYS) / global targets, every trainable
+    parameter's full gradient (HF names) as DeepSpeed holds them at the accumulation boundary,
+    and the score records. A LoRA case injects vlmcp's adapters (then `seed_adapter_weights`)
     before the engine is built, as `vlmcp train` does. With `router_aux`, the step also trains
     the router aux loss, whose mean over the step's micro-batches (DP x accumulation) comes back as
     "router_aux"."""
@@ -79,7 +84,7 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
             seed_adapter_weights(model)
         module = PackedVLM(model, sp=sp, deltanet_cp=case["mode"], gradient_checkpointing=case.get("checkpointing", False),
                            vision_mode=case.get("vision", "split"), loss_chunk_mb=case["loss_chunk_mb"],
-                           router_aux_loss=case.get("router_aux", False))
+                           router_aux_loss=case.get("router_aux", False), objective=case.get("objective"))
         params = [p for p in module.parameters() if p.requires_grad]
         engine, *_ = deepspeed.initialize(
             model=module, optimizer=torch.optim.SGD(params, lr=0.0), config=config, mpu=sp.mpu
@@ -91,14 +96,16 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
         tower_calls = []
         _record_tower_calls(module.vision, tower_calls)
         micro_batches = case["packs"][sp.dp_rank]
-        n_global = global_target_count(sum(module.shard_target_count(b) for b in micro_batches))
+        counts = step_counts(module, micro_batches, module.objective)
         loss_total, router_total = torch.zeros(()), torch.zeros(())
+        stat_total = torch.zeros(len(STAT_KEYS), dtype=torch.float64)
         for batch in micro_batches:
-            loss_sum, _, router_share = engine(batch)
+            loss_sum, _, router_share, stats = engine(batch, stats=True)
             loss_total += loss_sum.detach()
+            stat_total += stats
             if router_share is not None:
                 router_total += router_share.detach()
-            engine.backward(scale_for_deepspeed(loss_sum, n_global, sp.dp_size, case["grad_accum"])
+            engine.backward(scale_for_deepspeed(loss_sum, counts.denominator, sp.dp_size, case["grad_accum"])
                             + router_objective(router_share, module.router_aux_coef))
             if not engine.is_gradient_accumulation_boundary():
                 engine.step()
@@ -108,8 +115,11 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
             if p.requires_grad
         }
         engine.step()
+        scores = score_samples(engine, case["score"], case["score_max_len"], sp, entropy=True) if case.get("score") else None
         results[name] = {
-            "loss": float(comm.all_reduce_sum(loss_total)) / n_global,
+            "loss": float(comm.all_reduce_sum(loss_total)) / counts.denominator,
+            "stats": dict(zip(STAT_KEYS, (comm.all_reduce_sum(stat_total) / counts.targets).tolist())),
+            "scores": scores,
             "router_aux": float(comm.all_reduce_sum(router_total)) / (sp.dp_size * case["grad_accum"]),
             "grads": grads,
             "layer0_mlp_calls": len(calls),

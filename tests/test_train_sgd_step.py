@@ -160,3 +160,71 @@ def test_one_sgd_step_under_torchrun_matches_plain_transformers(
         allowed = 1e-5 * float(ref.norm()) + ROUNDING * float(w0.norm())
         assert error <= allowed, f"{key}: |update - ref| = {error:.3e} > {allowed:.3e}"
     assert len(train_losses(out)) == 1
+
+
+def _tokens_jsonl_with_advantages(samples, out_path, seed=0):
+    """The samples as tokens-format lines with random per-token advantages (null off target)."""
+    generator = torch.Generator().manual_seed(seed)
+    lines = []
+    for s in samples:
+        values = torch.randn(len(s.labels), generator=generator).tolist()
+        lines.append({"input_ids": s.input_ids, "labels": s.labels, "images": s.image_paths,
+                      "advantages": [None if label == -100 else v
+                                     for label, v in zip(s.labels, values)]})
+    out_path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return out_path
+
+
+def _reference_policy_gradient_update(checkpoint, samples):
+    """-LR * d/dw of the step's sequence-normalised policy-gradient loss, plain transformers,
+    each sample alone: mean over samples of (sum over targets of -A_t log pi(y_t)) / targets."""
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(
+        str(checkpoint), dtype=torch.float32, attn_implementation="sdpa")
+    total = 0.0
+    for s in samples:
+        kwargs = {}
+        if s.pixel_values is not None:
+            kwargs = {"pixel_values": s.pixel_values, "image_grid_thw": s.image_grid_thw}
+        logits = model(input_ids=torch.tensor([s.input_ids]), mm_token_type_ids=s.mm_token_type_ids[None],
+                       use_cache=False, **kwargs).logits[0]
+        positions = [t for t in range(1, len(s.labels)) if s.labels[t] != -100]
+        logp = torch.log_softmax(logits[[t - 1 for t in positions]], dim=-1)
+        logp = logp.gather(1, torch.tensor([s.labels[t] for t in positions])[:, None])[:, 0]
+        loss = -(s.token_arrays["advantages"][positions] * logp).sum() / len(positions) / len(samples)
+        loss.backward()
+        total += float(loss.detach())
+    return total, {name: -LR * p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+def test_policy_gradient_sgd_step_with_sequence_normalisation_matches_plain_transformers(
+        lively_checkpoint, digits_jsonl, tmp_path):
+    """`vlmcp train` with loss.type policy_gradient, normalize sequence, SP 2, 2 accumulation
+    steps: the exported weights and the logged loss equal plain transformers' step."""
+    checkpoint = lively_checkpoint
+    processor = load_processor(checkpoint)
+    chat = load_samples(_mixed_jsonl(digits_jsonl, tmp_path / "mixed.jsonl"), processor, max_seq_len=10_000)
+    data = _tokens_jsonl_with_advantages(chat, tmp_path / "pg.jsonl")
+    samples = load_samples(data, processor, max_seq_len=10_000)
+    max_seq_len = _seq_len_for([len(s) for s in samples], 2)
+    out = tmp_path / "out"
+    job = write_job(tmp_path / "job.json", tiny_job(
+        checkpoint, data, out, data={"max_seq_len": max_seq_len}, parallel={"sp_size": 2},
+        loss={"type": "policy_gradient", "normalize": "sequence"},
+        optimizer={"type": "sgd", "lr": LR, "momentum": 0.0, "weight_decay": 0.0},
+        train={"max_steps": 1, "grad_accum": 2, "grad_clip": 0.0}))
+    assert_ok(run_vlmcp(["train", str(job)], launcher="torchrun", nproc=WORLD))
+
+    ref_loss, reference = _reference_policy_gradient_update(checkpoint, samples)
+    before = load_file(checkpoint / "model.safetensors")
+    after = Qwen3_5ForConditionalGeneration.from_pretrained(str(out / "final"),
+                                                            dtype=torch.float32).state_dict()
+    for key, w0 in before.items():
+        if key.startswith("model.visual."):
+            continue
+        update, ref = after[key] - w0, reference[key]
+        error = float((update - ref).norm())
+        allowed = 1e-5 * float(ref.norm()) + ROUNDING * float(w0.norm())
+        assert error <= allowed, f"{key}: |update - ref| = {error:.3e} > {allowed:.3e}"
+    (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert abs(row["loss"] - ref_loss) <= 1e-5 * abs(ref_loss)
+    assert row["entropy"] > 0 and "clip_fraction" not in row

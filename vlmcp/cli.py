@@ -1,4 +1,4 @@
-"""Command line: `vlmcp {train,validate,inspect,export,bench,demo}` (also `python -m vlmcp ...`).
+"""Command line: `vlmcp {train,validate,inspect,export,score,bench,demo}` (also `python -m vlmcp ...`).
 
 Heavy imports (torch, transformers, deepspeed) happen inside the commands, so `--help` is quick.
 Exit codes: 0 success, 1 a problem with the job or data (one line per problem on stderr; also a
@@ -104,6 +104,20 @@ def build_parser() -> argparse.ArgumentParser:
                         help="LoRA jobs: write the HF model with the adapters merged in "
                              "(default: the PEFT adapter directory)")
 
+    score = commands.add_parser(
+        "score", help="write the model's logprob of every target token of data.train (JSONL)",
+        description="Run the packed, sequence-parallel forward of the job's model (model.path; "
+                    "point it at OUTPUT_DIR/final with --set to score a trained policy) over "
+                    "data.train without a backward, and write one JSON line per sample in data "
+                    "order: {\"index\": i, \"logprobs\": [...]}, the logprob of each target "
+                    "token in order. Run under a launcher for >1 rank, like train.",
+        epilog="  torchrun --nproc_per_node 2 -m vlmcp score JOB.json --out scores.jsonl",
+        formatter_class=formatter)
+    _add_job_args(score)
+    score.add_argument("--out", default=None, help="output JSONL (default OUTPUT_DIR/scores.jsonl)")
+    score.add_argument("--entropy", action="store_true",
+                       help='also write "entropy": the policy\'s entropy at each target position')
+
     bench = commands.add_parser(
         "bench", help="measure step time, tokens/s and memory of forward+backward",
         description="Time forward+backward of the packed training module at each sequence "
@@ -160,6 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the job's)")
     demo.add_argument("--set", dest="overrides", action="append", default=[],
                       metavar="KEY.PATH=VALUE", help="override a key of the demo job; repeatable")
+    demo.add_argument("--rl", action="store_true",
+                      help="policy-gradient variant: candidate answers per digit prompt with "
+                           "group-relative advantages from their correctness, loss.type "
+                           "policy_gradient, output in OUT/rl (vlmcp/rl_demo.py)")
     return parser
 
 
@@ -278,6 +296,23 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_score(args: argparse.Namespace) -> int:
+    job = load_job(args.job, args.overrides)
+    from vlmcp.parallel import comm
+    from vlmcp.training.score import score
+
+    try:
+        path = score(job, out=args.out, entropy=args.entropy)
+    except JobError:
+        comm.shutdown()
+        raise
+    writer = comm.rank() == 0
+    comm.shutdown()
+    if writer:
+        print(path)
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from vlmcp.bench import run_bench
 
@@ -289,6 +324,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    if args.rl:
+        from vlmcp.rl_demo import run_rl_demo
+
+        return run_rl_demo(out_dir=args.out, nproc=args.nproc, sp_size=args.sp_size,
+                           steps=args.steps, overrides=args.overrides)
     from vlmcp.demo import run_demo
 
     return run_demo(out_dir=args.out, nproc=args.nproc, sp_size=args.sp_size, steps=args.steps,
@@ -296,7 +336,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"train": _cmd_train, "validate": _cmd_validate, "inspect": _cmd_inspect,
-            "export": _cmd_export, "bench": _cmd_bench, "demo": _cmd_demo}
+            "export": _cmd_export, "score": _cmd_score, "bench": _cmd_bench, "demo": _cmd_demo}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

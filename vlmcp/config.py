@@ -177,6 +177,25 @@ class EvalSection:
 
 
 @dataclass
+class LossSection:
+    type: str = field(default="ce", metadata=_key(
+        "training objective per target token: ce, weighted_ce (per-token loss_weights), "
+        "policy_gradient (-A log pi, per-token advantages) or ppo_clip (clipped ratio against "
+        "per-token old_logprobs, with advantages)",
+        choices=["ce", "weighted_ce", "policy_gradient", "ppo_clip"]))
+    normalize: str = field(default="token", metadata=_key(
+        "token: divide by the step's global target count; sequence: mean over each sample's "
+        "tokens, then over the step's samples", choices=["token", "sequence"]))
+    clip_low: float = field(default=0.2, metadata=_key(
+        "ppo_clip: the ratio is clipped below at 1 - clip_low", min=0.0, max=1.0))
+    clip_high: float = field(default=0.2, metadata=_key(
+        "ppo_clip: the ratio is clipped above at 1 + clip_high", min=0.0))
+    kl_coef: float = field(default=0.0, metadata=_key(
+        "ppo_clip: weight of the k3 KL penalty against per-token ref_logprobs; 0 disables it",
+        min=0.0))
+
+
+@dataclass
 class LoraSection:
     r: int = field(default=0, metadata=_key(
         "LoRA rank; 0 trains full weights (LoRA off), > 0 trains PEFT LoRA adapters on the "
@@ -206,6 +225,8 @@ class JobConfig:
         "learning-rate schedule"))
     train: TrainSection = field(default_factory=TrainSection, metadata=_key("training loop"))
     eval: EvalSection = field(default_factory=EvalSection, metadata=_key("evaluation"))
+    loss: LossSection = field(default_factory=LossSection, metadata=_key(
+        "token-level training objective"))
     lora: LoraSection = field(default_factory=LoraSection, metadata=_key(
         "LoRA adapters (PEFT); off while lora.r is 0"))
     deepspeed: str | dict = field(default_factory=lambda: {"zero_optimization": {"stage": 0}},
@@ -415,6 +436,9 @@ def _cross_checks(job: JobConfig) -> list[str]:
     if job.eval.generate and not job.train.eval_every:
         problems.append("config key 'eval.generate' is true but 'train.eval_every' is 0, so no "
                         "evaluation runs")
+    if job.loss.kl_coef > 0 and job.loss.type != "ppo_clip":
+        problems.append(f"config key 'loss.kl_coef' is {job.loss.kl_coef} but 'loss.type' is "
+                        f"{job.loss.type!r}; the KL penalty applies to ppo_clip only")
     problems.extend(_lora_checks(job.lora, job.model))
     return problems
 

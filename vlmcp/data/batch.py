@@ -14,6 +14,9 @@ import torch
 #: Label value that carries no loss (the transformers convention).
 IGNORE_INDEX = -100
 
+#: The optional per-token arrays of the tokens data format (for `loss.type`), aligned with labels.
+TOKEN_ARRAYS = ("loss_weights", "advantages", "old_logprobs", "ref_logprobs")
+
 
 @dataclass
 class PackedBatch:
@@ -30,6 +33,9 @@ class PackedBatch:
     pixel_values:      [N_patch, C*T*P*P] patches of every image, in placeholder order, or None.
     image_grid_thw:    [I, 3] (t, h, w) patch grid of each image, in placeholder order, or None.
     sample_ids:        "file:line" of each sample, for error messages.
+    token_arrays:      per-token arrays by name (`TOKEN_ARRAYS`), each [S] fp32 and shifted like
+                       targets: token_arrays[k][t] belongs to the prediction of targets[t]. Only
+                       arrays that every sample of the pack carries.
     """
 
     input_ids: torch.Tensor
@@ -40,6 +46,7 @@ class PackedBatch:
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
     sample_ids: list[str] = field(default_factory=list)
+    token_arrays: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

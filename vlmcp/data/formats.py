@@ -18,6 +18,12 @@ Accepted record formats:
 * tokens: ``{"input_ids": [...], "labels": [...], "images": [...]}`` with image placeholders
   already expanded. labels use the unshifted HF convention (labels[t] is input_ids[t] or -100);
   every maximal run of image tokens is one image and must hold t*h*w // merge**2 tokens.
+  Optional per-token arrays for the token-level objectives (`loss.type`): ``"loss_weights"``,
+  ``"advantages"``, ``"old_logprobs"``, ``"ref_logprobs"``, each a list of numbers as long as
+  "labels" and aligned with it: entry t belongs to the prediction of labels[t] (made at position
+  t-1), so it is read only where labels[t] is a target. On targets every entry must be a finite
+  number; where labels[t] is -100 (and on image placeholders) an entry may be any number or null
+  and is ignored. Chat formats carry no per-token arrays (they train with `ce` only).
 
 Chat formats are rendered once with the tokenizer's chat template, given the processor's
 ``chat_template_kwargs`` (``data.chat_template_kwargs``) as template variables (Qwen/ChatML:
@@ -47,14 +53,16 @@ Every bad input raises `DataError` whose message starts with the record's source
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from PIL import Image
 
-from vlmcp.data.batch import IGNORE_INDEX
+from vlmcp.data.batch import IGNORE_INDEX, TOKEN_ARRAYS
 from vlmcp.data.positions import mrope_positions
 from vlmcp.data.processor import IMAGE_PAD, VLProcessor
 from vlmcp.data.sources import DataError
@@ -83,6 +91,8 @@ class Sample:
     mm_token_type_ids: [L] 1 on image placeholders, else 0.
     position_ids:      [3, L] MRoPE positions of the sample alone.
     source:            "file:line".
+    token_arrays:      the optional per-token arrays of the tokens format by name, each [L] fp32
+                       aligned with labels (0 where labels is -100).
     """
 
     input_ids: list[int]
@@ -93,6 +103,7 @@ class Sample:
     mm_token_type_ids: torch.Tensor
     position_ids: torch.Tensor
     source: str
+    token_arrays: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -338,6 +349,35 @@ def _check_tokens(
     return list(input_ids), labels
 
 
+def _token_arrays(record: dict[str, Any], labels: list[int], source: str
+                  ) -> dict[str, list[float]]:
+    """The per-token arrays of a tokens record (see the module docstring), 0.0 off targets."""
+    arrays: dict[str, list[float]] = {}
+    for name in TOKEN_ARRAYS:
+        if name not in record:
+            continue
+        values = record[name]
+        if not isinstance(values, list):
+            raise _fail(source, f'"{name}" must be a list of numbers, one per label')
+        if len(values) != len(labels):
+            raise _fail(source, f'"{name}" has {len(values)} entries for {len(labels)} labels '
+                                "(one per label, aligned with labels)")
+        out = []
+        for t, (value, label) in enumerate(zip(values, labels)):
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if label == IGNORE_INDEX:
+                if not (number or value is None):
+                    raise _fail(source, f'"{name}"[{t}] is {value!r}, not a number or null')
+                out.append(0.0)
+            elif not number or not math.isfinite(value):
+                raise _fail(source, f'"{name}"[{t}] is {json.dumps(value)} on a target token '
+                                    "(labels[t] != -100); it must be a finite number")
+            else:
+                out.append(float(value))
+        arrays[name] = out
+    return arrays
+
+
 def _truncate_point(input_ids: list[int], processor: VLProcessor, max_len: int) -> int:
     """max_len, moved back to the start of an image block it would split."""
     for start, end in _image_runs(input_ids, processor.image_token_id):
@@ -353,13 +393,16 @@ def _finish(
     input_ids: list[int], labels: list[int], paths: list[Path],
     pixel_values: torch.Tensor | None, grid: torch.Tensor | None, source: str,
     processor: VLProcessor, max_seq_len: int, truncate: bool,
+    arrays: dict[str, list[float]] | None = None,
 ) -> Sample:
+    arrays = arrays or {}
     if len(input_ids) > max_seq_len:
         if not truncate:
             raise _fail(source, f"{len(input_ids)} tokens, more than max_seq_len {max_seq_len} "
                                 "(set data.truncate to cut long samples)")
         cut = _truncate_point(input_ids, processor, max_seq_len)
         input_ids, labels = input_ids[:cut], labels[:cut]
+        arrays = {name: values[:cut] for name, values in arrays.items()}
         kept = len(_image_runs(input_ids, processor.image_token_id))
         if kept < len(paths):
             patches = int(grid[:kept].prod(-1).sum())
@@ -379,6 +422,8 @@ def _finish(
         input_ids=input_ids, labels=labels, image_paths=[str(p) for p in paths],
         pixel_values=pixel_values, image_grid_thw=grid, mm_token_type_ids=mm,
         position_ids=positions, source=source,
+        token_arrays={name: torch.tensor(values, dtype=torch.float32)
+                      for name, values in arrays.items()},
     )
 
 
@@ -400,9 +445,15 @@ def parse_record(
     paths = _image_paths(record, base_dir, source)
     pixel_values, grid = _process_images(paths, source, processor)
     counts = [processor.num_placeholders(row) for row in grid] if grid is not None else []
+    arrays: dict[str, list[float]] = {}
     if is_chat:
+        present = [name for name in TOKEN_ARRAYS if name in record]
+        if present:
+            raise _fail(source, f"per-token arrays {present} need the tokens format "
+                                "(input_ids/labels); chat formats carry none")
         input_ids, labels = _tokenize_chat(record, source, processor, counts)
     else:
         input_ids, labels = _check_tokens(record, source, processor, counts, paths)
+        arrays = _token_arrays(record, labels, source)
     return _finish(input_ids, labels, paths, pixel_values, grid, source, processor,
-                   max_seq_len, truncate)
+                   max_seq_len, truncate, arrays)

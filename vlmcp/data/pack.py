@@ -70,11 +70,18 @@ def shifted_targets(labels: Sequence[int]) -> list[int]:
     return list(labels[1:]) + [IGNORE_INDEX]
 
 
+def shifted_array(values: torch.Tensor) -> torch.Tensor:
+    """A per-token array aligned with labels, shifted like `shifted_targets` (0 at the last)."""
+    return torch.cat([values[1:], values.new_zeros(1)])
+
+
 def build_batch(samples: Sequence[Sample]) -> PackedBatch:
     """Concatenate whole samples into one `PackedBatch` (S = sum of lengths).
 
     pixel_values and image_grid_thw are concatenated in sample order, which is placeholder order.
+    Per-token arrays are kept when every sample carries them, shifted like the targets.
     """
+    shared = set.intersection(*(set(s.token_arrays) for s in samples)) if samples else set()
     input_ids = [t for s in samples for t in s.input_ids]
     targets = [t for s in samples for t in shifted_targets(s.labels)]
     with_images = [s for s in samples if s.image_grid_thw is not None]
@@ -87,6 +94,8 @@ def build_batch(samples: Sequence[Sample]) -> PackedBatch:
         pixel_values=torch.cat([s.pixel_values for s in with_images]) if with_images else None,
         image_grid_thw=torch.cat([s.image_grid_thw for s in with_images]) if with_images else None,
         sample_ids=[s.source for s in samples],
+        token_arrays={name: torch.cat([shifted_array(s.token_arrays[name]) for s in samples])
+                      for name in sorted(shared)},
     )
 
 

@@ -16,11 +16,17 @@ each chunk through the module under activation checkpointing (`zero3_chunked_ce`
 count on every rank, since each call gathers the weight), whose transient is
 higher (`CHECKPOINTED_CE_BYTES_PER_LOGIT`, and autograd sums the chunks' weight gradients out of
 place).
+
+Every path also returns the sum of the policy's softmax entropy over the targets (a metric, never
+differentiated), from the same chunks: per row log Z and sum_v exp(s_v) s_v of the max-shifted
+logits s, the latter over column blocks (`softmax_dot_shifted`): the fused and no-grad paths hold
+no extra `[rows, vocab]` tensor for it, the ZeRO-3 path one (within its 12-byte budget: in forward
+no log-softmax backward buffers exist yet).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -47,6 +53,10 @@ CE_BYTES_PER_LOGIT = 6
 #: rows of a 248,320-token vocabulary, against 122 and 244 MiB predicted.
 CHECKPOINTED_CE_BYTES_PER_LOGIT = 3 * 4
 
+#: The entropy by-product of a loss chunk (`softmax_dot_shifted`) runs over this many column blocks
+#: of the chunk's logits, so it adds at most 1/ENTROPY_BLOCKS to the chunk's transient.
+ENTROPY_BLOCKS = 16
+
 
 def vocab_chunk_rows(budget_mb: float, vocab_size: int, bytes_per_logit: int) -> int:
     """Rows per chunk of a per-token computation over the vocabulary that keeps the chunk's
@@ -59,13 +69,23 @@ def vocab_chunk_rows(budget_mb: float, vocab_size: int, bytes_per_logit: int) ->
 
 def shard_loss_sum(hidden: torch.Tensor, targets: torch.Tensor, lm_head: nn.Linear,
                    chunk_mb: float = DEFAULT_LOSS_CHUNK_MB) -> tuple[torch.Tensor, int]:
-    """Sum of cross-entropy over this shard's targets.
+    """Sum of cross-entropy over this shard's targets and their number (`shard_ce_and_entropy`
+    without the entropy)."""
+    total, count, _ = shard_ce_and_entropy(hidden, targets, lm_head, chunk_mb)
+    return total, count
+
+
+def shard_ce_and_entropy(hidden: torch.Tensor, targets: torch.Tensor, lm_head: nn.Linear,
+                         chunk_mb: float = DEFAULT_LOSS_CHUNK_MB
+                         ) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """Sum of cross-entropy over this shard's targets, their number, and the sum of the policy's
+    softmax entropy at those positions (a by-product of the same chunks, no autograd).
 
     hidden: [S_local, hidden] final-norm hidden states; targets: [S_local] token ids or
     IGNORE_INDEX; lm_head: a Linear with `out_features` = vocab; chunk_mb: memory budget of one
-    chunk of rows (`vocab_chunk_rows`). Returns (0-dim fp32 sum, number of targets). A shard
-    without targets returns a zero that still depends on the lm_head, so every rank runs the same
-    backward.
+    chunk of rows (`vocab_chunk_rows`). Returns (0-dim fp32 sum, number of targets, 0-dim fp32
+    entropy sum). A shard without targets returns a zero that still depends on the lm_head, so
+    every rank runs the same backward.
 
     Paths: without autograd, plain chunks through the module; with autograd,
     `FusedLinearCrossEntropy` on the head's weight and bias (`CE_BYTES_PER_LOGIT`); with a
@@ -75,19 +95,24 @@ def shard_loss_sum(hidden: torch.Tensor, targets: torch.Tensor, lm_head: nn.Line
     keep = targets != IGNORE_INDEX
     count = int(keep.sum())
     vocab = lm_head.out_features
-    if _zero3_partitioned(lm_head):
+    if zero3_partitioned(lm_head):
         rows = vocab_chunk_rows(chunk_mb, vocab, CHECKPOINTED_CE_BYTES_PER_LOGIT)
-        return zero3_chunked_ce(hidden, keep, targets, lm_head, rows), count
+        total, entropy_sum = zero3_chunked_ce(hidden, keep, targets, lm_head, rows)
+        return total, count, entropy_sum
     if count == 0:
-        return lm_head(hidden[:1]).float().sum() * 0.0, 0
+        zero = lm_head(hidden[:1]).float().sum() * 0.0
+        return zero, 0, zero.detach()
     hidden, targets = hidden[keep], targets[keep]
     rows = vocab_chunk_rows(chunk_mb, vocab, CE_BYTES_PER_LOGIT)
     if not torch.is_grad_enabled():
-        return _ce_sum_and_lse(lm_head, hidden, targets, rows)[0], count
-    return FusedLinearCrossEntropy.apply(hidden, targets, lm_head.weight, lm_head.bias, rows), count
+        total, _, entropy = _ce_sum_and_lse(lm_head, hidden, targets, rows)
+        return total, count, entropy.sum()
+    total, entropy_sum = FusedLinearCrossEntropy.apply(hidden, targets, lm_head.weight,
+                                                       lm_head.bias, rows)
+    return total, count, entropy_sum
 
 
-def _zero3_partitioned(module: nn.Module) -> bool:
+def zero3_partitioned(module: nn.Module) -> bool:
     """Whether DeepSpeed ZeRO-3 partitions `module`'s own parameters (they carry `ds_id`).
 
     Reads the parameters by iterating them, never as `module.weight`: inside a ZeRO-3 forward
@@ -105,19 +130,25 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
     backward (recomputed). Saves hidden, targets, the parameters and each row's log-sum-exp ([N]
     fp32). Backward writes the hidden-state gradient chunk by chunk into one [N, hidden] buffer
     and accumulates the weight (and bias) gradient in place in one buffer of the parameter's
-    dtype, so nothing weight-sized exists beyond the gradient itself. Returns a 0-dim fp32 tensor.
+    dtype, so nothing weight-sized exists beyond the gradient itself. Returns two 0-dim fp32
+    tensors: the CE sum, and the sum of the rows' softmax entropies (a by-product of the forward
+    chunks, `chunk_entropy`; not differentiable).
     """
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None, rows: int) -> torch.Tensor:
-        total, lse = _ce_sum_and_lse(lambda h: F.linear(h, weight, bias), hidden, targets, rows)
+        total, lse, entropy = _ce_sum_and_lse(lambda h: F.linear(h, weight, bias), hidden, targets,
+                                              rows)
         ctx.save_for_backward(hidden, targets, weight, bias, lse)
         ctx.rows = rows
-        return total
+        entropy_sum = entropy.sum()
+        ctx.mark_non_differentiable(entropy_sum)
+        return total, entropy_sum
 
     @staticmethod
-    def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, grad_total: torch.Tensor, _grad_entropy: torch.Tensor | None
+                 ) -> tuple[torch.Tensor | None, ...]:
         hidden, targets, weight, bias, lse = ctx.saved_tensors
         need_hidden, _, need_weight, need_bias, _ = ctx.needs_input_grad
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
@@ -145,11 +176,13 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
 
 
 def _ce_sum_and_lse(project: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
-                    targets: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    targets: torch.Tensor, rows: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """CE sum over chunks of `rows` rows of `project(hidden)` (the lm_head, [rows, vocab]
-    logits), without autograd, and each row's log-sum-exp ([N] fp32). One chunk's fp32 logits
-    exist at a time, turned into exp(logits - max) in place."""
+    logits), without autograd, each row's log-sum-exp and each row's softmax entropy ([N] fp32
+    both). One chunk's fp32 logits exist at a time, turned into exp(logits - max) in place."""
     lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    entropy = torch.empty_like(lse)
     total = hidden.new_zeros((), dtype=torch.float32)
     with torch.no_grad():
         for start in range(0, hidden.shape[0], rows):
@@ -157,53 +190,93 @@ def _ce_sum_and_lse(project: Callable[[torch.Tensor], torch.Tensor], hidden: tor
             logits = project(hidden[start:stop]).float()
             target_logits = logits.gather(1, targets[start:stop, None])[:, 0]
             row_max = logits.amax(1, keepdim=True)
-            row_lse = logits.sub_(row_max).exp_().sum(1).log_().add_(row_max[:, 0])
+            shifted_dot = softmax_dot_shifted(logits.sub_(row_max))
+            row_lse = logits.exp_().sum(1).log_().add_(row_max[:, 0])
             del logits
             lse[start:stop] = row_lse
+            entropy[start:stop] = chunk_entropy(row_lse - row_max[:, 0], shifted_dot)
             total += (row_lse - target_logits).sum()
-    return total, lse
+    return total, lse, entropy
+
+
+def softmax_dot_shifted(shifted: torch.Tensor) -> torch.Tensor:
+    """sum_v exp(s_v) * s_v of each row of shifted logits s = logits - row max: [rows, vocab] ->
+    [rows] fp32. Runs over blocks of vocab/ENTROPY_BLOCKS columns, so its transient is at most
+    1/ENTROPY_BLOCKS of the chunk's logits; `shifted` is not modified."""
+    out = shifted.new_zeros(shifted.shape[0])
+    width = max(1, -(-shifted.shape[1] // ENTROPY_BLOCKS))
+    for block in shifted.split(width, dim=1):
+        out += block.exp().mul_(block).sum(1)
+    return out
+
+
+def chunk_entropy(log_z: torch.Tensor, shifted_dot: torch.Tensor) -> torch.Tensor:
+    """Softmax entropy of rows from log Z = lse - max and `softmax_dot_shifted`: H = log Z -
+    sum_v exp(s_v) s_v / Z ([rows] fp32)."""
+    return log_z - shifted_dot * torch.exp(-log_z)
 
 
 def zero3_chunked_ce(hidden: torch.Tensor, keep: torch.Tensor, targets: torch.Tensor,
-                     lm_head: nn.Module, rows: int) -> torch.Tensor:
+                     lm_head: nn.Module, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """CE sum of a ZeRO-3-partitioned lm_head, whose weight exists only inside the module's own
     hooks: every chunk of `rows` target rows runs through the module.
 
     hidden: [S_local, hidden]; keep: [S_local] bool, the target rows; targets: [S_local]. Every
     module call gathers the weight (a collective over the ZeRO group), so every rank of the world
-    makes the same calls: the chunk count is the largest over the world (one all-reduce; at least
-    one), a rank with fewer target chunks runs the rest as chunks of one row with weight zero, and with
-    autograd every chunk is checkpointed (recomputed in backward) exactly when that count is above
-    one. Only one chunk's intermediates exist at a time. Returns a 0-dim fp32 tensor.
+    makes the same calls (`zero3_chunks`). Only one chunk's intermediates exist at a time.
+    Returns 0-dim fp32 tensors: the CE sum and the entropy sum (no autograd).
+    """
+    total = hidden.new_zeros((), dtype=torch.float32)
+    entropy = hidden.new_zeros((), dtype=torch.float32)
+    for h, t, weight, recompute in zero3_chunks(hidden, keep, targets, rows):
+        if recompute:
+            ce, ent = checkpoint(_chunk_ce, h, t, lm_head, use_reentrant=False)
+        else:
+            ce, ent = _chunk_ce(h, t, lm_head)
+        total = total + ce * weight
+        entropy += ent.detach() * weight
+    return total, entropy
+
+
+def zero3_chunks(hidden: torch.Tensor, keep: torch.Tensor, targets: torch.Tensor, rows: int
+                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor, float, bool]]:
+    """The chunks of a ZeRO-3-partitioned head's loss: (hidden [r, hidden], targets [r], weight,
+    recompute), the same number on every rank of the world.
+
+    The chunk count is the largest over the world (one all-reduce; at least one); a rank with
+    fewer target chunks gets the rest as chunks of one row with weight zero (the same graph as a
+    real chunk, so the module's hooks fire in the same order in backward and ZeRO-3's gathers
+    line up across ranks). `recompute`: with autograd, every chunk is checkpointed exactly when
+    the count is above one.
     """
     real_hidden, real_targets = hidden[keep], targets[keep]
     mine = torch.tensor([-(-real_targets.numel() // rows)], dtype=torch.float64)
     chunks = max(1, int(comm.all_reduce_max(mine)[0]))
     recompute = torch.is_grad_enabled() and chunks > 1
-    total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, chunks * rows, rows):
         h, t = real_hidden[start : start + rows], real_targets[start : start + rows]
-        weight = 1.0
         if t.numel() == 0:
-            # The same graph as a real chunk (the module's hooks fire in the same order in
-            # backward, so ZeRO-3's gathers line up across ranks), weighted zero.
-            h, t, weight = hidden[:1], targets.new_zeros(1), 0.0
-        if recompute:
-            total = total + checkpoint(_chunk_ce, h, t, lm_head, use_reentrant=False) * weight
+            yield hidden[:1], targets.new_zeros(1), 0.0, recompute
         else:
-            total = total + _chunk_ce(h, t, lm_head) * weight
-    return total
+            yield h, t, 1.0, recompute
 
 
-def _chunk_ce(hidden: torch.Tensor, targets: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+def _chunk_ce(hidden: torch.Tensor, targets: torch.Tensor, lm_head: nn.Module
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     logits = lm_head(hidden).float()
-    return F.cross_entropy(logits, targets, reduction="sum")
+    ce = F.cross_entropy(logits, targets, reduction="sum")
+    return ce, logits_entropy(logits).sum()
 
 
-def global_target_count(local_count: int, group: comm.ProcessGroup | None = None) -> int:
-    """Sum of per-rank shard target counts over `group` (the whole world when None)."""
-    total = torch.tensor([local_count], dtype=torch.float64)
-    return int(comm.all_reduce_sum(total, group)[0])
+def logits_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Softmax entropy of each row of fp32 `logits` ([rows, vocab] -> [rows]), without autograd;
+    one [rows, vocab] transient besides `logits`, which is not modified."""
+    with torch.no_grad():
+        row_max = logits.amax(1, keepdim=True)
+        shifted = logits - row_max
+        dot = softmax_dot_shifted(shifted)
+        log_z = shifted.exp_().sum(1).log_()
+        return chunk_entropy(log_z, dot)
 
 
 def scale_for_deepspeed(loss_sum: torch.Tensor, global_targets: int, dp_size: int, grad_accum: int) -> torch.Tensor:

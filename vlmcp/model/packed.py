@@ -11,6 +11,8 @@ PackedBatch):
         full attention: Ulysses all-to-all, causal per sample   (model.attention)
         Gated DeltaNet: conv halo + state chain, or heads mode   (model.deltanet)
     final norm, lm_head + CE on this shard's targets             (model.loss)
+        or, for a token-level objective, per-token logprobs          (model.token_logprobs)
+        and the objective on them                                    (model.objectives)
     with model.router_aux_loss: router statistics of the shard's real tokens, summed over the
         SP group, give this rank's share of the load-balancing loss   (model.router_loss)
 
@@ -20,6 +22,7 @@ With P == 1 the same code is the exact packed single-rank path.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,8 +30,10 @@ from torch import nn
 from vlmcp.data.batch import IGNORE_INDEX, PackedBatch
 from vlmcp.model.attention import ATTENTION_KEY, register_attention
 from vlmcp.model.deltanet import install_deltanet_hooks
-from vlmcp.model.loss import DEFAULT_LOSS_CHUNK_MB, shard_loss_sum
+from vlmcp.model.loss import DEFAULT_LOSS_CHUNK_MB, shard_ce_and_entropy
 from vlmcp.model.merge import VISION_MODES, merge_embeddings, shard_first_embeddings
+from vlmcp.model.objectives import STAT_KEYS, Objective, sequence_weights
+from vlmcp.model.token_logprobs import shard_token_logprobs
 from vlmcp.model.router_loss import RouterAuxLoss
 from vlmcp.parallel.groups import SequenceParallel
 from vlmcp.parallel.shard import ShardPlan
@@ -44,6 +49,8 @@ class PackedVLM(nn.Module):
     tower when it is trainable. A frozen vision tower is held outside the module tree: it is
     replicated on every rank, never enters the optimizer and never gets ZeRO-3 partitioned (when
     it was loaded partitioned, it is gathered once, here).
+
+    `objective` is the `loss` section (default: plain token-mean CE).
 
     `vision_mode` is `parallel.vision`: "split" (default) spreads the image encoding over the SP
     group and never builds the whole pack's embeddings; "replicated" runs embeddings and the
@@ -68,6 +75,7 @@ class PackedVLM(nn.Module):
         gradient_checkpointing: bool = False,
         vision_mode: str = "split",
         loss_chunk_mb: float = DEFAULT_LOSS_CHUNK_MB,
+        objective: Objective | None = None,
         router_aux_loss: bool = False,
     ) -> None:
         super().__init__()
@@ -77,6 +85,7 @@ class PackedVLM(nn.Module):
         object.__setattr__(self, "hf_model", hf_model)
         self.sp = sp or SequenceParallel.single()
         self.loss_chunk_mb = loss_chunk_mb
+        self.objective = objective or Objective()
         config = hf_model.config
         self.image_token_id = config.image_token_id
         text_config = config.text_config
@@ -125,27 +134,87 @@ class PackedVLM(nn.Module):
         targets = self.plan(batch).shard(batch.targets, dim=0, pad_value=IGNORE_INDEX)
         return int((targets != IGNORE_INDEX).sum())
 
-    def forward(self, batch: PackedBatch) -> tuple[torch.Tensor, int, torch.Tensor | None]:
-        """Loss sum over this rank's shard of the pack, its number of target tokens, and this
-        rank's share of the router aux loss.
+    def shard_counts(self, batch: PackedBatch) -> tuple[int, int]:
+        """(target tokens in this rank's shard, samples of the pack counted on this rank): the
+        samples count on SP rank 0 only, so a sum over the world counts each sample once."""
+        return self.shard_target_count(batch), len(batch.seq_lens) if self.sp.rank == 0 else 0
 
-        Returns (0-dim fp32 tensor, int, 0-dim fp32 tensor or None without `router_aux_loss`).
-        Divide the loss sum by the global target count (model.loss) for the step's mean; the
-        router shares of an SP group sum to the micro-batch's aux loss (model.router_loss).
+    def forward(self, batch: PackedBatch, stats: bool = False, objective: Objective | None = None,
+                scores: bool = False) -> tuple[Any, ...]:
+        """Loss sum over this rank's shard of the pack, its number of target tokens, and this
+        rank's share of the router aux loss; with `stats` also the shard's metric sums.
+
+        Returns (0-dim fp32 tensor, int, 0-dim fp32 tensor or None without `router_aux_loss`),
+        plus with `stats` the metric sums ([len(STAT_KEYS)] float64, `model.objectives`). The
+        loss sum is sum_t c_t l_t of the objective (`objective`, else the module's); divide it by
+        the global target count (token normalisation) or sample count (sequence) for the step's
+        mean (model.loss); the router shares of an SP group sum to the micro-batch's aux loss
+        (model.router_loss).
+
+        With `scores`, no loss: `token_scores(batch)` (called through the engine so that ZeRO-3
+        gathers as in training).
         """
+        if scores:
+            return self.token_scores(batch)
+        objective = objective or self.objective
         plan = self.plan(batch)
+        hidden, router_share = self.shard_hidden(batch, plan)
+        targets = plan.shard(batch.targets.to(hidden.device), dim=0, pad_value=IGNORE_INDEX)
+        if objective.plain_ce:
+            loss, count, entropy = shard_ce_and_entropy(hidden, targets, self.lm_head,
+                                                        self.loss_chunk_mb)
+            sums = torch.zeros(len(STAT_KEYS), dtype=torch.float64)
+            sums[0] = float(entropy)
+        else:
+            loss, count, sums = self._objective_loss(batch, plan, hidden, targets, objective)
+        return (loss, count, router_share, sums) if stats else (loss, count, router_share)
+
+    def shard_hidden(self, batch: PackedBatch, plan: ShardPlan
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Final-norm hidden states of this rank's shard ([S_local, hidden]) and, with
+        `router_aux_loss`, this rank's share of the router aux loss (else None)."""
         hidden = self.shard_embeddings(batch, plan).unsqueeze(0)
         device = hidden.device
         positions = plan.shard(batch.position_ids.to(device), dim=1).unsqueeze(1)
-        targets = plan.shard(batch.targets.to(device), dim=0, pad_value=IGNORE_INDEX)
         if self.router_loss is None:
-            hidden = self.decode(hidden, positions, plan)
-            return *shard_loss_sum(hidden[0], targets, self.lm_head, self.loss_chunk_mb), None
+            return self.decode(hidden, positions, plan)[0], None
         real = plan.shard(torch.ones(len(batch.input_ids), device=device), dim=0, pad_value=0.0)
         with self.router_loss.capture(real) as router_stats:
             hidden = self.decode(hidden, positions, plan)
-        loss_sum, count = shard_loss_sum(hidden[0], targets, self.lm_head, self.loss_chunk_mb)
-        return loss_sum, count, router_stats.share(self.sp.group)
+        return hidden[0], router_stats.share(self.sp.group)
+
+    def _objective_loss(self, batch: PackedBatch, plan: ShardPlan, hidden: torch.Tensor,
+                        targets: torch.Tensor, objective: Objective
+                        ) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """sum_t c_t l_t over the shard's targets (`model.objectives`), their count, metric sums."""
+        missing = [name for name in objective.required_arrays if name not in batch.token_arrays]
+        if missing:
+            raise ValueError(f"loss.type {objective.type!r} needs per-token {missing} in every "
+                             f"sample; the pack of samples {batch.sample_ids} lacks them")
+        scored = shard_token_logprobs(hidden, targets, self.lm_head, self.loss_chunk_mb)
+        keep = scored.keep
+        arrays = {name: plan.shard(batch.token_arrays[name].to(hidden.device), dim=0)[keep]
+                  for name in objective.required_arrays}
+        losses, sums = objective.token_losses(scored.logprobs, arrays)
+        if objective.normalize == "sequence":
+            losses = losses * plan.shard(sequence_weights(batch).to(hidden.device), dim=0)[keep]
+        sums[0] = float(scored.entropy.double().sum())
+        return losses.sum() + scored.anchor, int(keep.sum()), sums
+
+    @torch.no_grad()
+    def token_scores(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-position logprob of the target and policy entropy on this rank's shard, no
+        backward: ([S_local] fp32, [S_local] fp32), NaN where the target is IGNORE_INDEX or
+        padding. Position t holds log pi(targets[t]), i.e. of the sample's label t+1."""
+        plan = self.plan(batch)
+        hidden, _ = self.shard_hidden(batch, plan)
+        targets = plan.shard(batch.targets.to(hidden.device), dim=0, pad_value=IGNORE_INDEX)
+        scored = shard_token_logprobs(hidden, targets, self.lm_head, self.loss_chunk_mb)
+        logprobs = torch.full(targets.shape, float("nan"), device=targets.device)
+        entropy = logprobs.clone()
+        logprobs[scored.keep] = scored.logprobs
+        entropy[scored.keep] = scored.entropy
+        return logprobs, entropy
 
     def shard_embeddings(self, batch: PackedBatch, plan: ShardPlan) -> torch.Tensor:
         """This rank's input embeddings, image features merged: [S_local, hidden]."""

@@ -170,6 +170,19 @@ def rank_flags(flag: bool) -> list[bool]:
     return [bool(f) for f in flags.tolist()]
 
 
+def all_gather_world(tensor: torch.Tensor) -> torch.Tensor:
+    """Every rank's `tensor` (same shape and dtype on all ranks), stacked by global rank:
+    [...] -> [W, ...]. No autograd; a CPU tensor under NCCL travels through the GPU and back."""
+    if not is_initialized() or world_size() == 1:
+        return tensor.unsqueeze(0)
+    moved = tensor
+    if not tensor.is_cuda and dist.get_backend() == "nccl":
+        moved = tensor.to(torch.device("cuda", torch.cuda.current_device()))
+    parts = [torch.empty_like(moved) for _ in range(world_size())]
+    dist.all_gather(parts, moved.contiguous())
+    return torch.stack(parts).to(tensor.device)
+
+
 class _AllGatherStack(torch.autograd.Function):
     """Forward: stack every rank's tensor. Backward: sum the stacked gradient over the group and
     keep this rank's slot (an all-reduce, which every backend has for any subgroup)."""

@@ -1,7 +1,7 @@
 """Held-out evaluation: token loss on packed batches, and accuracy by greedy generation.
 
 eval_loss: the sum of target-token cross-entropy over every held-out sample / their number of
-targets, computed through the training module (packed, sharded like training). The eval packs are
+targets (whatever `loss.type` trains), computed through the training module (packed, sharded like training). The eval packs are
 dealt round-robin over data-parallel groups; a group short of packs repeats one with weight zero
 so that every rank runs the same collectives.
 
@@ -26,7 +26,11 @@ from vlmcp.data.batch import IGNORE_INDEX
 from vlmcp.data.formats import Sample
 from vlmcp.data.pack import pack_samples
 from vlmcp.parallel import comm
+from vlmcp.model.objectives import Objective
 from vlmcp.parallel.groups import SequenceParallel
+
+#: Held-out loss is always token-mean cross-entropy, whatever `loss.type` trains.
+EVAL_OBJECTIVE = Objective()
 
 
 @dataclass
@@ -78,7 +82,7 @@ def eval_loss(engine: nn.Module, samples: Sequence[Sample], max_seq_len: int,
     totals = torch.zeros(2, dtype=torch.float64)
     for round_ in range(_rounds(len(packs), sp.dp_size)):
         index = round_ * sp.dp_size + sp.dp_rank
-        loss_sum, count, _ = engine(packs[index % len(packs)])
+        loss_sum, count, _ = engine(packs[index % len(packs)], objective=EVAL_OBJECTIVE)
         if index < len(packs):
             totals += torch.tensor([float(loss_sum), float(count)], dtype=torch.float64)
     comm.all_reduce_sum(totals)

@@ -2,8 +2,9 @@
 
 Per optimizer step, each rank runs `train.grad_accum` packed micro-batches (every rank of a
 sequence-parallel group gets the same pack and shards it internally). The step's loss is the sum
-of target-token cross-entropy over all micro-batches and ranks / the number of those targets;
-each micro-batch's shard loss is scaled so that DeepSpeed's averaging and accumulation yield
+of target-token cross-entropy over all micro-batches and ranks / the number of those targets (or
+the `loss` section's objective and normaliser, training/objective_step.py); each micro-batch's
+shard loss is scaled so that DeepSpeed's averaging and accumulation yield
 exactly that gradient. DeepSpeed clips, steps the optimizer and the LR schedule at the
 accumulation boundary.
 
@@ -30,7 +31,8 @@ from vlmcp.data.mixture import draws_per_epoch
 from vlmcp.data.pack import PackedDataset
 from vlmcp.model.load import load_model
 from vlmcp.model.lora import apply_lora
-from vlmcp.model.loss import global_target_count, scale_for_deepspeed
+from vlmcp.model.loss import scale_for_deepspeed
+from vlmcp.model.objectives import STAT_KEYS
 from vlmcp.model.packed import PackedVLM
 from vlmcp.model.router_loss import router_objective
 from vlmcp.parallel import comm
@@ -43,6 +45,7 @@ from vlmcp.training.lora_export import save_final_adapter
 from vlmcp.training.metrics import MetricsWriter
 from vlmcp.training.nonfinite import NonFiniteError, NonFiniteGuard
 from vlmcp.training.ds_engine import describe_engine, engine_optim_args
+from vlmcp.training.objective_step import objective_metrics, objective_of, step_counts
 from vlmcp.training.optim import can_veto
 from vlmcp.training.preflight import Preflight, PreflightError, run_preflight
 from vlmcp.training.schedule import StepSchedule
@@ -114,7 +117,8 @@ def _build_engine(job: JobConfig, preflight: Preflight,
                        gradient_checkpointing=job.train.gradient_checkpointing,
                        vision_mode=job.parallel.vision,
                        loss_chunk_mb=job.train.loss_chunk_mb,
-                       router_aux_loss=job.model.router_aux_loss)
+                       router_aux_loss=job.model.router_aux_loss,
+                       objective=objective_of(job))
     trainable = [p for p in module.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=trainable,
                                            config=ds_config, mpu=sp.mpu,
@@ -172,15 +176,18 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     engine, sp, grad_accum = run.engine, run.sp, run.job.train.grad_accum
     batches = run.schedule.batches(step)
     lr = engine.get_lr()[0]
-    n_global = global_target_count(sum(run.module.shard_target_count(b) for b in batches))
-    # [shard CE sum, pack tokens (once per SP group), 1 where the optimizer step was not applied,
-    #  this rank's shares of the router aux losses]
-    sums = torch.zeros(4, dtype=torch.float64)
+    counts = step_counts(run.module, batches, run.module.objective)
+    n_global = counts.targets
+    # [shard loss sum, pack tokens (once per SP group), 1 where the optimizer step was not
+    # applied, this rank's shares of the router aux losses, then the objective's metric sums
+    # (STAT_KEYS)]
+    sums = torch.zeros(4 + len(STAT_KEYS), dtype=torch.float64)
     grad_norm = None
     skipped_before = engine.skipped_steps
     for index, batch in enumerate(batches):
-        loss_sum, _, router_share = engine(batch)
-        engine.backward(scale_for_deepspeed(loss_sum, n_global, dp_size=sp.dp_size,
+        loss_sum, _, router_share, stat_sums = engine(batch, stats=True)
+        sums[4:] += stat_sums
+        engine.backward(scale_for_deepspeed(loss_sum, counts.denominator, dp_size=sp.dp_size,
                                             grad_accum=grad_accum)
                         + router_objective(router_share, run.module.router_aux_coef))
         if index == len(batches) - 1 and _plain_fp32_engine(engine):
@@ -201,7 +208,7 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         grad_norm = engine.get_global_grad_norm()
     row: dict[str, Any] = {
         "step": step + 1,
-        "loss": float(sums[0]) / max(n_global, 1),
+        "loss": float(sums[0]) / max(counts.denominator, 1),
         "lr": lr,
         "grad_norm": float(grad_norm) if grad_norm is not None else None,
         "tokens": int(sums[1]),
@@ -209,6 +216,7 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         "tokens_per_s": float(sums[1]) / elapsed,
         "step_time_s": elapsed,
         "epoch": run.schedule.locate(step)[0],
+        **objective_metrics(sums[4:], n_global, run.module.objective),
     }
     if run.module.router_loss is not None:
         row["router_aux_loss"] = float(sums[3]) / (sp.dp_size * grad_accum)

@@ -6,6 +6,7 @@ processor, the sequence-parallel constraints of the model for the world size, th
 every record of every file of data.train and data.eval (files, images, placeholder counts,
 lengths, targets; each weighted file contributing at least one sample per epoch), that a resume
 has a complete checkpoint to resume from, and that output_dir is writable.
+Every training sample must carry the per-token arrays `loss.type` needs.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from vlmcp.parallel.constraints import check_sp_constraints
 from vlmcp.parallel.zero3_sp import largest_tensor_numel, sp_exact_zero_settings
 from vlmcp.training.checkpoint import checkpoint_dir, checkpoint_tags, latest_tag, newest_complete
 from vlmcp.training.ds_config import fill_deepspeed_config, load_deepspeed_config, zero_stage
+from vlmcp.training.objective_step import objective_problems
 
 
 logger = logging.getLogger(__name__)
@@ -208,14 +210,20 @@ def _check_output_dir(job: JobConfig, report: Preflight) -> None:
                                f"{exc.strerror or exc}")
 
 
-def run_preflight(job: JobConfig, world_size: int) -> Preflight:
-    """Run every check of `job` for a world of `world_size` ranks and load its data."""
+def run_preflight(job: JobConfig, world_size: int, training: bool = True) -> Preflight:
+    """Run every check of `job` for a world of `world_size` ranks and load its data.
+
+    `training` False (`vlmcp score`): no checkpoint-resume check and no check of the per-token
+    arrays `loss.type` needs."""
     report = Preflight()
     _check_model(job, world_size, report)
     _check_deepspeed(job, world_size, report)
     _check_lora(job, report)
     _check_output_dir(job, report)
-    _check_resume(job, report)
+    if training:
+        _check_resume(job, report)
     if report.processor is not None:
         _read_data(job, report.processor, report)
+    if training:
+        report.problems.extend(objective_problems(job, report.train_samples))
     return report

@@ -1,0 +1,110 @@
+"""`vlmcp score`: the policy's logprob of every target token of data.train, no backward.
+
+Each sample's record is one JSON line, in data order: {"index": i, "logprobs": [...]} with the
+logprob of each target token in order (target t of a sample is label t+1 in the HF convention,
+so the list has one entry per label != -100 after the first token), plus "entropy": [...] (the
+policy's softmax entropy at the same positions) with --entropy.
+
+The forward is training's: packed (first-fit, `data.max_seq_len`), SP-sharded, through the
+DeepSpeed engine (ZeRO-3 gathers as in training) under no_grad. The packs are dealt round-robin
+over the DP groups, as in evaluation (a group short of packs repeats one and drops its result).
+After each round every rank's shard of values goes to every rank (one all-gather of [3, width]
+per round, `comm.all_gather_world`); global rank 0 cuts the shards of each group back into
+samples and alone writes the file, sorted by sample index.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vlmcp.config import ConfigError, JobConfig
+from vlmcp.data.batch import IGNORE_INDEX
+from vlmcp.data.formats import Sample
+from vlmcp.data.pack import build_batch, first_fit, shifted_targets
+from vlmcp.parallel import comm
+from vlmcp.parallel.groups import SequenceParallel
+
+
+@torch.no_grad()
+def score_samples(engine: Any, samples: Sequence[Sample], max_seq_len: int,
+                  sp: SequenceParallel, entropy: bool = False) -> list[dict[str, Any]]:
+    """Every sample's record (see the module docstring), sorted by index, on global rank 0; an
+    empty list on the other ranks. Every rank must call it (collectives each round)."""
+    packs = first_fit([len(s) for s in samples], max_seq_len)
+    records: dict[int, dict[str, Any]] = {}
+    for round_ in range(max(1, math.ceil(len(packs) / sp.dp_size))):
+        index = round_ * sp.dp_size + sp.dp_rank
+        batch = build_batch([samples[i] for i in packs[index % len(packs)]])
+        logprobs, entropies = engine(batch, scores=True)
+        width = torch.tensor([logprobs.numel()], dtype=torch.float64)
+        width = int(comm.all_reduce_max(width)[0])
+        # rows: logprobs, entropy, and this shard's length in [2, 0]
+        local = torch.full((3, width), float("nan"), dtype=torch.float64)
+        local[0, :logprobs.numel()] = logprobs.double().cpu()
+        local[1, :entropies.numel()] = entropies.double().cpu()
+        local[2, 0] = logprobs.numel()
+        gathered = comm.all_gather_world(local)
+        if comm.rank() == 0:
+            for group in range(sp.dp_size):
+                pack = round_ * sp.dp_size + group
+                if pack < len(packs):
+                    shards = gathered[group * sp.size:(group + 1) * sp.size]
+                    records.update(_pack_records(shards, [(i, samples[i]) for i in packs[pack]],
+                                                 entropy))
+    return [records[i] for i in sorted(records)]
+
+
+def _pack_records(shards: torch.Tensor, members: list[tuple[int, Sample]], entropy: bool
+                  ) -> dict[int, dict[str, Any]]:
+    """shards: [P, 3, width] one SP group's gathered rows -> {sample index: record}."""
+    whole = torch.cat([shard[:2, :int(shard[2, 0])] for shard in shards], dim=1)
+    records = {}
+    offset = 0
+    for index, sample in members:
+        part = whole[:, offset:offset + len(sample)]
+        offset += len(sample)
+        mask = torch.tensor(shifted_targets(sample.labels)) != IGNORE_INDEX
+        record: dict[str, Any] = {"index": index, "logprobs": part[0][mask].tolist()}
+        if entropy:
+            record["entropy"] = part[1][mask].tolist()
+        records[index] = record
+    return records
+
+
+def write_scores(records: Sequence[dict[str, Any]], path: Path) -> None:
+    """One JSON line per record."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as handle:
+        for record in records:
+            handle.write(json.dumps(record) + "\n")
+
+
+def score(job: JobConfig, out: str | None = None, entropy: bool = False) -> Path:
+    """Score data.train with the job's model on every rank of the launcher's world; returns the
+    output path (default OUTPUT_DIR/scores.jsonl), written by global rank 0. A LoRA job
+    (lora.r > 0) is a ConfigError: its adapters are not at model.path."""
+    from vlmcp.training.loop import _build_engine, agree_on_problems
+    from vlmcp.training.preflight import run_preflight
+
+    if job.lora.r:
+        raise ConfigError(["config key 'lora.r': vlmcp score runs the model at model.path without "
+                           "trained adapters; score the merged model of `vlmcp export --merge` "
+                           "with lora.r 0"])
+    comm.init_distributed(job.train.collective_timeout_s + 60)
+    preflight = run_preflight(job, comm.world_size(), training=False)
+    agree_on_problems(preflight.problems)
+    sp = SequenceParallel.initialize(job.parallel.sp_size)
+    engine, _, _ = _build_engine(job, preflight, sp)
+    engine.eval()
+    records = score_samples(engine, preflight.train_samples, job.data.max_seq_len, sp, entropy)
+    path = Path(out) if out else Path(job.output_dir) / "scores.jsonl"
+    if comm.rank() == 0:
+        write_scores(records, path)
+    comm.barrier()
+    return path
