@@ -203,10 +203,10 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "0")) or job.parallel.sp_size
     from vlmcp.training.preflight import run_preflight
 
-    report = run_preflight(job, world_size)
+    report = run_preflight(job, world_size, decode_images=True)
     if report.problems:
         return _report(report.problems)
-    print(f"ok: {args.job} ({len(report.train_samples)} train, {len(report.eval_samples)} eval "
+    print(f"ok: {args.job} ({len(report.train_index)} train, {len(report.eval_samples)} eval "
           f"samples; world {world_size}, sp_size {job.parallel.sp_size})")
     return 0
 

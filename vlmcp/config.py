@@ -66,6 +66,14 @@ class DataSection:
         "shuffle samples (seeded by train.seed and the epoch) before packing each epoch"))
     truncate: bool = field(default=False, metadata=_key(
         "cut samples longer than max_seq_len instead of failing on them"))
+    num_workers: int = field(default=2, metadata=_key(
+        "DataLoader worker processes per rank that read, decode and patchify the next packs; "
+        "0 loads them in the training process", min=0))
+    prefetch_factor: int = field(default=2, metadata=_key(
+        "packs each data loader worker keeps ready ahead of training", min=1))
+    cache_dir: str | None = field(default=None, metadata=_key(
+        "directory of the cached length index of data.train (null: $XDG_CACHE_HOME/vlmcp/index, "
+        "else ~/.cache/vlmcp/index)"))
 
 
 @dataclass

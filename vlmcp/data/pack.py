@@ -16,7 +16,7 @@ epochs, see `PackedDataset.num_micro_batches`.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -95,14 +95,15 @@ def pack_samples(samples: Sequence[Sample], max_seq_len: int) -> list[PackedBatc
 
 
 class PackedDataset:
-    """One data-parallel rank's packed micro-batches, epoch by epoch (see the module docstring).
+    """The packing plan of one data-parallel rank, epoch by epoch (see the module docstring).
 
-    Batches are built when iterated; only sample indices are kept per epoch.
+    Works from sample lengths alone (the length index); only sample indices are kept per epoch.
+    Loading the packs' samples is `vlmcp.data.stream`'s job.
     """
 
     def __init__(
         self,
-        samples: Sequence[Sample],
+        lengths: Sequence[int],
         max_seq_len: int,
         dp_rank: int = 0,
         dp_size: int = 1,
@@ -110,11 +111,11 @@ class PackedDataset:
         seed: int = 0,
         multiple_of: int = 1,
     ) -> None:
-        if not samples:
+        if not len(lengths):
             raise ValueError("no samples to pack")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} outside [0, {dp_size})")
-        self.samples = list(samples)
+        self.lengths = [int(n) for n in lengths]
         self.max_seq_len = max_seq_len
         self.dp_rank = dp_rank
         self.dp_size = dp_size
@@ -126,15 +127,15 @@ class PackedDataset:
     def order(self, epoch: int) -> list[int]:
         """Sample indices in the order they are packed in `epoch`."""
         if not self.shuffle:
-            return list(range(len(self.samples)))
+            return list(range(len(self.lengths)))
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(len(self.samples), generator=generator).tolist()
+        return torch.randperm(len(self.lengths), generator=generator).tolist()
 
     def packs(self, epoch: int) -> list[list[int]]:
         """Every pack of `epoch` (all ranks), as sample indices."""
         if self._plan is None or self._plan[0] != epoch:
             order = self.order(epoch)
-            packs = first_fit([len(self.samples[i]) for i in order], self.max_seq_len)
+            packs = first_fit([self.lengths[i] for i in order], self.max_seq_len)
             self._plan = (epoch, [[order[i] for i in pack] for pack in packs])
         return self._plan[1]
 
@@ -148,8 +149,3 @@ class PackedDataset:
         packs = self.packs(epoch)
         return [packs[(step * self.dp_size + self.dp_rank) % len(packs)]
                 for step in range(self.num_micro_batches(epoch))]
-
-    def epoch(self, epoch: int) -> Iterator[PackedBatch]:
-        """This rank's micro-batches of `epoch`."""
-        for pack in self.rank_packs(epoch):
-            yield build_batch([self.samples[i] for i in pack])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -21,7 +22,10 @@ import numpy as np
 import torch
 
 from vlmcp.config import JobConfig
+from vlmcp.data.batch import PackedBatch
+from vlmcp.data.formats import DataError
 from vlmcp.data.pack import PackedDataset
+from vlmcp.data.stream import SampleReader
 from vlmcp.model.load import load_model
 from vlmcp.model.loss import global_target_count, scale_for_deepspeed
 from vlmcp.model.packed import PackedVLM
@@ -34,7 +38,7 @@ from vlmcp.training.export import hf_key_prefixes, save_final
 from vlmcp.training.metrics import MetricsWriter
 from vlmcp.training.nonfinite import NonFiniteError, NonFiniteGuard
 from vlmcp.training.optim import build_optimizer, build_scheduler
-from vlmcp.training.preflight import Preflight, PreflightError, run_preflight
+from vlmcp.training.preflight import Preflight, PreflightError, load_train_index, run_preflight
 from vlmcp.training.schedule import StepSchedule
 from vlmcp.training.signals import StopRequested, StopSignals
 from vlmcp.training.watchdog import Watchdog
@@ -99,28 +103,63 @@ def _build_engine(job: JobConfig, preflight: Preflight, sp: SequenceParallel) ->
     return engine, module
 
 
+def _index_builder() -> bool:
+    """Whether this rank builds a missing length index: local rank 0 of each node."""
+    return int(os.environ.get("LOCAL_RANK", comm.rank())) == 0
+
+
+def _load_data(job: JobConfig, preflight: Preflight) -> None:
+    """The length index on every rank: its builders made it during the preflight (the others
+    waited in `agree_on_problems`); the others load it now, and all agree on the outcome."""
+    if not _index_builder():
+        load_train_index(job, preflight, may_build=False)
+    agree_on_problems(preflight.problems)
+
+
+def _schedule(job: JobConfig, preflight: Preflight, sp: SequenceParallel) -> StepSchedule:
+    """This rank's step schedule over the length index, loading packs with DataLoader workers."""
+    index = preflight.train_index
+    dataset = PackedDataset(index.tokens, job.data.max_seq_len, dp_rank=sp.dp_rank,
+                            dp_size=sp.dp_size, shuffle=job.data.shuffle, seed=job.train.seed,
+                            multiple_of=job.train.grad_accum)
+    reader = SampleReader(index, preflight.processor, job.data.max_seq_len, job.data.truncate,
+                          cache_path=str(preflight.train_index_result.path))
+    return StepSchedule(dataset, job.train.grad_accum, reader, num_workers=job.data.num_workers,
+                        prefetch_factor=job.data.prefetch_factor)
+
+
 def start_run(job: JobConfig) -> Run:
     """Start the process group, check the job on every rank, build the engine and the data."""
     # The default group's own timeout is a backstop 60 s behind the watchdog, which fires first
     # and names the step and the collective (training/watchdog.py).
     comm.init_distributed(job.train.collective_timeout_s + 60)
-    preflight = run_preflight(job, comm.world_size())
+    preflight = run_preflight(job, comm.world_size(),
+                              index_role="build" if _index_builder() else "skip")
     agree_on_problems(preflight.problems)
+    _load_data(job, preflight)
     seed_everything(job.train.seed)
     sp = SequenceParallel.initialize(job.parallel.sp_size)
     logger.info("world %d = sp %d x dp %d, ZeRO stage %d, %d train / %d eval samples",
                 comm.world_size(), sp.size, sp.dp_size, zero_stage(preflight.ds_config),
-                len(preflight.train_samples), len(preflight.eval_samples))
+                len(preflight.train_index), len(preflight.eval_samples))
     engine, module = _build_engine(job, preflight, sp)
     start_step = load_latest(engine, job) if job.train.resume else 0
-    dataset = PackedDataset(preflight.train_samples, job.data.max_seq_len, dp_rank=sp.dp_rank,
-                            dp_size=sp.dp_size, shuffle=job.data.shuffle, seed=job.train.seed,
-                            multiple_of=job.train.grad_accum)
     return Run(job=job, preflight=preflight, sp=sp, engine=engine, module=module,
-               schedule=StepSchedule(dataset, job.train.grad_accum),
+               schedule=_schedule(job, preflight, sp),
                metrics=MetricsWriter(job.output_dir, enabled=comm.rank() == 0,
                                      start_step=start_step),
                start_step=start_step)
+
+
+def _step_batches(run: Run, step: int) -> list[PackedBatch]:
+    """This rank's micro-batches of `step`; every rank stops together when any rank cannot load
+    its packs (a DataLoader worker that died, a sample that fails to load)."""
+    try:
+        batches, problems = run.schedule.batches(step), []
+    except (DataError, RuntimeError) as exc:
+        batches, problems = [], [f"loading the packs of step {step + 1}: {exc}"]
+    agree_on_problems(problems)
+    return batches
 
 
 def _plain_fp32_engine(engine: Any) -> bool:
@@ -138,7 +177,7 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     """Run optimizer step `step` (0-based); returns its metrics row."""
     started = time.perf_counter()
     engine, sp, grad_accum = run.engine, run.sp, run.job.train.grad_accum
-    batches = run.schedule.batches(step)
+    batches = _step_batches(run, step)
     lr = engine.get_lr()[0]
     n_global = global_target_count(sum(run.module.shard_target_count(b) for b in batches))
     # [shard CE sum, pack tokens (once per SP group), 1 where the optimizer step was not applied]
@@ -203,8 +242,9 @@ def _progress(run: Run) -> Any:
                 unit="step", dynamic_ncols=True)
 
 
-def train(job: JobConfig) -> None:
-    """Train `job` to `train.max_steps`, checkpointing, evaluating and exporting on the way.
+def train(job: JobConfig) -> Run:
+    """Train `job` to `train.max_steps`, checkpointing, evaluating and exporting on the way;
+    returns the finished run.
 
     Raises StopRequested after a stop signal (a checkpoint is saved first), NonFiniteError on a
     non-finite step (`train.nonfinite`), CheckpointError when a checkpoint or the export cannot
@@ -217,11 +257,13 @@ def train(job: JobConfig) -> None:
     with StopSignals() as stop, Watchdog(timeout, rank=comm.rank()) as watchdog, \
             logging_redirect_tqdm():
         _train_loop(run, stop, watchdog)
+        run.schedule.close()
         with watchdog.watch("the final export"):
             save_final(run.engine, run.module, run.module.hf_model,
                        job.resolve_input(job.model.path), f"{job.output_dir}/final")
     logger.info("done: %d steps; metrics in %s/metrics.jsonl, checkpoints in %s",
                 job.train.max_steps, job.output_dir, checkpoint_dir(job))
+    return run
 
 
 class _Saver:

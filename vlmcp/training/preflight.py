@@ -5,6 +5,12 @@ Checked: the job schema (by `load_job`, before this), the checkpoint directory a
 the sequence-parallel constraints of the model for the world size, the DeepSpeed config, every
 line of data.train and data.eval (files, images, placeholder counts, lengths, targets), and that
 a resume has a complete checkpoint to resume from, and that output_dir is writable.
+
+data.train becomes a length index (`vlmcp.data.index`), not samples in memory. `vlmcp validate`
+(`decode_images=True`) decodes every image once and rebuilds the cached index; a training rank
+loads the cached index, and only the rank that may build it (`index_role="build"`) builds it from
+image headers when it is missing or stale; `index_role="load"` only loads it, `"skip"` leaves it
+for later (`load_train_index`).
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from transformers import PretrainedConfig
 from vlmcp.config import ConfigError, JobConfig, JobError
 from vlmcp.data.dataset import iter_samples
 from vlmcp.data.formats import DataError, Sample
+from vlmcp.data.index import LengthIndex
+from vlmcp.data.index_cache import IndexResult, default_cache_dir, obtain_index
 from vlmcp.data.processor import ProcessorError, VLProcessor, load_processor
 from vlmcp.model.load import ModelLoadError, load_config, text_hidden_size
 from vlmcp.parallel import comm
@@ -46,7 +54,8 @@ class Preflight:
     model_config: PretrainedConfig | None = None
     processor: VLProcessor | None = None
     ds_config: dict[str, Any] | None = None
-    train_samples: list[Sample] = field(default_factory=list)
+    train_index: LengthIndex | None = None
+    train_index_result: IndexResult | None = None
     eval_samples: list[Sample] = field(default_factory=list)
 
 
@@ -148,15 +157,48 @@ def _check_output_dir(job: JobConfig, report: Preflight) -> None:
                                f"{exc.strerror or exc}")
 
 
-def run_preflight(job: JobConfig, world_size: int) -> Preflight:
-    """Run every check of `job` for a world of `world_size` ranks and load its data."""
+def index_settings(job: JobConfig) -> dict[str, Any]:
+    """The job settings that change token counts (part of the index cache key)."""
+    return {"max_seq_len": job.data.max_seq_len, "truncate": job.data.truncate,
+            "chat_template_kwargs": getattr(job.data, "chat_template_kwargs", None)}
+
+
+def load_train_index(job: JobConfig, report: Preflight, *, may_build: bool,
+                     rebuild: bool = False) -> None:
+    """Set report.train_index from the cache (building it when `may_build`); problems are added
+    to report.problems."""
+    if report.processor is None:
+        return
+    resolved = job.resolve_input(job.data.train)
+    if not resolved.is_file():
+        report.problems.append(f"config key 'data.train': file not found: "
+                               f"{_where(job, job.data.train)}")
+        return
+    cache_dir = Path(job.data.cache_dir) if job.data.cache_dir else default_cache_dir()
+    result = obtain_index([resolved], report.processor, index_settings(job), cache_dir,
+                          may_build=may_build, rebuild=rebuild)
+    report.problems.extend(result.problems)
+    report.train_index_result = result
+    if not result.problems:
+        report.train_index = result.index
+
+
+def run_preflight(job: JobConfig, world_size: int, *, index_role: str = "build",
+                  decode_images: bool = False) -> Preflight:
+    """Run every check of `job` for a world of `world_size` ranks and index its data.
+
+    index_role: "build" (load the cached length index, or build it), "load" (only load it) or
+    "skip" (leave it to `load_train_index`). decode_images: decode every image once and rebuild
+    the index (validation).
+    """
     report = Preflight()
     _check_model(job, world_size, report)
     _check_deepspeed(job, world_size, report)
     _check_output_dir(job, report)
     _check_resume(job, report)
     if report.processor is not None:
-        report.train_samples = _read_data(job, "train", job.data.train, report.processor, report)
+        if index_role != "skip":
+            load_train_index(job, report, may_build=index_role == "build", rebuild=decode_images)
         if job.data.eval:
             report.eval_samples = _read_data(job, "eval", job.data.eval, report.processor, report)
     return report

@@ -1,0 +1,112 @@
+"""The length index: one compact row per sample of the training files, built without pixels.
+
+Packing needs only each sample's token count, so a first pass over the data records, per
+sample: where it lies (file, line, byte offset and length), its tokens, its targets, and its
+(kept) images and their vision patches. Each image's placeholder count comes from its size as
+read from the file header (`vlmcp.data.image_size`); the text is tokenized to count it and then
+dropped. A sample is read back, tokenized again (deterministically) and its images decoded only
+when its pack is loaded (`vlmcp.data.stream`). The index holds 40 bytes per sample as numpy
+arrays; `vlmcp.data.index_cache` keeps it on disk between runs.
+
+With `decode=True` (`vlmcp validate`) every image is decoded and patchified once, to prove it is
+readable, and the counts are taken from that real processing; no pixels are kept.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from vlmcp.data.formats import DataError, parse_record, record_image_paths, tokenize_record
+from vlmcp.data.image_size import header_grid
+from vlmcp.data.processor import VLProcessor
+from vlmcp.data.records import Span, scan_records
+
+#: Columns of the index: (name, numpy dtype).
+COLUMNS = (("file_id", np.int32), ("line", np.int32), ("offset", np.int64), ("nbytes", np.int64),
+           ("tokens", np.int32), ("targets", np.int32), ("images", np.int32),
+           ("patches", np.int32))
+
+
+@dataclass
+class LengthIndex:
+    """Per-sample arrays of a list of data files, all of length N (the samples, in file order).
+
+    files:   the data files; file[i] indexes it.
+    line, offset, nbytes: where sample i lies in its file (1-based line, bytes).
+    tokens:  its length in tokens after truncation (what packing uses).
+    targets: its predicted tokens.
+    images, patches: its kept images and their vision patches (sum of t*h*w).
+    """
+
+    files: list[str]
+    file_id: np.ndarray
+    line: np.ndarray
+    offset: np.ndarray
+    nbytes: np.ndarray
+    tokens: np.ndarray
+    targets: np.ndarray
+    images: np.ndarray
+    patches: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def location(self, i: int) -> tuple[Path, Span]:
+        """The file and span of sample i."""
+        return (Path(self.files[int(self.file_id[i])]),
+                Span(int(self.line[i]), int(self.offset[i]), int(self.nbytes[i])))
+
+    def source(self, i: int) -> str:
+        """"file:line" of sample i."""
+        return f"{self.files[int(self.file_id[i])]}:{int(self.line[i])}"
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {name: getattr(self, name) for name, _ in COLUMNS}
+
+
+def _row(record: object, source: str, path: Path, processor: VLProcessor, max_seq_len: int,
+         truncate: bool, decode: bool) -> tuple[int, int, int, int]:
+    """(tokens, targets, images, patches) of one record; DataError when it cannot train."""
+    if decode:
+        sample = parse_record(record, source, path.parent, processor, max_seq_len, truncate)
+        grid = sample.image_grid_thw
+        targets = sum(label != -100 for label in sample.labels[1:])
+        return (len(sample), targets, 0 if grid is None else len(grid),
+                0 if grid is None else int(grid.prod(-1).sum()))
+    paths = record_image_paths(record, source, path.parent)
+    grids = [header_grid(p, source, processor.image_processor) for p in paths]
+    tokens = tokenize_record(record, source, path.parent, processor, grids, max_seq_len, truncate)
+    return (len(tokens.input_ids), tokens.num_targets, len(tokens.grids),
+            sum(t * h * w for t, h, w in tokens.grids))
+
+
+def build_index(files: Sequence[Path], processor: VLProcessor, max_seq_len: int,
+                truncate: bool = False, *, decode: bool = False
+                ) -> tuple[LengthIndex, list[str]]:
+    """The index of every usable sample of `files`, and one "file:line: problem" per bad record
+    (all of them). With `decode`, images are decoded once each (validation); else only their
+    headers are read."""
+    columns = {name: array("q") for name, _ in COLUMNS}
+    problems: list[str] = []
+    for file_id, path in enumerate(files):
+        for span, record in scan_records(Path(path)):
+            if isinstance(record, DataError):
+                problems.append(str(record))
+                continue
+            try:
+                counts = _row(record, f"{path}:{span.line}", Path(path), processor, max_seq_len,
+                              truncate, decode)
+            except DataError as e:
+                problems.append(str(e))
+                continue
+            for name, value in zip(COLUMNS, (file_id, span.line, span.offset, span.nbytes,
+                                             *counts)):
+                columns[name[0]].append(value)
+    arrays = {name: np.frombuffer(columns[name], dtype=np.int64).astype(dtype)
+              for name, dtype in COLUMNS}
+    return LengthIndex(files=[str(f) for f in files], **arrays), problems

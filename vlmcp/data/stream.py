@@ -1,0 +1,98 @@
+"""Packs -> `PackedBatch`es, loaded when needed: records read back, images decoded, in workers.
+
+A rank's micro-batches of one epoch are the packs `PackedDataset.rank_packs` gives it; only
+those packs are loaded (every rank of a sequence-parallel group loads the same pack). Loading a
+pack reads each sample's record back from its byte span, tokenizes it again (the same
+deterministic tokenization as the index pass), decodes and patchifies its images, and checks that
+its token count still equals the length index's. A `torch.utils.data.DataLoader` runs that in
+`num_workers` worker processes (0: in this process), each keeping up to `prefetch_factor` packs
+ready, in pack order; the batches are the same whatever the number of workers.
+
+A sample that fails to load (an image that is gone, unreadable, or of another size than when the
+index was built) does not kill a worker: the worker hands back a `LoadFailure` and the rank raises
+one `DataError` naming the sample, which training turns into an agreed stop of every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from vlmcp.data.batch import PackedBatch
+from vlmcp.data.formats import DataError, Sample, parse_record
+from vlmcp.data.index import LengthIndex
+from vlmcp.data.pack import build_batch
+from vlmcp.data.processor import VLProcessor
+from vlmcp.data.records import read_record
+
+
+@dataclass
+class LoadFailure:
+    """A pack that could not be loaded: the one-line reason (it names file:line)."""
+
+    message: str
+
+
+@dataclass
+class SampleReader:
+    """Reads sample i of a length index back as a full `Sample` (pixels included)."""
+
+    index: LengthIndex
+    processor: VLProcessor
+    max_seq_len: int
+    truncate: bool
+    cache_path: str = ""
+
+    def sample(self, i: int) -> Sample:
+        path, span = self.index.location(i)
+        source = f"{path}:{span.line}"
+        record = read_record(path, span)
+        sample = parse_record(record, source, path.parent, self.processor, self.max_seq_len,
+                              self.truncate)
+        expected = int(self.index.tokens[i])
+        if len(sample) != expected:
+            raise DataError(f"{source}: {len(sample)} tokens now, {expected} in the length index "
+                            f"{self.cache_path or '(in memory)'}: the sample or one of its images "
+                            "changed since the index was built; delete that file or run "
+                            "`vlmcp validate` to rebuild it")
+        return sample
+
+    def pack(self, pack: Sequence[int]) -> PackedBatch:
+        """The `PackedBatch` of sample indices `pack`."""
+        return build_batch([self.sample(i) for i in pack])
+
+
+class _PackList(torch.utils.data.Dataset):
+    """Item k: the `PackedBatch` of packs[k], or a `LoadFailure`."""
+
+    def __init__(self, reader: SampleReader, packs: Sequence[Sequence[int]]) -> None:
+        self.reader = reader
+        self.packs = packs
+
+    def __len__(self) -> int:
+        return len(self.packs)
+
+    def __getitem__(self, k: int) -> PackedBatch | LoadFailure:
+        try:
+            return self.reader.pack(self.packs[k])
+        except DataError as e:
+            return LoadFailure(str(e))
+
+
+def _as_is(item: PackedBatch | LoadFailure) -> PackedBatch | LoadFailure:
+    return item
+
+
+def load_packs(reader: SampleReader, packs: Sequence[Sequence[int]], num_workers: int,
+               prefetch_factor: int) -> Iterator[PackedBatch]:
+    """The batches of `packs`, in order, loaded by `num_workers` DataLoader workers (0: here)
+    with `prefetch_factor` packs ready per worker. Raises DataError at a pack that fails."""
+    loader = torch.utils.data.DataLoader(
+        _PackList(reader, packs), batch_size=None, shuffle=False, num_workers=num_workers,
+        prefetch_factor=prefetch_factor if num_workers else None, collate_fn=_as_is)
+    for item in loader:
+        if isinstance(item, LoadFailure):
+            raise DataError(item.message)
+        yield item
