@@ -159,7 +159,7 @@ BAD_LINES = {
                        "labels must be unshifted"),
     "marker count": (lambda p: {**_messages(), "images": ["img/a.png", "img/a.png"]},
                      "1 image markers (<image> or typed image entries) for 2 paths"),
-    "videos": (lambda p: {**_messages(), "videos": ["clip.mp4"]}, "videos are not supported"),
+    "videos": (lambda p: {**_messages(), "videos": ["clip.mp4"]}, "video is not supported"),
     "unknown role": (lambda p: {"messages": [{"role": "robot", "content": "hi"}]},
                      "unknown role 'robot'"),
 }

@@ -206,8 +206,13 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     report = run_preflight(job, world_size, decode_images=True)
     if report.problems:
         return _report(report.problems)
-    print(f"ok: {args.job} ({len(report.train_index)} train, {len(report.eval_samples)} eval "
-          f"samples; world {world_size}, sp_size {job.parallel.sp_size})")
+    from vlmcp.data.mixture import draws_per_epoch
+
+    drawn = sum(draws_per_epoch(report.train_file_sizes, report.train_weights))
+    per_epoch = f" ({drawn} per epoch)" if drawn != len(report.train_index) else ""
+    print(f"ok: {args.job} ({len(report.train_index)} train{per_epoch}, "
+          f"{len(report.eval_samples)} eval samples; world {world_size}, "
+          f"sp_size {job.parallel.sp_size})")
     return 0
 
 

@@ -4,8 +4,8 @@ A job is a JSON object with the sections below. Every key has a default except `
 `data.train`. An unknown key, a value of the wrong type or a value out of range is an error that
 names the full key path (for example ``unknown config key 'train.max_stepz'``).
 
-Relative input paths (`model.path`, `data.train`, `data.eval`, a `deepspeed` JSON path) are looked
-up next to the job file first and then in the current directory. `output_dir` is relative to the
+Relative input paths (`model.path`, the files of `data.train` and `data.eval`, `data.image_root`, a
+`deepspeed` JSON path) are looked up next to the job file first and then in the current directory. `output_dir` is relative to the
 current directory.
 
 Overrides given as ``--set key.path=value`` are parsed as JSON when they parse (``4``, ``true``,
@@ -22,6 +22,8 @@ import typing
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
+
+from vlmcp.data.sources import DataSpecError, data_files
 
 
 class JobError(ValueError):
@@ -58,8 +60,18 @@ class ModelSection:
 
 @dataclass
 class DataSection:
-    train: str = field(default="", metadata=_key("training JSONL file", required=True))
-    eval: str | None = field(default=None, metadata=_key("held-out JSONL file (optional)"))
+    train: str | list = field(default="", metadata=_key(
+        "training data: a JSONL or JSON-array file, a list of them, or a weighted mixture "
+        '[{"path": ..., "weight": w}, ...] (paths and objects may mix); weight w (default 1) is '
+        "the per-epoch multiplier of that file's samples: each epoch draws round(w x n) of its "
+        "n samples (w < 1 a seeded subset, w > 1 whole copies plus a seeded remainder)",
+        required=True, files="weighted"))
+    eval: str | list | None = field(default=None, metadata=_key(
+        "held-out data: a JSONL or JSON-array file or a list of them (not weighted; optional)",
+        files="plain"))
+    image_root: str | None = field(default=None, metadata=_key(
+        "directory that relative image paths of the data are relative to (null: each data "
+        "file's own directory); absolute image paths are used as they are"))
     max_seq_len: int = field(default=4096, metadata=_key(
         "tokens per packed micro-batch (one pack of whole samples)", min=2))
     shuffle: bool = field(default=False, metadata=_key(
@@ -313,6 +325,10 @@ def _build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
             if f.metadata.get("required"):
                 problems.append(f"missing required config key '{key}'")
             continue
+        if f.metadata.get("files") and raw[f.name] is not None:
+            problems.extend(_file_list_problems(raw[f.name], key, f.metadata["files"]))
+            values[f.name] = raw[f.name]
+            continue
         ok, value = _matches(raw[f.name], tp)
         if not ok:
             problems.append(f"config key '{key}': expected {_type_name(tp)}, "
@@ -327,6 +343,15 @@ def _build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
             continue
         values[f.name] = value
     return cls(**values)
+
+
+def _file_list_problems(value: Any, key: str, kind: str) -> list[str]:
+    """Problems of a data file key: a path, or a list of paths / {"path", "weight"} objects."""
+    try:
+        data_files(value, key, weighted=kind == "weighted")
+    except DataSpecError as exc:
+        return exc.problems
+    return []
 
 
 def _cross_checks(job: JobConfig) -> list[str]:

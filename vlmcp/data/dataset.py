@@ -1,7 +1,8 @@
-"""A JSONL file -> samples. Training stops at the first bad line; validation collects them all.
+"""A data file -> samples in memory, for held-out evaluation and tests.
 
-Images are decoded and patchified up front, when the file is read (fine for the small datasets
-this project trains on; a digits sample holds 4 patches, 24 KiB).
+Records are read by `vlmcp.data.sources` (JSON Lines or a JSON array, by content). Images are
+decoded and patchified up front, when the file is read. Training data does not come through here:
+it is indexed (`vlmcp.data.index`) and its packs are loaded when needed (`vlmcp.data.stream`).
 """
 
 from __future__ import annotations
@@ -9,55 +10,39 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from vlmcp.data.formats import DataError, Sample, parse_line
+from vlmcp.data.formats import DataError, Sample, parse_record
 from vlmcp.data.processor import VLProcessor
-
-
-def _lines(path: Path) -> Iterator[tuple[int, str]]:
-    """(1-based line number, text) of every non-blank line."""
-    try:
-        handle = path.open(encoding="utf-8")
-    except OSError as e:
-        raise DataError(f"{path}: cannot open ({e.strerror})") from e
-    with handle:
-        try:
-            for number, line in enumerate(handle, start=1):
-                if line.strip():
-                    yield number, line
-        except UnicodeDecodeError as e:
-            raise DataError(f"{path}: not UTF-8 text ({e})") from e
+from vlmcp.data.sources import iter_records
 
 
 def iter_samples(
-    jsonl_path: str | Path, processor: VLProcessor, max_seq_len: int, truncate: bool = False
+    data_path: str | Path, processor: VLProcessor, max_seq_len: int, truncate: bool = False,
+    image_root: str | Path | None = None,
 ) -> Iterator[Sample | DataError]:
-    """Each line's `Sample`, or the `DataError` it raised, in file order.
+    """Each record's `Sample`, or the `DataError` it raised, in file order.
 
-    A file-level problem (missing, unreadable, no samples) is yielded as one `DataError`.
+    image_root: what relative image paths are relative to (default: the data file's directory).
+    A file-level problem (missing, unreadable, malformed array, no samples) is one `DataError`.
     """
-    path = Path(jsonl_path)
-    found = False
-    try:
-        for number, line in _lines(path):
-            found = True
-            try:
-                yield parse_line(line, f"{path}:{number}", path.parent, processor, max_seq_len,
-                                 truncate)
-            except DataError as e:
-                yield e
-    except DataError as e:
-        yield e
-        return
-    if not found:
-        yield DataError(f"{path}: no samples")
+    path = Path(data_path)
+    base_dir = Path(image_root) if image_root is not None else path.parent
+    for source, record in iter_records(path):
+        if isinstance(record, DataError):
+            yield record
+            continue
+        try:
+            yield parse_record(record, source, base_dir, processor, max_seq_len, truncate)
+        except DataError as e:
+            yield e
 
 
 def load_samples(
-    jsonl_path: str | Path, processor: VLProcessor, max_seq_len: int, truncate: bool = False
+    data_path: str | Path, processor: VLProcessor, max_seq_len: int, truncate: bool = False,
+    image_root: str | Path | None = None,
 ) -> list[Sample]:
-    """Every sample of a JSONL file; raises the first `DataError`."""
+    """Every sample of a data file; raises the first `DataError`."""
     samples = []
-    for item in iter_samples(jsonl_path, processor, max_seq_len, truncate):
+    for item in iter_samples(data_path, processor, max_seq_len, truncate, image_root):
         if isinstance(item, DataError):
             raise item
         samples.append(item)

@@ -1,6 +1,12 @@
-"""One JSONL line -> one tokenized `Sample` with labels and processed images.
+"""One data record -> one tokenized `Sample` with labels and processed images.
 
-Accepted line formats (image paths are relative to the JSONL file):
+Records come from `vlmcp.data.sources` (JSON Lines or JSON arrays). Image paths are relative to
+data.image_root when it is set, else to the data file's directory; absolute paths stay as they
+are. ``"image"`` (one path or a list) is an alias of ``"images"``; a record with both is an
+error. Audio and video (``"audios"``/``"audio"``, ``"videos"``/``"video"``, ``<audio>``/``<video>``
+markers, typed audio/video entries) are errors: vlmcp trains text and images only.
+
+Accepted record formats:
 
 * messages: ``{"messages": [{"role": "user", "content": "<image>What digit is this?"},
   {"role": "assistant", "content": "7"}], "images": ["img/1.png"]}``. Each ``<image>`` marker in
@@ -32,12 +38,12 @@ Length: a sample longer than max_seq_len is an error unless truncate is set; the
 first max_seq_len tokens, moved back to the start of an image block (``<|vision_start|>``) that
 the cut would split, drops the images past the cut, and is still an error if no target is left.
 
-Every bad input raises `DataError` whose message starts with "file:line".
+Every bad input raises `DataError` whose message starts with the record's source label
+("file:line", or "file[index] (line N)" in a JSON array).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,17 +54,16 @@ from PIL import Image
 from vlmcp.data.batch import IGNORE_INDEX
 from vlmcp.data.positions import mrope_positions
 from vlmcp.data.processor import IMAGE_PAD, VLProcessor
+from vlmcp.data.sources import DataError
 
 IMAGE_MARKER = "<image>"
+AUDIO_MARKER = "<audio>"
+VIDEO_MARKER = "<video>"
 ASSISTANT_HEADER = "<|im_start|>assistant\n"
 TURN_END = "<|im_end|>"
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                    "system": "system"}
 _CHAT_ROLES = {"system", "user", "assistant"}
-
-
-class DataError(ValueError):
-    """A training sample that cannot be used; the message names file:line (and image path)."""
 
 
 @dataclass
@@ -103,13 +108,32 @@ def _load_image(path: Path, source: str) -> Image.Image:
         raise _fail(source, f"cannot decode image {path}: {e}") from e
 
 
+def _reject_media(record: dict[str, Any], source: str) -> None:
+    """Audio and video records are errors: vlmcp trains text and images only."""
+    for kind, keys in (("audio", ("audios", "audio")), ("video", ("videos", "video"))):
+        present = [k for k in keys if record.get(k)]
+        if present:
+            raise _fail(source, f'"{present[0]}": {kind} is not supported (vlmcp trains text and '
+                                "images only)")
+
+
 def _image_paths(record: dict[str, Any], base_dir: Path, source: str) -> list[Path]:
-    if record.get("videos") or record.get("video"):
-        raise _fail(source, "videos are not supported (images only)")
-    images = record.get("images", [])
-    if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
-        raise _fail(source, '"images" must be a list of path strings')
-    return [base_dir / p for p in images]
+    """Resolved image paths of a record: "images", or its alias "image" (a path or a list).
+
+    Relative paths are taken relative to base_dir (data.image_root, else the data file's
+    directory); absolute paths are kept.
+    """
+    _reject_media(record, source)
+    if "image" in record and "images" in record:
+        raise _fail(source, 'both "image" and "images" are set; use one of them')
+    key = "image" if "image" in record else "images"
+    images = record.get(key, [])
+    if key == "image" and isinstance(images, str):
+        images = [images]
+    if not isinstance(images, list) or not all(isinstance(p, str) and p for p in images):
+        raise _fail(source, f'"{key}" must be a list of path strings'
+                            + (" or one path string" if key == "image" else ""))
+    return [base_dir / Path(p).expanduser() for p in images]
 
 
 def _process_images(
@@ -140,6 +164,10 @@ def _typed_content(text: str) -> str | list[dict[str, str]]:
 def _normalize_content(content: Any, source: str) -> tuple[str | list[dict[str, str]], int]:
     """Content in template form and its number of images."""
     if isinstance(content, str):
+        for marker, kind in ((AUDIO_MARKER, "audio"), (VIDEO_MARKER, "video")):
+            if marker in content:
+                raise _fail(source, f"{marker} marker: {kind} is not supported (vlmcp trains "
+                                    "text and images only)")
         return _typed_content(content), content.count(IMAGE_MARKER)
     if not isinstance(content, list):
         raise _fail(source, "message content must be a string or a list of typed entries")
@@ -150,8 +178,9 @@ def _normalize_content(content: Any, source: str) -> tuple[str | list[dict[str, 
             parts.append({"type": "text", "text": entry["text"]})
         elif kind == "image":
             parts.append({"type": "image"})
-        elif kind == "video":
-            raise _fail(source, "videos are not supported (images only)")
+        elif kind in ("video", "audio", "input_audio"):
+            raise _fail(source, f'content entry of type "{kind}": {kind.removeprefix("input_")} '
+                                "is not supported (vlmcp trains text and images only)")
         else:
             raise _fail(source, f"content entry {entry!r} is not {{type: text|image}}")
     return parts, sum(p["type"] == "image" for p in parts)
@@ -368,7 +397,7 @@ def _sample(tokens: Tokens, pixel_values: torch.Tensor | None, source: str,
 def record_image_paths(record: Any, source: str, base_dir: Path) -> list[Path]:
     """The image paths of one decoded record, after checking that it has a known format."""
     if not isinstance(record, dict):
-        raise _fail(source, "a line must be a JSON object")
+        raise _fail(source, "a record must be a JSON object")
     if "messages" not in record and "conversations" not in record and "input_ids" not in record:
         raise _fail(source, f"unknown format (keys {sorted(record)}); expected messages, "
                             "conversations or input_ids")
@@ -397,22 +426,14 @@ def parse_record(
     record: Any, source: str, base_dir: Path, processor: VLProcessor, max_seq_len: int,
     truncate: bool = False,
 ) -> Sample:
-    """Turn one decoded JSONL record into a `Sample` (images decoded and patchified); raises
-    `DataError` naming `source`."""
+    """Turn one decoded record into a `Sample` (images decoded and patchified); raises
+    `DataError` naming `source`.
+
+    base_dir: what relative image paths are relative to (data.image_root, else the data file's
+    directory). See the module docstring for formats and targets.
+    """
     paths = record_image_paths(record, source, base_dir)
     pixel_values, grid = _process_images(paths, source, processor)
     grids = [] if grid is None else [tuple(row) for row in grid.tolist()]
     tokens = tokenize_record(record, source, base_dir, processor, grids, max_seq_len, truncate)
     return _sample(tokens, pixel_values, source, processor)
-
-
-def parse_line(
-    line: str, source: str, base_dir: Path, processor: VLProcessor, max_seq_len: int,
-    truncate: bool = False,
-) -> Sample:
-    """Parse one JSONL line (see the module docstring for formats and targets)."""
-    try:
-        record = json.loads(line.strip())
-    except json.JSONDecodeError as e:
-        raise _fail(source, f"malformed JSON: {e.msg} at column {e.colno}") from e
-    return parse_record(record, source, base_dir, processor, max_seq_len, truncate)

@@ -24,10 +24,11 @@ import numpy as np
 from vlmcp.data.formats import DataError, parse_record, record_image_paths, tokenize_record
 from vlmcp.data.image_size import header_grid
 from vlmcp.data.processor import VLProcessor
-from vlmcp.data.records import Span, scan_records
+from vlmcp.data.records import Span, is_json_array, locate_records, record_label
 
 #: Columns of the index: (name, numpy dtype).
-COLUMNS = (("file_id", np.int32), ("line", np.int32), ("offset", np.int64), ("nbytes", np.int64),
+COLUMNS = (("file_id", np.int32), ("record", np.int32), ("line", np.int32), ("offset", np.int64),
+           ("nbytes", np.int64),
            ("tokens", np.int32), ("targets", np.int32), ("images", np.int32),
            ("patches", np.int32))
 
@@ -44,7 +45,10 @@ class LengthIndex:
     """
 
     files: list[str]
+    json_array: list[bool]
+    image_root: str | None
     file_id: np.ndarray
+    record: np.ndarray
     line: np.ndarray
     offset: np.ndarray
     nbytes: np.ndarray
@@ -59,54 +63,69 @@ class LengthIndex:
     def location(self, i: int) -> tuple[Path, Span]:
         """The file and span of sample i."""
         return (Path(self.files[int(self.file_id[i])]),
-                Span(int(self.line[i]), int(self.offset[i]), int(self.nbytes[i])))
+                Span(int(self.record[i]), int(self.line[i]), int(self.offset[i]),
+                     int(self.nbytes[i])))
 
     def source(self, i: int) -> str:
-        """"file:line" of sample i."""
-        return f"{self.files[int(self.file_id[i])]}:{int(self.line[i])}"
+        """The source label of sample i ("file:line", or "file[index] (line N)")."""
+        path, span = self.location(i)
+        return record_label(path, span, self.json_array[int(self.file_id[i])])
+
+    def base_dir(self, i: int) -> Path:
+        """What sample i's relative image paths are relative to."""
+        return Path(self.image_root) if self.image_root else self.location(i)[0].parent
+
+    def file_sizes(self) -> list[int]:
+        """Samples of each file."""
+        return np.bincount(self.file_id, minlength=len(self.files)).tolist()
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {name: getattr(self, name) for name, _ in COLUMNS}
 
 
-def _row(record: object, source: str, path: Path, processor: VLProcessor, max_seq_len: int,
+def _row(record: object, source: str, base_dir: Path, processor: VLProcessor, max_seq_len: int,
          truncate: bool, decode: bool) -> tuple[int, int, int, int]:
     """(tokens, targets, images, patches) of one record; DataError when it cannot train."""
     if decode:
-        sample = parse_record(record, source, path.parent, processor, max_seq_len, truncate)
+        sample = parse_record(record, source, base_dir, processor, max_seq_len, truncate)
         grid = sample.image_grid_thw
         targets = sum(label != -100 for label in sample.labels[1:])
         return (len(sample), targets, 0 if grid is None else len(grid),
                 0 if grid is None else int(grid.prod(-1).sum()))
-    paths = record_image_paths(record, source, path.parent)
+    paths = record_image_paths(record, source, base_dir)
     grids = [header_grid(p, source, processor.image_processor) for p in paths]
-    tokens = tokenize_record(record, source, path.parent, processor, grids, max_seq_len, truncate)
+    tokens = tokenize_record(record, source, base_dir, processor, grids, max_seq_len, truncate)
     return (len(tokens.input_ids), tokens.num_targets, len(tokens.grids),
             sum(t * h * w for t, h, w in tokens.grids))
 
 
 def build_index(files: Sequence[Path], processor: VLProcessor, max_seq_len: int,
-                truncate: bool = False, *, decode: bool = False
+                truncate: bool = False, *, image_root: Path | None = None, decode: bool = False
                 ) -> tuple[LengthIndex, list[str]]:
-    """The index of every usable sample of `files`, and one "file:line: problem" per bad record
-    (all of them). With `decode`, images are decoded once each (validation); else only their
-    headers are read."""
+    """The index of every usable sample of `files` (in file order), and one "source: problem"
+    line per bad record or file (all of them). image_root: what relative image paths are
+    relative to (None: each file's directory). With `decode`, images are decoded once each
+    (validation); else only their headers are read."""
     columns = {name: array("q") for name, _ in COLUMNS}
     problems: list[str] = []
-    for file_id, path in enumerate(files):
-        for span, record in scan_records(Path(path)):
+    kinds: list[bool] = []
+    for file_id, path in enumerate(map(Path, files)):
+        kinds.append(path.is_file() and is_json_array(path))
+        base_dir = image_root if image_root is not None else path.parent
+        for source, record, span in locate_records(path):
             if isinstance(record, DataError):
                 problems.append(str(record))
                 continue
             try:
-                counts = _row(record, f"{path}:{span.line}", Path(path), processor, max_seq_len,
-                              truncate, decode)
+                counts = _row(record, source, base_dir, processor, max_seq_len, truncate, decode)
             except DataError as e:
                 problems.append(str(e))
                 continue
-            for name, value in zip(COLUMNS, (file_id, span.line, span.offset, span.nbytes,
-                                             *counts)):
-                columns[name[0]].append(value)
+            for (name, _), value in zip(COLUMNS, (file_id, span.record, span.line, span.offset,
+                                                  span.nbytes, *counts)):
+                columns[name].append(value)
     arrays = {name: np.frombuffer(columns[name], dtype=np.int64).astype(dtype)
               for name, dtype in COLUMNS}
-    return LengthIndex(files=[str(f) for f in files], **arrays), problems
+    return LengthIndex(files=[str(f) for f in files], json_array=kinds,
+                       image_root=None if image_root is None else str(image_root),
+                       **arrays), problems

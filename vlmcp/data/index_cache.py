@@ -97,7 +97,9 @@ def save_index(path: Path, index: LengthIndex, stamps: list[dict[str, Any]]) -> 
     """Write `index` and its data files' `stamps` to `path` atomically (a unique temporary file,
     then os.replace). Raises OSError when it cannot be written."""
     buffer = io.BytesIO()
-    meta = json.dumps({"version": INDEX_VERSION, "files": index.files, "stamps": stamps})
+    meta = json.dumps({"version": INDEX_VERSION, "files": index.files,
+                       "json_array": index.json_array, "image_root": index.image_root,
+                       "stamps": stamps})
     np.savez(buffer, meta=np.array(meta), **index.arrays())
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
@@ -126,7 +128,8 @@ def load_index(path: Path) -> tuple[LengthIndex | None, str]:
     changed = [s["path"] for s in meta["stamps"] if not _unchanged(s)]
     if changed:
         return None, f"data changed since the cached index: {changed}"
-    return LengthIndex(files=meta["files"], **arrays), ""
+    return LengthIndex(files=meta["files"], json_array=meta["json_array"],
+                       image_root=meta["image_root"], **arrays), ""
 
 
 @dataclass
@@ -142,15 +145,18 @@ class IndexResult:
 
 
 def obtain_index(files: Sequence[Path], processor: VLProcessor, settings: dict[str, Any],
-                 cache_dir: Path, *, may_build: bool, rebuild: bool = False) -> IndexResult:
+                 cache_dir: Path, *, image_root: Path | None = None, may_build: bool,
+                 rebuild: bool = False) -> IndexResult:
     """The length index of `files`: loaded from `cache_dir` when current, else (when
     `may_build`) built and saved there. `settings`: max_seq_len, truncate and whatever else
-    changes token counts (part of the cache key). `rebuild` (validation) always builds, decoding
+    changes token counts (part of the cache key, with `image_root`). `rebuild` (validation) always builds, decoding
     every image once. Data problems come back as problems; so does a cache that cannot be
     written, naming data.cache_dir. Logs "length index: loaded from cache PATH" or "built in X s".
     """
     started = time.perf_counter()
-    path = cache_path(cache_dir, files, processor, settings)
+    key_settings = {**settings, "image_root": None if image_root is None
+                    else str(Path(image_root).absolute())}
+    path = cache_path(cache_dir, files, processor, key_settings)
     if not rebuild:
         index, why = load_index(path)
         if index is not None:
@@ -162,7 +168,7 @@ def obtain_index(files: Sequence[Path], processor: VLProcessor, settings: dict[s
         logger.info("length index: %s; building it", why)
     stamps = [file_stamp(Path(f)) for f in files if Path(f).is_file()]
     index, problems = build_index(files, processor, settings["max_seq_len"],
-                                  settings["truncate"], decode=rebuild)
+                                  settings["truncate"], image_root=image_root, decode=rebuild)
     seconds = time.perf_counter() - started
     if not problems:
         try:

@@ -10,7 +10,8 @@ to a multiple of `multiple_of`, e.g. the gradient-accumulation steps), so when n
 evenly the last steps wrap around to the first packs of the same epoch. With shuffle, the sample
 order of epoch e is a permutation seeded by (seed, e), identical on every rank, so every rank
 computes the same packs and step count; the pack count (and so the step count) can differ between
-epochs, see `PackedDataset.num_micro_batches`.
+epochs, see `PackedDataset.num_micro_batches`. A mixture of files draws each file's samples by its
+weight every epoch (`vlmcp.data.mixture`), in file order or, with shuffle, in that permutation.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from vlmcp.data.batch import IGNORE_INDEX, PackedBatch
 from vlmcp.data.formats import Sample
+from vlmcp.data.mixture import epoch_draws
 
 
 class _FirstFit:
@@ -98,7 +100,9 @@ class PackedDataset:
     """The packing plan of one data-parallel rank, epoch by epoch (see the module docstring).
 
     Works from sample lengths alone (the length index); only sample indices are kept per epoch.
-    Loading the packs' samples is `vlmcp.data.stream`'s job.
+    Loading the packs' samples is `vlmcp.data.stream`'s job. lengths holds the files of a mixture
+    concatenated in file order: file_sizes[f] samples of file f, drawn weights[f] times per epoch
+    (`vlmcp.data.mixture`; default one file, weight 1).
     """
 
     def __init__(
@@ -110,9 +114,16 @@ class PackedDataset:
         shuffle: bool = False,
         seed: int = 0,
         multiple_of: int = 1,
+        file_sizes: Sequence[int] | None = None,
+        weights: Sequence[float] | None = None,
     ) -> None:
         if not len(lengths):
             raise ValueError("no samples to pack")
+        self.file_sizes = list(file_sizes) if file_sizes is not None else [len(lengths)]
+        self.weights = list(weights) if weights is not None else [1.0] * len(self.file_sizes)
+        if sum(self.file_sizes) != len(lengths) or len(self.weights) != len(self.file_sizes):
+            raise ValueError(f"file sizes {self.file_sizes} and weights {self.weights} do not "
+                             f"describe {len(lengths)} samples")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} outside [0, {dp_size})")
         self.lengths = [int(n) for n in lengths]
@@ -125,11 +136,10 @@ class PackedDataset:
         self._plan: tuple[int, list[list[int]]] | None = None
 
     def order(self, epoch: int) -> list[int]:
-        """Sample indices in the order they are packed in `epoch`."""
-        if not self.shuffle:
-            return list(range(len(self.lengths)))
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(len(self.lengths), generator=generator).tolist()
+        """Sample indices in the order they are packed in `epoch` (`vlmcp.data.mixture`)."""
+        offsets = [sum(self.file_sizes[:f]) for f in range(len(self.file_sizes))]
+        return [offsets[f] + i for f, i in epoch_draws(self.file_sizes, self.weights, self.seed,
+                                                       epoch, self.shuffle)]
 
     def packs(self, epoch: int) -> list[list[int]]:
         """Every pack of `epoch` (all ranks), as sample indices."""

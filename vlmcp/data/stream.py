@@ -47,10 +47,10 @@ class SampleReader:
 
     def sample(self, i: int) -> Sample:
         path, span = self.index.location(i)
-        source = f"{path}:{span.line}"
-        record = read_record(path, span)
-        sample = parse_record(record, source, path.parent, self.processor, self.max_seq_len,
-                              self.truncate)
+        source = self.index.source(i)
+        record = read_record(path, span, source)
+        sample = parse_record(record, source, self.index.base_dir(i), self.processor,
+                              self.max_seq_len, self.truncate)
         expected = int(self.index.tokens[i])
         if len(sample) != expected:
             raise DataError(f"{source}: {len(sample)} tokens now, {expected} in the length index "

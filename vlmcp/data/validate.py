@@ -10,11 +10,13 @@ from vlmcp.data.processor import VLProcessor
 
 
 def validate_data(
-    jsonl_path: str | Path, processor: VLProcessor, max_seq_len: int, truncate: bool = False
+    data_path: str | Path, processor: VLProcessor, max_seq_len: int, truncate: bool = False,
+    image_root: str | Path | None = None,
 ) -> list[str]:
-    """One "file:line: problem" string per bad line (all of them); empty when the file is clean.
+    """One "source: problem" string per bad record (all of them); empty when the file is clean.
 
     Uses the same parsing as training, which raises the first of these as a `DataError`.
     """
-    return [str(item) for item in iter_samples(jsonl_path, processor, max_seq_len, truncate)
+    return [str(item) for item in iter_samples(data_path, processor, max_seq_len, truncate,
+                                               image_root)
             if isinstance(item, DataError)]

@@ -24,6 +24,7 @@ import torch
 from vlmcp.config import JobConfig
 from vlmcp.data.batch import PackedBatch
 from vlmcp.data.formats import DataError
+from vlmcp.data.mixture import draws_per_epoch
 from vlmcp.data.pack import PackedDataset
 from vlmcp.data.stream import SampleReader
 from vlmcp.model.load import load_model
@@ -119,9 +120,16 @@ def _load_data(job: JobConfig, preflight: Preflight) -> None:
 def _schedule(job: JobConfig, preflight: Preflight, sp: SequenceParallel) -> StepSchedule:
     """This rank's step schedule over the length index, loading packs with DataLoader workers."""
     index = preflight.train_index
+    if len(preflight.train_file_sizes) > 1 or any(w != 1 for w in preflight.train_weights):
+        draws = draws_per_epoch(preflight.train_file_sizes, preflight.train_weights)
+        logger.info("data.train mixture, samples per epoch: %s", ", ".join(
+            f"[{i}] {n} x {w:g} -> {k}" for i, (n, w, k) in enumerate(
+                zip(preflight.train_file_sizes, preflight.train_weights, draws))))
     dataset = PackedDataset(index.tokens, job.data.max_seq_len, dp_rank=sp.dp_rank,
                             dp_size=sp.dp_size, shuffle=job.data.shuffle, seed=job.train.seed,
-                            multiple_of=job.train.grad_accum)
+                            multiple_of=job.train.grad_accum,
+                            file_sizes=preflight.train_file_sizes,
+                            weights=preflight.train_weights)
     reader = SampleReader(index, preflight.processor, job.data.max_seq_len, job.data.truncate,
                           cache_path=str(preflight.train_index_result.path))
     return StepSchedule(dataset, job.train.grad_accum, reader, num_workers=job.data.num_workers,

@@ -1,10 +1,11 @@
 """Every check a job must pass before training: `vlmcp validate`, and the start of every rank.
 
-One line per problem, each naming what to fix (a config key, or a "file:line" of the data).
-Checked: the job schema (by `load_job`, before this), the checkpoint directory and its processor,
-the sequence-parallel constraints of the model for the world size, the DeepSpeed config, every
-line of data.train and data.eval (files, images, placeholder counts, lengths, targets), and that
-a resume has a complete checkpoint to resume from, and that output_dir is writable.
+One line per problem, each naming what to fix (a config key, or a "file:line" / "file[index]" of
+the data). Checked: the job schema (by `load_job`, before this), the checkpoint directory and its
+processor, the sequence-parallel constraints of the model for the world size, the DeepSpeed config,
+every record of every file of data.train and data.eval (files, images, placeholder counts,
+lengths, targets; each weighted file contributing at least one sample per epoch), that a resume
+has a complete checkpoint to resume from, and that output_dir is writable.
 
 data.train becomes a length index (`vlmcp.data.index`), not samples in memory. `vlmcp validate`
 (`decode_images=True`) decodes every image once and rebuilds the cached index; a training rank
@@ -30,7 +31,9 @@ from vlmcp.data.dataset import iter_samples
 from vlmcp.data.formats import DataError, Sample
 from vlmcp.data.index import LengthIndex
 from vlmcp.data.index_cache import IndexResult, default_cache_dir, obtain_index
+from vlmcp.data.mixture import draws_per_epoch
 from vlmcp.data.processor import ProcessorError, VLProcessor, load_processor
+from vlmcp.data.sources import DataFile, data_files
 from vlmcp.model.load import ModelLoadError, load_config, text_hidden_size
 from vlmcp.parallel import comm
 from vlmcp.parallel.constraints import check_sp_constraints
@@ -56,6 +59,10 @@ class Preflight:
     ds_config: dict[str, Any] | None = None
     train_index: LengthIndex | None = None
     train_index_result: IndexResult | None = None
+    #: Samples of each data.train file (the index holds them in file order).
+    train_file_sizes: list[int] = field(default_factory=list)
+    #: Weight of each data.train file (`vlmcp.data.mixture`).
+    train_weights: list[float] = field(default_factory=list)
     eval_samples: list[Sample] = field(default_factory=list)
 
 
@@ -66,19 +73,54 @@ def _where(job: JobConfig, path: str) -> str:
     return f"{path!r} (looked in {job.job_dir} and in {Path.cwd()})"
 
 
-def _read_data(job: JobConfig, key: str, path: str, processor: VLProcessor,
-               report: Preflight) -> list[Sample]:
-    resolved = job.resolve_input(path)
-    if not resolved.is_file():
-        report.problems.append(f"config key 'data.{key}': file not found: {_where(job, path)}")
-        return []
-    samples: list[Sample] = []
-    for item in iter_samples(resolved, processor, job.data.max_seq_len, job.data.truncate):
-        if isinstance(item, DataError):
-            report.problems.append(str(item))
-        else:
-            samples.append(item)
-    return samples
+def _image_root(job: JobConfig) -> Path | None:
+    """data.image_root resolved (None: unset)."""
+    return None if job.data.image_root is None else job.resolve_input(job.data.image_root)
+
+
+def _check_image_root(job: JobConfig, report: Preflight) -> bool:
+    """Whether data.image_root is unset or a directory (else a problem)."""
+    root = _image_root(job)
+    if root is not None and not root.is_dir():
+        report.problems.append(f"config key 'data.image_root': directory not found: "
+                               f"{_where(job, job.data.image_root)}")
+        return False
+    return True
+
+
+def _existing_files(job: JobConfig, files: list[DataFile], report: Preflight) -> list[Path]:
+    """The resolved paths of `files`; a missing one is a problem."""
+    resolved = []
+    for data_file in files:
+        path = job.resolve_input(data_file.path)
+        if not path.is_file():
+            report.problems.append(f"config key '{data_file.key}': file not found: "
+                                   f"{_where(job, data_file.path)}")
+        resolved.append(path)
+    return resolved
+
+
+def _read_eval(job: JobConfig, processor: VLProcessor, image_root: Path | None,
+               report: Preflight) -> None:
+    """data.eval's samples, decoded (held-out sets are small; every rank evaluates on all)."""
+    files = data_files(job.data.eval, "data.eval", weighted=False)
+    for path in _existing_files(job, files, report):
+        if not path.is_file():
+            continue
+        for item in iter_samples(path, processor, job.data.max_seq_len, job.data.truncate,
+                                 image_root):
+            if isinstance(item, DataError):
+                report.problems.append(str(item))
+            else:
+                report.eval_samples.append(item)
+
+
+def _check_mixture(files: list[DataFile], counts: list[int], report: Preflight) -> None:
+    """Every weighted file must contribute at least one sample per epoch."""
+    for data_file, n, k in zip(files, counts, draws_per_epoch(counts, [f.weight for f in files])):
+        if n and not k:
+            report.problems.append(f"config key '{data_file.key}.weight': {data_file.weight:g} x "
+                                   f"{n} samples rounds to 0 samples per epoch")
 
 
 def _check_model(job: JobConfig, world_size: int, report: Preflight) -> None:
@@ -165,22 +207,26 @@ def index_settings(job: JobConfig) -> dict[str, Any]:
 
 def load_train_index(job: JobConfig, report: Preflight, *, may_build: bool,
                      rebuild: bool = False) -> None:
-    """Set report.train_index from the cache (building it when `may_build`); problems are added
-    to report.problems."""
+    """Set report.train_index (and train_file_sizes, train_weights) from the cache, building it
+    when `may_build`; problems are added to report.problems."""
     if report.processor is None:
         return
-    resolved = job.resolve_input(job.data.train)
-    if not resolved.is_file():
-        report.problems.append(f"config key 'data.train': file not found: "
-                               f"{_where(job, job.data.train)}")
+    image_root = _image_root(job)
+    files = data_files(job.data.train, "data.train")
+    paths = _existing_files(job, files, report)
+    if any(not p.is_file() for p in paths) or (image_root is not None and not image_root.is_dir()):
         return
     cache_dir = Path(job.data.cache_dir) if job.data.cache_dir else default_cache_dir()
-    result = obtain_index([resolved], report.processor, index_settings(job), cache_dir,
-                          may_build=may_build, rebuild=rebuild)
+    result = obtain_index(paths, report.processor, index_settings(job), cache_dir,
+                          image_root=image_root, may_build=may_build, rebuild=rebuild)
     report.problems.extend(result.problems)
     report.train_index_result = result
-    if not result.problems:
-        report.train_index = result.index
+    if result.index is None or result.problems:
+        return
+    report.train_index = result.index
+    report.train_file_sizes = result.index.file_sizes()
+    report.train_weights = [f.weight for f in files]
+    _check_mixture(files, report.train_file_sizes, report)
 
 
 def run_preflight(job: JobConfig, world_size: int, *, index_role: str = "build",
@@ -196,9 +242,9 @@ def run_preflight(job: JobConfig, world_size: int, *, index_role: str = "build",
     _check_deepspeed(job, world_size, report)
     _check_output_dir(job, report)
     _check_resume(job, report)
-    if report.processor is not None:
+    if report.processor is not None and _check_image_root(job, report):
         if index_role != "skip":
             load_train_index(job, report, may_build=index_role == "build", rebuild=decode_images)
         if job.data.eval:
-            report.eval_samples = _read_data(job, "eval", job.data.eval, report.processor, report)
+            _read_eval(job, report.processor, _image_root(job), report)
     return report
