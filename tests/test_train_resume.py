@@ -58,6 +58,8 @@ def test_two_steps_plus_resume_equal_four_straight_steps_and_export_matches_fina
                        nproc=2)
     assert_ok(result)
     assert "resumed from" in result.stderr
+    assert "length index: loaded from cache" in result.stderr
+    assert "length index: built" not in result.stderr
     straight_losses, resumed_losses = train_losses(straight), train_losses(resumed)
     assert len(resumed_losses) == 4
     assert resumed_losses == pytest.approx(straight_losses, rel=1e-6)
