@@ -17,6 +17,8 @@ from vlmcp.data.sources import DataFile, DataSpecError, data_files, iter_records
 from vlmcp.data.validate import validate_data
 
 from conftest import save_png
+from launching import assert_ok, run_vlmcp, tiny_job, train_losses, write_job
+from vlmcp.cli import main
 
 QUESTION = "What digit is this?"
 
@@ -193,7 +195,8 @@ def test_job_config_validates_data_lists_and_rejects_eval_weights():
     with pytest.raises(ConfigError) as info:
         job_from_dict({**base, "data": {"train": [{"path": "a", "weight": "2"}], "eval": [
             {"path": "e", "weight": 2}]}})
-    assert info.value.problems[0] == "config key 'data.train[0].weight': expected a number, got \"2\""
+    assert info.value.problems[0] == \
+        "config key 'data.train[0].weight': expected a number, got \"2\""
     assert info.value.problems[1].startswith("unknown config key 'data.eval[0].weight'")
     with pytest.raises(ConfigError, match=r"'data.train': the list names no file"):
         job_from_dict({**base, "data": {"train": []}})
@@ -238,3 +241,56 @@ def test_one_file_of_weight_one_keeps_the_earlier_order():
 def test_unshuffled_mixture_lists_files_in_order():
     draws = epoch_draws([2, 3], [1.0, 2.0], seed=0, epoch=0, shuffle=False)
     assert draws == [(0, 0), (0, 1)] + [(1, i) for i in range(3)] * 2
+
+
+# --------------------------------------------------------------------------- whole jobs
+
+
+@pytest.fixture
+def mixture_job(tiny_checkpoint, digits_jsonl, tmp_path):
+    """A JSON-array file of 8 digits records with "image" paths relative to data.image_root,
+    mixed with the 64-record digits JSONL at weight 0.25: 8 + 16 samples per epoch."""
+    lines = (digits_jsonl / "train.jsonl").read_text().splitlines()[:8]
+    records = [{"messages": r["messages"], "image": r["images"][0]} for r in map(json.loads, lines)]
+    (tmp_path / "data").mkdir()
+    array = _write_array(tmp_path / "data" / "digits.txt", records)
+    job = tiny_job(tiny_checkpoint, array, tmp_path / "out", train={"max_steps": 2, "log_every": 1})
+    job["data"].update({"train": [str(array), {"path": str(digits_jsonl / "train.jsonl"),
+                                               "weight": 0.25}],
+                        "eval": [{"path": str(array)}], "image_root": str(digits_jsonl)})
+    return write_job(tmp_path / "job.json", job)
+
+
+def test_validate_accepts_a_json_array_mixture_job(mixture_job, capsys):
+    assert main(["validate", str(mixture_job)]) == 0
+    assert "72 train (24 per epoch), 8 eval samples" in capsys.readouterr().out
+
+
+def test_validate_lists_every_bad_file_and_record_of_a_mixture(mixture_job, tmp_path, capsys):
+    job = json.loads(mixture_job.read_text())
+    broken = tmp_path / "broken.json"
+    broken.write_text('[\n {"messages": []},\n {"messages": [}\n]\n')
+    job["data"]["train"] += [str(broken), {"path": str(mixture_job.parent / "data" / "digits.txt"),
+                                           "weight": 0.01}, "missing.jsonl"]
+    mixture_job.write_text(json.dumps(job))
+    assert main(["validate", str(mixture_job)]) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        f"error: {broken}:3:16: malformed JSON array: Expecting value",
+        "error: config key 'data.train[4]': file not found: 'missing.jsonl' (looked in "
+        f"{tmp_path} and in {Path.cwd()})",
+        "error: config key 'data.train[3].weight': 0.01 x 8 samples rounds to 0 samples per epoch"]
+
+
+def test_a_missing_image_root_is_one_problem(mixture_job, tmp_path, capsys):
+    assert main(["validate", str(mixture_job), "--set", "data.image_root=nowhere"]) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: config key 'data.image_root': directory not found: 'nowhere' "
+                      f"(looked in {tmp_path} and in {Path.cwd()})"]
+
+
+def test_a_json_array_mixture_job_trains(mixture_job, tmp_path):
+    result = run_vlmcp(["train", str(mixture_job)])
+    assert_ok(result)
+    assert "mixture, samples per epoch: [0] 8 x 1 -> 8, [1] 64 x 0.25 -> 16" in result.stderr
+    assert len(train_losses(tmp_path / "out")) == 2

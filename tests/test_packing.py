@@ -144,6 +144,14 @@ def test_micro_batch_count_rounds_up_to_multiple_of():
     assert len(dataset.rank_packs(0)) == 6
 
 
+def test_a_weighted_mixture_packs_each_files_draws_by_their_index_in_samples():
+    dataset = _dataset([4] * 5, file_sizes=[2, 3], weights=[2.0, 1.0])
+    assert dataset.order(0) == [0, 1, 0, 1, 2, 3, 4]
+    assert dataset.packs(0) == [[0, 1], [0, 1], [2, 3], [4]]
+    with pytest.raises(ValueError, match="do not describe 5 samples"):
+        _dataset([4] * 5, file_sizes=[2, 2])
+
+
 def test_unshuffled_epochs_pack_in_data_order():
     dataset = _dataset([4, 4, 4, 4, 4])
     assert dataset.packs(0) == dataset.packs(1) == [[0, 1], [2, 3], [4]]

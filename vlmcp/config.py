@@ -5,8 +5,8 @@ A job is a JSON object with the sections below. Every key has a default except `
 names the full key path (for example ``unknown config key 'train.max_stepz'``).
 
 Relative input paths (`model.path`, the files of `data.train` and `data.eval`, `data.image_root`, a
-`deepspeed` JSON path) are looked up next to the job file first and then in the current directory. `output_dir` is relative to the
-current directory.
+`deepspeed` JSON path) are looked up next to the job file first and then in the current directory.
+`output_dir` is relative to the current directory.
 
 Overrides given as ``--set key.path=value`` are parsed as JSON when they parse (``4``, ``true``,
 ``[0.9, 0.99]``, ``null``) and taken as a plain string otherwise. Keys under ``deepspeed.`` edit the

@@ -253,7 +253,7 @@ def _tokenize_chat(
         num_images += n
     if num_images != len(counts):
         raise _fail(source, f"{num_images} image markers (<image> or typed image entries) for "
-                            f'{len(counts)} paths in "images"')
+                            f'{len(counts)} paths in "images" (or "image")')
     tokenizer = processor.tokenizer
     if tokenizer.chat_template is None:
         raise _fail(source, "the tokenizer has no chat template")

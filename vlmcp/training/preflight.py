@@ -88,23 +88,18 @@ def _check_image_root(job: JobConfig, report: Preflight) -> bool:
     return True
 
 
-def _existing_files(job: JobConfig, files: list[DataFile], report: Preflight) -> list[Path]:
-    """The resolved paths of `files`; a missing one is a problem."""
-    resolved = []
-    for data_file in files:
-        path = job.resolve_input(data_file.path)
-        if not path.is_file():
-            report.problems.append(f"config key '{data_file.key}': file not found: "
-                                   f"{_where(job, data_file.path)}")
-        resolved.append(path)
-    return resolved
+def _missing_files(job: JobConfig, files: list[DataFile]) -> list[str]:
+    """One problem per file of `files` that does not exist."""
+    return [f"config key '{f.key}': file not found: {_where(job, f.path)}" for f in files
+            if not job.resolve_input(f.path).is_file()]
 
 
 def _read_eval(job: JobConfig, processor: VLProcessor, image_root: Path | None,
                report: Preflight) -> None:
     """data.eval's samples, decoded (held-out sets are small; every rank evaluates on all)."""
     files = data_files(job.data.eval, "data.eval", weighted=False)
-    for path in _existing_files(job, files, report):
+    report.problems.extend(_missing_files(job, files))
+    for path in (job.resolve_input(f.path) for f in files):
         if not path.is_file():
             continue
         for item in iter_samples(path, processor, job.data.max_seq_len, job.data.truncate,
@@ -208,25 +203,32 @@ def index_settings(job: JobConfig) -> dict[str, Any]:
 def load_train_index(job: JobConfig, report: Preflight, *, may_build: bool,
                      rebuild: bool = False) -> None:
     """Set report.train_index (and train_file_sizes, train_weights) from the cache, building it
-    when `may_build`; problems are added to report.problems."""
+    when `may_build`; problems are added to report.problems (the data's, then missing files,
+    then mixture weights that draw nothing)."""
     if report.processor is None:
         return
-    image_root = _image_root(job)
     files = data_files(job.data.train, "data.train")
-    paths = _existing_files(job, files, report)
-    if any(not p.is_file() for p in paths) or (image_root is not None and not image_root.is_dir()):
+    paths = [job.resolve_input(f.path) for f in files]
+    present = [i for i, path in enumerate(paths) if path.is_file()]
+    result = None
+    if present:
+        cache_dir = Path(job.data.cache_dir) if job.data.cache_dir else default_cache_dir()
+        result = obtain_index([paths[i] for i in present], report.processor, index_settings(job),
+                              cache_dir, image_root=_image_root(job), may_build=may_build,
+                              rebuild=rebuild)
+        report.problems.extend(result.problems)
+        report.train_index_result = result
+    report.problems.extend(_missing_files(job, files))
+    if result is None or result.index is None:
         return
-    cache_dir = Path(job.data.cache_dir) if job.data.cache_dir else default_cache_dir()
-    result = obtain_index(paths, report.processor, index_settings(job), cache_dir,
-                          image_root=image_root, may_build=may_build, rebuild=rebuild)
-    report.problems.extend(result.problems)
-    report.train_index_result = result
-    if result.index is None or result.problems:
-        return
-    report.train_index = result.index
-    report.train_file_sizes = result.index.file_sizes()
+    sizes = [0] * len(files)
+    for i, size in zip(present, result.index.file_sizes()):
+        sizes[i] = size
+    report.train_file_sizes = sizes
     report.train_weights = [f.weight for f in files]
-    _check_mixture(files, report.train_file_sizes, report)
+    _check_mixture(files, sizes, report)
+    if len(present) == len(files) and not result.problems:
+        report.train_index = result.index
 
 
 def run_preflight(job: JobConfig, world_size: int, *, index_role: str = "build",
