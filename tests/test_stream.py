@@ -16,6 +16,8 @@ import torch
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+from launching import run_vlmcp, tiny_job, write_job
+from vlmcp.bench_data import write_synthetic_dataset
 from vlmcp.data.formats import DataError
 from vlmcp.data.image_size import grid_for_size, header_grid
 from vlmcp.data.index import build_index
@@ -206,3 +208,34 @@ def test_a_sample_that_changed_since_the_index_fails_by_name_in_a_worker(dataset
     with pytest.raises(DataError, match=r"data.jsonl:\d+: .*(length index /cache/index-x.npz"
                                         r"|cannot decode image)"):
         list(load_packs(reader, [[i] for i in users], num_workers=1, prefetch_factor=1))
+
+
+def test_synthetic_scale_dataset_has_distinct_512px_images_and_indexes(tmp_path, tiny_processor):
+    data = write_synthetic_dataset(tmp_path, 70)
+    images = sorted((tmp_path / "images").iterdir())
+    assert len(images) == 70 and len({p.read_bytes() for p in images}) == 70
+    with Image.open(images[65]) as image:
+        assert image.size == (512, 512) and image.getpixel((3, 3)) == (1 * 37, 1 * 91, 1 * 53)
+    index, problems = build_index([data], tiny_processor, 256)
+    assert problems == [] and len(index) == 70 and set(index.images.tolist()) == {1}
+
+
+def test_a_pack_that_fails_to_load_stops_both_ranks_with_its_sample(
+        tiny_checkpoint, make_jsonl, tmp_path):
+    """The image's header is intact (the index passes) but its pixels are cut off, so loading
+    its pack fails on the ranks that load it; every rank stops at that step, none hangs."""
+    good = {"messages": [{"role": "user", "content": "<image>Which digit?"},
+                         {"role": "assistant", "content": "7"}], "images": ["img/a.png"]}
+    bad = {**good, "images": ["img/cut.png"]}
+    data = make_jsonl([good, good, bad, good], {"img/a.png": (32, 32), "img/cut.png": (64, 64)})
+    cut = tmp_path / "img" / "cut.png"
+    cut.write_bytes(cut.read_bytes()[:60])
+    job = write_job(tmp_path / "job.json", tiny_job(
+        tiny_checkpoint, data, tmp_path / "out", data={"max_seq_len": 40, "num_workers": 1},
+        parallel={"sp_size": 2}, train={"max_steps": 4}))
+    result = run_vlmcp(["train", str(job)], launcher="torchrun", nproc=2, timeout=240)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    assert f"{data}:3: cannot decode image {cut}" in errors[0]
+    assert "loading the packs of step" in errors[0]

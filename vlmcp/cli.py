@@ -128,6 +128,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--granularity", type=int, default=1024,
                        help="--find-max-len probes multiples of this many tokens")
     bench.add_argument("--max-probes", type=int, default=12, help="--find-max-len probe limit")
+    bench.add_argument("--data-scale", default=None, metavar="N1,N2,...",
+                       help="instead of a step benchmark: train a short SP job (tiny model, "
+                            "--sp-size ranks, default 2, --steps steps) twice on synthetic "
+                            "datasets of N 512x512-image samples each, and report each rank's "
+                            "peak RSS, the length index build time and the second run's cache hit")
+    bench.add_argument("--data-max-seq-len", type=int, default=256,
+                       help="data.max_seq_len of the --data-scale job")
+    bench.add_argument("--data-workers", type=int, default=2,
+                       help="data.num_workers of the --data-scale job")
+    bench.add_argument("--scratch", default=None,
+                       help="directory for --data-scale's temporary datasets (default: the "
+                            "system temporary directory)")
     bench.add_argument("--out", default="runs/bench.json", help="JSON report path")
 
     demo = commands.add_parser(

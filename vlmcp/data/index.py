@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vlmcp.data.batch import IGNORE_INDEX
 from vlmcp.data.formats import DataError, parse_record, record_image_paths, tokenize_record
 from vlmcp.data.image_size import header_grid
 from vlmcp.data.processor import VLProcessor
@@ -89,7 +90,7 @@ def _row(record: object, source: str, base_dir: Path, processor: VLProcessor, ma
     if decode:
         sample = parse_record(record, source, base_dir, processor, max_seq_len, truncate)
         grid = sample.image_grid_thw
-        targets = sum(label != -100 for label in sample.labels[1:])
+        targets = sum(label != IGNORE_INDEX for label in sample.labels[1:])
         return (len(sample), targets, 0 if grid is None else len(grid),
                 0 if grid is None else int(grid.prod(-1).sum()))
     paths = record_image_paths(record, source, base_dir)
