@@ -10,11 +10,13 @@ ready, in pack order; the batches are the same whatever the number of workers.
 
 A sample that fails to load (an image that is gone, unreadable, or of another size than when the
 index was built) does not kill a worker: the worker hands back a `LoadFailure` and the rank raises
-one `DataError` naming the sample, which training turns into an agreed stop of every rank.
+one `DataError` naming the sample, which training turns into an agreed stop of every rank. Workers
+run in their own process group, so a stop signal sent to a rank's group reaches the rank alone.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -85,13 +87,21 @@ def _as_is(item: PackedBatch | LoadFailure) -> PackedBatch | LoadFailure:
     return item
 
 
+def _own_process_group(worker_id: int) -> None:
+    """Move a loader worker out of its rank's process group: a launcher's SIGTERM to the rank's
+    group (torchrun's `killpg`) or a terminal's Ctrl-C then reaches only the rank, which stops
+    in step with its peers; the worker still ends with its loader or its rank."""
+    os.setpgrp()
+
+
 def load_packs(reader: SampleReader, packs: Sequence[Sequence[int]], num_workers: int,
                prefetch_factor: int) -> Iterator[PackedBatch]:
     """The batches of `packs`, in order, loaded by `num_workers` DataLoader workers (0: here)
     with `prefetch_factor` packs ready per worker. Raises DataError at a pack that fails."""
     loader = torch.utils.data.DataLoader(
         _PackList(reader, packs), batch_size=None, shuffle=False, num_workers=num_workers,
-        prefetch_factor=prefetch_factor if num_workers else None, collate_fn=_as_is)
+        prefetch_factor=prefetch_factor if num_workers else None, collate_fn=_as_is,
+        worker_init_fn=_own_process_group)
     for item in loader:
         if isinstance(item, LoadFailure):
             raise DataError(item.message)
