@@ -16,6 +16,7 @@ run in their own process group, so a stop signal sent to a rank's group reaches 
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -83,6 +84,12 @@ class _PackList(torch.utils.data.Dataset):
             return LoadFailure(str(e))
 
 
+#: How loader workers start: forked where the OS can (they inherit the index and the processor
+#: instead of unpickling them into a fresh interpreter; a rank that was itself started by
+#: multiprocessing "spawn" would otherwise start its workers that way, some seconds each).
+_WORKER_START = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
+
+
 def _as_is(item: PackedBatch | LoadFailure) -> PackedBatch | LoadFailure:
     return item
 
@@ -101,7 +108,8 @@ def load_packs(reader: SampleReader, packs: Sequence[Sequence[int]], num_workers
     loader = torch.utils.data.DataLoader(
         _PackList(reader, packs), batch_size=None, shuffle=False, num_workers=num_workers,
         prefetch_factor=prefetch_factor if num_workers else None, collate_fn=_as_is,
-        worker_init_fn=_own_process_group)
+        worker_init_fn=_own_process_group,
+        multiprocessing_context=_WORKER_START if num_workers else None)
     for item in loader:
         if isinstance(item, LoadFailure):
             raise DataError(item.message)
