@@ -14,17 +14,21 @@ PYTEST_ARGS ?=
 # (default: .venv when it exists, else $(PYTHON); e.g. `make gpu-check GPU_PYTHON=python3`).
 GPU_PYTHON ?= $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,$(PYTHON))
 GPU_CHECK_OUT ?= runs/gpu-check.json
+# Versions the suite last passed with (pip -c); `make install CONSTRAINTS=` installs unpinned.
+CONSTRAINTS ?= constraints.txt
+UPGRADE_VENV ?= .venv-upgrade
 
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.vlmcp-installed
 TORCH_INDEX := $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL),)
+PIN := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
 
 # One thread per rank (2 ranks share 2 cores), DeepSpeed's CPU accelerator without probing.
 export OMP_NUM_THREADS ?= 1
 export DS_ACCELERATOR ?= cpu
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: demo test gpu-check install clean
+.PHONY: demo test gpu-check install upgrade-check constraints clean
 
 demo: $(STAMP)
 	$(BIN)/python -m vlmcp demo --out runs/demo
@@ -39,11 +43,29 @@ gpu-check:
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install torch==$(TORCH_VERSION) $(TORCH_INDEX)
-	$(BIN)/python -m pip install -e '.[dev]'
+	$(BIN)/python -m pip install $(PIN) -e '.[dev]'
 	touch $(STAMP)
+
+# Try the newest releases of every dependency (torch stays at TORCH_VERSION, the CPU build) in a
+# fresh $(UPGRADE_VENV), run the suite there, and print what moved against constraints.txt. When it
+# passes, `make constraints VENV=$(UPGRADE_VENV)` adopts those versions.
+upgrade-check:
+	rm -rf $(UPGRADE_VENV)
+	$(PYTHON) -m venv $(UPGRADE_VENV)
+	$(UPGRADE_VENV)/bin/python -m pip install torch==$(TORCH_VERSION) $(TORCH_INDEX)
+	$(UPGRADE_VENV)/bin/python -m pip install --upgrade -e '.[dev]'
+	$(UPGRADE_VENV)/bin/python -m pip freeze --exclude-editable | sed 's/+cpu$$//' \
+		| diff constraints.txt - | grep '^[<>] [A-Za-z]' || echo "no version changed"
+	$(UPGRADE_VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+# Rewrite constraints.txt from $(VENV) (run after the suite passes there).
+constraints:
+	{ sed -n '/^#/p' constraints.txt; $(VENV)/bin/python -m pip freeze --exclude-editable \
+		| sed 's/+cpu$$//'; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 clean:
 	rm -rf runs .pytest_cache

@@ -10,9 +10,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +34,10 @@ def _tool(name: str) -> str:
     return str(beside_python) if beside_python.exists() else (shutil.which(name) or name)
 
 
-def launcher_prefix(launcher: str | None, nproc: int) -> list[str]:
-    """The command that starts `nproc` ranks of `-m vlmcp` (None: one plain process)."""
+def launcher_prefix(launcher: str | None, nproc: int,
+                    accelerate_yaml: Path = ACCELERATE_YAML) -> list[str]:
+    """The command that starts `nproc` ranks of `-m vlmcp` (None: one plain process); accelerate
+    takes its process count from `accelerate_yaml`."""
     port = str(free_port())
     if launcher is None:
         return [sys.executable, "-m", "vlmcp"]
@@ -43,22 +48,73 @@ def launcher_prefix(launcher: str | None, nproc: int) -> list[str]:
         return [_tool("deepspeed"), "--num_gpus", str(nproc), "--master_port", port,
                 "--module", "vlmcp"]
     if launcher == "accelerate":
-        if nproc != 2:
+        if accelerate_yaml == ACCELERATE_YAML and nproc != 2:
             raise ValueError("the accelerate test config starts 2 ranks")
-        return [_tool("accelerate"), "launch", "--config_file", str(ACCELERATE_YAML),
+        return [_tool("accelerate"), "launch", "--config_file", str(accelerate_yaml),
                 "--main_process_port", port, "-m", "vlmcp"]
     raise ValueError(f"unknown launcher {launcher!r}")
 
 
+def vlmcp_env() -> dict[str, str]:
+    """The environment of every run: one OpenMP thread, CPU DeepSpeed, this checkout first."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
+            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+
 def run_vlmcp(args: list[str], *, launcher: str | None = None, nproc: int = 1,
-              timeout: float = 240, cwd: Path = REPO) -> subprocess.CompletedProcess:
+              timeout: float = 240, cwd: Path = REPO,
+              accelerate_yaml: Path = ACCELERATE_YAML) -> subprocess.CompletedProcess:
     """Run `vlmcp ARGS` (under `launcher` with `nproc` ranks); output captured as text."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
-           "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    command = [*launcher_prefix(launcher, nproc), *args]
-    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
+    command = [*launcher_prefix(launcher, nproc, accelerate_yaml), *args]
+    return subprocess.run(command, cwd=cwd, env=vlmcp_env(), capture_output=True, text=True,
                           timeout=timeout, check=False)
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        os.killpg(proc.pid, signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def run_nodes(commands: list[list[str]], *, timeout: float = 300, grace: float = 30,
+              cwd: Path = REPO) -> list[subprocess.CompletedProcess]:
+    """Start every command at once, one launcher per "node", and wait for all of them.
+
+    Each command runs in a process group of its own. Once one exits non-zero, the others get
+    `grace` seconds before they are stopped (a node left waiting in a rendezvous or a collective
+    for a dead peer would otherwise wait out its own timeout); so is every command still running
+    after `timeout` seconds. Stopping sends SIGTERM to the launcher's group (torchrun then stops
+    its workers, which run in groups of their own) and SIGKILL 40 s later.
+    """
+    outputs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in commands]
+    procs = [subprocess.Popen(command, cwd=cwd, env=vlmcp_env(), stdout=out, stderr=err,
+                              text=True, start_new_session=True)
+             for command, (out, err) in zip(commands, outputs)]
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            codes = [p.poll() for p in procs]
+            if None not in codes:
+                break
+            if any(code not in (None, 0) for code in codes):
+                deadline = min(deadline, time.monotonic() + grace)
+            time.sleep(0.2)
+    finally:
+        _stop([p for p in procs if p.poll() is None])
+    results = []
+    for command, proc, (out, err) in zip(commands, procs, outputs):
+        out.seek(0)
+        err.seek(0)
+        results.append(subprocess.CompletedProcess(command, proc.returncode, out.read(), err.read()))
+        out.close()
+        err.close()
+    return results
 
 
 def tiny_job(checkpoint: Path, train_file: Path, output_dir: Path,

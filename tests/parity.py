@@ -7,6 +7,7 @@ every sample alone (batch of one, no packing), and the step loss is sum(CE) / N 
 from __future__ import annotations
 
 import copy
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -123,3 +124,21 @@ def reference_loss_and_grads(model, samples: list[RawSample]) -> tuple[float, di
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def seed_adapter_weights(model: torch.nn.Module) -> None:
+    """Give every LoRA and modules_to_save weight of `model` (vlmcp's injected model or a plain
+    PeftModel) a value that depends only on its path from `language_model.` on, so both sides of a
+    parity test start from the same non-zero adapters (PEFT's default B = 0 would leave the A
+    gradients zero). Small values keep the adapted layers well conditioned."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not param.requires_grad:
+                continue
+            key = name[name.index("language_model."):]
+            gen = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+            noise = torch.randn(param.shape, generator=gen)
+            if "modules_to_save" in name:
+                param.add_(0.05 * noise)
+            else:
+                param.copy_(noise * (0.1 if ".lora_A." in name else 0.05))

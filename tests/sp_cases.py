@@ -12,11 +12,15 @@ from transformers.integrations import HfDeepSpeedConfig
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForConditionalGeneration
 
+from vlmcp.config import LoraSection
+from vlmcp.model.lora import apply_lora
 from vlmcp.model.loss import global_target_count, scale_for_deepspeed
 from vlmcp.model.packed import PackedVLM
+from vlmcp.model.router_loss import router_objective
 from vlmcp.parallel import comm
 from vlmcp.parallel.zero3_sp import largest_tensor_numel, sp_exact_zero_settings
 from vlmcp.parallel.groups import SequenceParallel
+from tests.parity import seed_adapter_weights
 
 
 def ds_config(stage: int, grad_accum: int, dp_size: int, bf16: bool = False) -> dict:
@@ -52,8 +56,12 @@ def _record_tower_calls(vision: torch.nn.Module, calls: list) -> None:
 
 def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
     """For each case {checkpoint, stage, mode, grad_accum, vision, packs: list per DP rank of lists
-    of PackedBatch}: one DeepSpeed step; returns the step loss and every trainable parameter's full
-    gradient (HF names) as DeepSpeed holds them at the accumulation boundary."""
+    of PackedBatch, optionally lora: LoraSection keys}: one DeepSpeed step; returns the step loss
+    and every trainable parameter's full gradient (HF names) as DeepSpeed holds them at the
+    accumulation boundary. A LoRA case injects vlmcp's adapters (then `seed_adapter_weights`)
+    before the engine is built, as `vlmcp train` does. With `router_aux`, the step also trains
+    the router aux loss, whose mean over the step's micro-batches (DP x accumulation) comes back as
+    "router_aux"."""
     sp = SequenceParallel.initialize(sp_size)
     results = {}
     for name, case in cases.items():
@@ -66,8 +74,12 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
         dtype = torch.bfloat16 if case.get("bf16") else torch.float32
         model = cls.from_pretrained(case["checkpoint"], dtype=dtype, attn_implementation="sdpa")
         model.model.visual.requires_grad_(case.get("train_vision", False))
+        if case.get("lora"):
+            apply_lora(model, LoraSection(**case["lora"]), case["checkpoint"])
+            seed_adapter_weights(model)
         module = PackedVLM(model, sp=sp, deltanet_cp=case["mode"], gradient_checkpointing=case.get("checkpointing", False),
-                           vision_mode=case.get("vision", "split"), loss_chunk_mb=case["loss_chunk_mb"])
+                           vision_mode=case.get("vision", "split"), loss_chunk_mb=case["loss_chunk_mb"],
+                           router_aux_loss=case.get("router_aux", False))
         params = [p for p in module.parameters() if p.requires_grad]
         engine, *_ = deepspeed.initialize(
             model=module, optimizer=torch.optim.SGD(params, lr=0.0), config=config, mpu=sp.mpu
@@ -80,11 +92,14 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
         _record_tower_calls(module.vision, tower_calls)
         micro_batches = case["packs"][sp.dp_rank]
         n_global = global_target_count(sum(module.shard_target_count(b) for b in micro_batches))
-        loss_total = torch.zeros(())
+        loss_total, router_total = torch.zeros(()), torch.zeros(())
         for batch in micro_batches:
-            loss_sum, _ = engine(batch)
+            loss_sum, _, router_share = engine(batch)
             loss_total += loss_sum.detach()
-            engine.backward(scale_for_deepspeed(loss_sum, n_global, sp.dp_size, case["grad_accum"]))
+            if router_share is not None:
+                router_total += router_share.detach()
+            engine.backward(scale_for_deepspeed(loss_sum, n_global, sp.dp_size, case["grad_accum"])
+                            + router_objective(router_share, module.router_aux_coef))
             if not engine.is_gradient_accumulation_boundary():
                 engine.step()
         grads = {
@@ -95,6 +110,7 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
         engine.step()
         results[name] = {
             "loss": float(comm.all_reduce_sum(loss_total)) / n_global,
+            "router_aux": float(comm.all_reduce_sum(router_total)) / (sp.dp_size * case["grad_accum"]),
             "grads": grads,
             "layer0_mlp_calls": len(calls),
             "tower_calls": tower_calls,

@@ -12,7 +12,7 @@ from launching import REPO, assert_ok, run_vlmcp, tiny_job, write_job
 from vlmcp.cli import build_parser, main
 from vlmcp.training.preflight import PreflightError
 
-COMMANDS = ["train", "validate", "export", "bench", "demo"]
+COMMANDS = ["train", "validate", "inspect", "export", "bench", "demo"]
 USER = {"role": "user", "content": "<image>What digit is this?"}
 ANSWER = {"role": "assistant", "content": "7"}
 

@@ -134,19 +134,18 @@ def test_stock_deepspeed_json_auto_values_are_filled_from_the_job(name):
         assert config["zero_optimization"]["stage3_param_persistence_threshold"] == 640
 
 
-def test_deepspeed_optimizer_block_is_dropped_and_set_overrides_apply(tmp_path, caplog):
-    ds = {"optimizer": {"type": "AdamW", "params": {"lr": 1}}, "zero_optimization": {"stage": 1}}
+def test_deepspeed_optimizer_block_is_kept_with_autos_filled_and_set_overrides_apply(tmp_path):
+    ds = {"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}, "zero_optimization": {"stage": 1}}
     job = load_job(_write_job(tmp_path, {**MINIMAL, "deepspeed": ds}),
                    ["deepspeed.zero_optimization.stage=2"])
-    with caplog.at_level("WARNING"):
-        config = fill_deepspeed_config(load_deepspeed_config(job), job, dp_size=1, hidden_size=8)
-    assert "optimizer" not in config and config["zero_optimization"]["stage"] == 2
-    assert "ignoring its 'optimizer' block" in caplog.text
+    config = fill_deepspeed_config(load_deepspeed_config(job), job, dp_size=1, hidden_size=8)
+    assert config["optimizer"] == {"type": "AdamW", "params": {"lr": job.optimizer.lr}}
+    assert config["zero_optimization"]["stage"] == 2
 
 
 def test_deepspeed_numbers_that_disagree_with_the_job_name_both_keys():
-    job = job_from_dict({**MINIMAL, "deepspeed": {"gradient_accumulation_steps": 4,
-                                                  "bf16": {"enabled": True}}})
+    job = job_from_dict({**MINIMAL, "model": {"path": "ckpt", "dtype": "float32"},
+                         "deepspeed": {"gradient_accumulation_steps": 4, "bf16": {"enabled": True}}})
     with pytest.raises(ConfigError) as info:
         fill_deepspeed_config(load_deepspeed_config(job), job, dp_size=1, hidden_size=8)
     assert any("deepspeed.gradient_accumulation_steps" in p and "train.grad_accum" in p

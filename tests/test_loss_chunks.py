@@ -157,7 +157,7 @@ def test_packed_module_hands_its_budget_to_the_loss(tiny_checkpoint):
         calls = []
         module.lm_head.register_forward_hook(lambda *_: calls.append(1))
         with torch.no_grad():
-            loss, count = module(batch)
+            loss, count, _ = module(batch)
         losses.append(loss)
         head_calls.append(len(calls))
     assert head_calls == [1, count]

@@ -34,7 +34,7 @@ def test_packed_step_equals_plain_transformers_per_sample(moe, vision_mode):
     trained.model.visual.requires_grad_(False)
     module = PackedVLM(trained, vision_mode=vision_mode)
     batch = pack(samples, model)
-    loss_sum, count = module(batch)
+    loss_sum, count, _ = module(batch)
     assert count == batch.num_targets
     (loss_sum / count).backward()
     assert abs(float(loss_sum.detach()) / count - ref_loss) <= TOL * ref_loss

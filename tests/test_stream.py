@@ -29,7 +29,7 @@ from vlmcp.data.stream import SampleReader, load_packs
 
 from conftest import save_png
 
-SETTINGS = {"max_seq_len": 160, "truncate": True, "chat_template_kwargs": None}
+SETTINGS = {"max_seq_len": 160, "truncate": True}
 
 #: (width, height): square, portrait, landscape, tiny (below min_pixels), huge for the bounds
 #: (above max_pixels), odd sides, thin strips, a 1x1 pixel.

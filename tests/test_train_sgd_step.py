@@ -5,7 +5,9 @@ forwards every sample of the step alone (fp32), the loss is sum(CE of all target
 sum_i mean_loss_i * n_i / N, and w_ref = w0 - lr * grad. The exported OUTPUT_DIR/final weights
 must match it per tensor: |update - (-lr * grad)| <= 1e-5 * |lr * grad| + the fp32 rounding of
 storing w0 + update (a large lr keeps that rounding small against the update). A frozen vision
-tower must not move; a trainable one must take the reference step too.
+tower must not move; a trainable one must take the reference step too. The MoE case trains the
+router load-balancing loss as well: its reference adds router_aux_loss_coef x the mean over the
+step's packs of transformers' aux loss for each pack's samples batched with an attention mask.
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3_5ForConditionalGeneration
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForConditionalGeneration
 
 from launching import assert_ok, run_vlmcp, tiny_job, train_losses, write_job
+from parity import RawSample
+from router_reference import reference_router_aux_and_grads
 from vlmcp.data.dataset import load_samples
 from vlmcp.data.pack import PackedDataset, first_fit
 from vlmcp.data.processor import load_processor
@@ -35,7 +40,17 @@ def lively_checkpoint(tmp_path_factory):
     """A tiny checkpoint whose DeltaNet gates decay moderately (A_log in [-1, 1]) and whose conv
     taps are large, so that every gradient is far from zero (with the default init the decay
     saturates and some A_log gradients are pure cancellation noise)."""
-    path = build_tiny_checkpoint(tmp_path_factory.mktemp("lively"), seed=0)
+    return _lively(build_tiny_checkpoint(tmp_path_factory.mktemp("lively"), seed=0))
+
+
+@pytest.fixture(scope="module")
+def lively_moe_checkpoint(tmp_path_factory):
+    """The same for the MoE model, with router_aux_loss_coef raised so that the router loss matters."""
+    return _lively(build_tiny_checkpoint(tmp_path_factory.mktemp("lively_moe"), moe=True, seed=0,
+                                         router_aux_loss_coef=0.5))
+
+
+def _lively(path):
     weights = load_file(path / "model.safetensors")
     generator = torch.Generator().manual_seed(0)
     for key, value in weights.items():
@@ -72,10 +87,16 @@ def _seq_len_for(lengths, packs):
     raise AssertionError(f"no max_seq_len packs {lengths} into {packs}")
 
 
-def _reference_update(checkpoint, samples):
-    """-LR * d(sum CE / N)/dw of plain transformers, each sample forwarded alone."""
-    model = Qwen3_5ForConditionalGeneration.from_pretrained(
-        str(checkpoint), dtype=torch.float32, attn_implementation="sdpa")
+def _reference_update(checkpoint, samples, router_packs=None):
+    """-LR * d(sum CE / N)/dw of plain transformers, each sample forwarded alone; with
+    `router_packs` (the step's packs, lists of sample indices), plus the router aux term."""
+    cls = Qwen3_5ForConditionalGeneration if router_packs is None else Qwen3_5MoeForConditionalGeneration
+    model = cls.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="sdpa")
+    router_grads = {}
+    if router_packs is not None:
+        raw = [RawSample(torch.tensor(s.input_ids), torch.tensor(s.labels), s.pixel_values, s.image_grid_thw)
+               for s in samples]
+        _, router_grads = reference_router_aux_and_grads(model, [[raw[i] for i in pack] for pack in router_packs])
     n_total = sum(sum(label != -100 for label in s.labels[1:]) for s in samples)
     for s in samples:
         n = sum(label != -100 for label in s.labels[1:])
@@ -85,40 +106,46 @@ def _reference_update(checkpoint, samples):
         out = model(input_ids=torch.tensor([s.input_ids]), labels=torch.tensor([s.labels]),
                     mm_token_type_ids=s.mm_token_type_ids[None], use_cache=False, **kwargs)
         (out.loss * n / n_total).backward()
-    return {name: -LR * p.grad for name, p in model.named_parameters() if p.grad is not None}
+    grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    for name, grad in router_grads.items():
+        grads[name] = grads[name] + grad if name in grads else grad
+    return {name: -LR * grad for name, grad in grads.items()}
 
 
-@pytest.mark.parametrize("sp_size,grad_accum,freeze_vision", [(1, 2, True), (2, 2, True),
-                                                              (2, 1, False)])
+@pytest.mark.parametrize("sp_size,grad_accum,freeze_vision,moe_router", [(1, 2, True, False), (2, 2, True, False),
+                                                                         (2, 1, False, False), (2, 2, True, True)])
 def test_one_sgd_step_under_torchrun_matches_plain_transformers(
-        sp_size, grad_accum, freeze_vision, lively_checkpoint, digits_jsonl, tmp_path):
-    checkpoint = lively_checkpoint
+        sp_size, grad_accum, freeze_vision, moe_router, lively_checkpoint, lively_moe_checkpoint, digits_jsonl,
+        tmp_path):
+    checkpoint = lively_moe_checkpoint if moe_router else lively_checkpoint
     data = _mixed_jsonl(digits_jsonl, tmp_path / "mixed.jsonl")
     processor = load_processor(checkpoint)
     samples = load_samples(data, processor, max_seq_len=10_000)
     dp_size = WORLD // sp_size
     max_seq_len = _seq_len_for([len(s) for s in samples], dp_size * grad_accum)
-    step_samples = []
+    step_packs = []
     for dp_rank in range(dp_size):
         dataset = PackedDataset([len(s) for s in samples], max_seq_len, dp_rank=dp_rank, dp_size=dp_size,
                                 multiple_of=grad_accum)
-        step_samples += [i for pack in dataset.rank_packs(0)[:grad_accum] for i in pack]
+        step_packs += dataset.rank_packs(0)[:grad_accum]
+    step_samples = [i for pack in step_packs for i in pack]
     assert sorted(step_samples) == list(range(len(samples))), "the step must see every sample once"
 
     out = tmp_path / "out"
     job = write_job(tmp_path / "job.json", tiny_job(
         checkpoint, data, out,
-        model={"freeze_vision": freeze_vision},
+        model={"freeze_vision": freeze_vision, "router_aux_loss": moe_router},
         data={"max_seq_len": max_seq_len},
         parallel={"sp_size": sp_size},
         optimizer={"type": "sgd", "lr": LR, "momentum": 0.0, "weight_decay": 0.0},
         train={"max_steps": 1, "grad_accum": grad_accum, "grad_clip": 0.0}))
     assert_ok(run_vlmcp(["train", str(job)], launcher="torchrun", nproc=WORLD))
 
-    before = load_file(checkpoint / "model.safetensors")
-    after = Qwen3_5ForConditionalGeneration.from_pretrained(str(out / "final"),
-                                                            dtype=torch.float32).state_dict()
-    reference = _reference_update(checkpoint, samples)
+    # Loaded, not read from the file: a MoE checkpoint stores its experts one by one.
+    cls = Qwen3_5MoeForConditionalGeneration if moe_router else Qwen3_5ForConditionalGeneration
+    before = cls.from_pretrained(str(checkpoint), dtype=torch.float32).state_dict()
+    after = cls.from_pretrained(str(out / "final"), dtype=torch.float32).state_dict()
+    reference = _reference_update(checkpoint, samples, step_packs if moe_router else None)
     assert set(after) == set(before)
     frozen = "model.visual." if freeze_vision else None
     trained = [k for k in before if not (frozen and k.startswith(frozen))]

@@ -103,7 +103,7 @@ def measure_steps(module: nn.Module, batch: PackedBatch, task: StepTask, memory:
     for step in range(task.warmup + task.steps):
         vision_timer.total = 0.0
         started = time.perf_counter()
-        loss, _ = module(batch)
+        loss, _, _ = module(batch)
         loss.backward()
         module.zero_grad(set_to_none=True)
         _synchronize(memory.device)

@@ -1,4 +1,4 @@
-"""Command line: `vlmcp {train,validate,export,bench,demo}` (also `python -m vlmcp ...`).
+"""Command line: `vlmcp {train,validate,inspect,export,bench,demo}` (also `python -m vlmcp ...`).
 
 Heavy imports (torch, transformers, deepspeed) happen inside the commands, so `--help` is quick.
 Exit codes: 0 success, 1 a problem with the job or data (one line per problem on stderr; also a
@@ -75,15 +75,34 @@ def build_parser() -> argparse.ArgumentParser:
                           help="number of ranks the job will run on (default: $WORLD_SIZE, "
                                "else parallel.sp_size)")
 
+    inspect = commands.add_parser(
+        "inspect", help="print one training sample as rendered, with its target tokens marked",
+        description="Render one sample of data.train exactly as training tokenizes it (chat "
+                    "template with data.chat_template_kwargs and data.empty_think, truncation) and "
+                    "print it with its target tokens in [[...]] (green on a terminal) and each "
+                    "image's placeholders collapsed to <|image_pad|>xN, after a summary: source "
+                    "file:line, tokens, targets, and each image's grid and token count. One "
+                    "process, no GPU, no DeepSpeed; only the sample's own images are decoded.")
+    _add_job_args(inspect)
+    inspect.add_argument("--sample", type=int, default=0, metavar="N",
+                         help="0-based index of the sample in data.train (default 0)")
+    inspect.add_argument("--json", action="store_true",
+                         help="print a JSON report (segments with text, is_target, num_tokens; "
+                              "images with grid and token counts) instead")
+
     export = commands.add_parser(
         "export", help="convert a DeepSpeed checkpoint of a job to a Hugging Face model dir",
         description="Write config.json, safetensors, tokenizer and processor files of a saved "
                     "checkpoint (default: the latest in OUTPUT_DIR/checkpoints), loadable with "
                     "from_pretrained. Parameters a checkpoint does not hold (a frozen vision "
-                    "tower) come from model.path.")
+                    "tower) come from model.path. A LoRA job writes its PEFT adapter directory, "
+                    "or with --merge the model with the adapters merged in.")
     _add_job_args(export)
     export.add_argument("--tag", default=None, help="checkpoint tag, e.g. step100 (default: latest)")
     export.add_argument("--out", default=None, help="output directory (default OUTPUT_DIR/export-TAG)")
+    export.add_argument("--merge", action="store_true",
+                        help="LoRA jobs: write the HF model with the adapters merged in "
+                             "(default: the PEFT adapter directory)")
 
     bench = commands.add_parser(
         "bench", help="measure step time, tokens/s and memory of forward+backward",
@@ -187,7 +206,8 @@ def _settle_device() -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    job = load_job(args.job, args.overrides)
+    # os.environ: the settings `accelerate launch --config_file X.yaml` exports (launch_env.py).
+    job = load_job(args.job, args.overrides, environ=os.environ)
     from vlmcp.parallel import comm
     from vlmcp.training.loop import train
     from vlmcp.training.signals import StopRequested
@@ -211,7 +231,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    job = load_job(args.job, args.overrides)
+    job = load_job(args.job, args.overrides, environ=os.environ)
     world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "0")) or job.parallel.sp_size
     from vlmcp.training.preflight import run_preflight
 
@@ -228,12 +248,43 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    job = load_job(args.job, args.overrides)
+    from vlmcp.data.dataset import nth_sample
+    from vlmcp.data.formats import DataError
+    from vlmcp.data.inspection import format_report, inspect_sample
+    from vlmcp.data.processor import ProcessorError, load_processor
+    from vlmcp.data.sources import data_files
+
+    if args.sample < 0:
+        return _report([f"--sample {args.sample}: must be >= 0"])
+    try:
+        processor = load_processor(job.resolve_input(job.model.path),
+                                   job.data.chat_template_kwargs, job.data.empty_think)
+    except (ProcessorError, OSError, ValueError) as exc:
+        return _report([f"config key 'model.path': {exc}"])
+    try:
+        paths = [job.resolve_input(f.path) for f in data_files(job.data.train)]
+        image_root = (job.resolve_input(job.data.image_root)
+                      if job.data.image_root is not None else None)
+        sample = nth_sample(paths, args.sample, processor, job.data.max_seq_len,
+                            job.data.truncate, image_root)
+    except DataError as exc:
+        return _report([str(exc)])
+    report = inspect_sample(sample, processor)
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print(format_report(report, color=sys.stdout.isatty()))
+    return 0
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     job = load_job(args.job, args.overrides)
     from vlmcp.training.export import export_checkpoint
 
     try:
-        print(export_checkpoint(job, tag=args.tag, out_dir=args.out))
+        print(export_checkpoint(job, tag=args.tag, out_dir=args.out, merge=args.merge))
     except (FileNotFoundError, ValueError) as exc:
         return _report([str(exc)])
     return 0
@@ -256,8 +307,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                     overrides=args.overrides)
 
 
-COMMANDS = {"train": _cmd_train, "validate": _cmd_validate, "export": _cmd_export,
-            "bench": _cmd_bench, "demo": _cmd_demo}
+COMMANDS = {"train": _cmd_train, "validate": _cmd_validate, "inspect": _cmd_inspect,
+            "export": _cmd_export, "bench": _cmd_bench, "demo": _cmd_demo}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

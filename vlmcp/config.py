@@ -20,6 +20,7 @@ import math
 import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,10 @@ class ModelSection:
         "attention implementation given to from_pretrained (null: sdpa); in training the "
         "text model's full attention always runs vlmcp's registered Ulysses kernel",
         choices=[None, "sdpa", "eager", "flash_attention_2"]))
+    router_aux_loss: bool = field(default=False, metadata=_key(
+        "MoE checkpoints only: add router_aux_loss_coef (from the checkpoint's config) x the "
+        "router load-balancing loss of each micro-batch over its real tokens, as transformers "
+        "computes it with output_router_logits; reported as router_aux_loss in metrics"))
 
 
 @dataclass
@@ -78,6 +83,14 @@ class DataSection:
         "shuffle samples (seeded by train.seed and the epoch) before packing each epoch"))
     truncate: bool = field(default=False, metadata=_key(
         "cut samples longer than max_seq_len instead of failing on them"))
+    chat_template_kwargs: dict = field(default_factory=dict, metadata=_key(
+        "extra keyword arguments (template variables) of every apply_chat_template call that "
+        "renders a sample, e.g. {\"enable_thinking\": false}"))
+    empty_think: str = field(default="target", metadata=_key(
+        "an empty <think>\\n\\n</think>\\n\\n the chat template renders at the start of a reply "
+        "(Qwen3.5: the last one): a target (as rendered; teaches answering without thinking), or "
+        "part of the prompt (as the enable_thinking=false generation prompt has it)",
+        choices=["target", "prompt"]))
     num_workers: int = field(default=2, metadata=_key(
         "DataLoader worker processes per rank that read, decode and patchify the next packs; "
         "0 loads them in the training process", min=0))
@@ -172,6 +185,24 @@ class EvalSection:
 
 
 @dataclass
+class LoraSection:
+    r: int = field(default=0, metadata=_key(
+        "LoRA rank; 0 trains full weights (LoRA off), > 0 trains PEFT LoRA adapters on the "
+        "language model only (base weights, vision tower, embeddings and lm_head frozen)", min=0))
+    alpha: float = field(default=16.0, metadata=_key(
+        "LoRA scaling numerator (PEFT lora_alpha; the update is scaled by alpha / r)", min=0.0))
+    dropout: float = field(default=0.0, metadata=_key(
+        "dropout on the adapters' input", min=0.0, max=1.0))
+    target_modules: list[str] | str = field(default="all-linear", metadata=_key(
+        "Linear modules to adapt: names matched as PEFT does (full name, or its last dotted "
+        "parts: q_proj, in_proj_qkv, mlp.down_proj, ...), or \"all-linear\" for every Linear "
+        "of the decoder layers"))
+    modules_to_save: list[str] = field(default_factory=list, metadata=_key(
+        "leaf modules of the language model trained in full next to the adapters (norms, "
+        "Linear layers; not embed_tokens or lm_head); not with ZeRO-3"))
+
+
+@dataclass
 class JobConfig:
     model: ModelSection = field(default_factory=ModelSection, metadata=_key("the checkpoint"))
     data: DataSection = field(default_factory=DataSection, metadata=_key("data and packing"))
@@ -183,6 +214,8 @@ class JobConfig:
         "learning-rate schedule"))
     train: TrainSection = field(default_factory=TrainSection, metadata=_key("training loop"))
     eval: EvalSection = field(default_factory=EvalSection, metadata=_key("evaluation"))
+    lora: LoraSection = field(default_factory=LoraSection, metadata=_key(
+        "LoRA adapters (PEFT); off while lora.r is 0"))
     deepspeed: str | dict = field(default_factory=lambda: {"zero_optimization": {"stage": 0}},
                                   metadata=_key("DeepSpeed JSON path or inline dict"))
     output_dir: str = field(default="runs/job", metadata=_key(
@@ -191,6 +224,22 @@ class JobConfig:
     job_dir: str = field(default=".", metadata={"internal": True})
     #: `--set deepspeed.*` overrides, applied to the DeepSpeed config once loaded. Not a job key.
     deepspeed_overrides: dict[str, Any] = field(default_factory=dict, metadata={"internal": True})
+    #: Leaf key paths the job file or `--set` gave a value (the rest are defaults). Not a job key.
+    explicit_keys: frozenset[str] = field(default_factory=frozenset, metadata={"internal": True})
+    #: Job key path -> where a launcher-given value came from (vlmcp/launch_env.py). Not a job key.
+    key_sources: dict[str, str] = field(default_factory=dict, metadata={"internal": True})
+    #: DeepSpeed key path -> (value, source) the launcher sets (vlmcp/launch_env.py). Not a job key.
+    launcher_deepspeed: dict[str, tuple[Any, str]] = field(default_factory=dict,
+                                                           metadata={"internal": True})
+    #: Build the model under ZeRO-3 partitioned (deepspeed.zero.Init); None: the default (yes).
+    #: Set from accelerate's zero3_init_flag. Not a job key.
+    zero3_init: bool | None = field(default=None, metadata={"internal": True})
+
+    def shown_key(self, key: str, value: Any) -> str:
+        """Job key `key` with its value as a message names it: ``key=value``, plus the launcher
+        setting it came from, if any."""
+        source = self.key_sources.get(key)
+        return f"{key}={json.dumps(value)}" + (f" (from {source})" if source else "")
 
     def resolve_input(self, path: str) -> Path:
         """An input path as the job means it: absolute, else next to the job file, else cwd."""
@@ -354,9 +403,19 @@ def _file_list_problems(value: Any, key: str, kind: str) -> list[str]:
     return []
 
 
+#: apply_chat_template arguments vlmcp sets itself, or that only act when it tokenizes (it renders
+#: text): not accepted in data.chat_template_kwargs.
+_RENDERING_ARGUMENTS = ("conversation", "tokenize", "add_generation_prompt",
+                        "continue_final_message", "return_dict", "return_tensors",
+                        "return_assistant_tokens_mask", "padding", "truncation", "max_length",
+                        "tokenizer_kwargs")
+
+
 def _cross_checks(job: JobConfig) -> list[str]:
     """Rules that involve more than one key."""
-    problems = []
+    problems = [f"config key 'data.chat_template_kwargs': '{name}' is set by vlmcp when it "
+                "renders a sample and cannot be given"
+                for name in _RENDERING_ARGUMENTS if name in job.data.chat_template_kwargs]
     if job.train.eval_every and not job.data.eval:
         problems.append("config key 'train.eval_every' is set but 'data.eval' is not")
     if job.eval.generate and not job.data.eval:
@@ -364,6 +423,25 @@ def _cross_checks(job: JobConfig) -> list[str]:
     if job.eval.generate and not job.train.eval_every:
         problems.append("config key 'eval.generate' is true but 'train.eval_every' is 0, so no "
                         "evaluation runs")
+    problems.extend(_lora_checks(job.lora, job.model))
+    return problems
+
+
+def _lora_checks(lora: LoraSection, model: ModelSection) -> list[str]:
+    """The `lora` section's own rules (the module names are checked against the model later)."""
+    if not lora.r:
+        changed = [f.name for f in fields(LoraSection)
+                   if f.name != "r" and getattr(lora, f.name) != getattr(LoraSection(), f.name)]
+        return [f"config key 'lora.{name}' is set but 'lora.r' is 0 (LoRA off)" for name in changed]
+    problems = []
+    if isinstance(lora.target_modules, str) and lora.target_modules != "all-linear":
+        problems.append(f"config key 'lora.target_modules': expected a list of module names or "
+                        f"\"all-linear\", got {json.dumps(lora.target_modules)}")
+    if isinstance(lora.target_modules, list) and not lora.target_modules:
+        problems.append("config key 'lora.target_modules': must name at least one module")
+    if not model.freeze_vision:
+        problems.append("config key 'model.freeze_vision' is false but LoRA (lora.r > 0) keeps "
+                        "the vision tower frozen")
     return problems
 
 
@@ -407,9 +485,25 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return deepspeed_overrides
 
 
+def _leaf_keys(raw: Any, prefix: str = "") -> set[str]:
+    """Dotted paths of the values a raw job dict gives (objects are walked, except the inline
+    `deepspeed` dict, which is one value)."""
+    if not isinstance(raw, dict) or prefix == "deepspeed.":
+        return {prefix.rstrip(".")} if prefix else set()
+    keys: set[str] = set()
+    for name, value in raw.items():
+        keys |= _leaf_keys(value, f"{prefix}{name}.")
+    return keys
+
+
 def job_from_dict(raw: Any, job_dir: str | Path = ".",
-                  deepspeed_overrides: dict[str, Any] | None = None) -> JobConfig:
-    """Validate a raw job dict against the schema; raises ConfigError listing every problem."""
+                  deepspeed_overrides: dict[str, Any] | None = None,
+                  environ: Mapping[str, str] | None = None) -> JobConfig:
+    """Validate a raw job dict against the schema; raises ConfigError listing every problem.
+
+    With `environ`, the settings a launcher exported (accelerate's, see vlmcp/launch_env.py)
+    apply on top of the job's defaults; a value the job sets that disagrees is an error.
+    """
     problems: list[str] = []
     job = _build(JobConfig, raw, "", problems)
     if not problems:
@@ -418,11 +512,18 @@ def job_from_dict(raw: Any, job_dir: str | Path = ".",
         raise ConfigError(problems)
     job.job_dir = str(job_dir)
     job.deepspeed_overrides = dict(deepspeed_overrides or {})
+    job.explicit_keys = frozenset(_leaf_keys(raw))
+    if environ is not None:
+        from vlmcp.launch_env import apply_launch_env
+
+        apply_launch_env(job, environ)
     return job
 
 
-def load_job(path: str | Path, overrides: list[str] | None = None) -> JobConfig:
-    """Read a job JSON file, apply ``--set`` overrides and validate it."""
+def load_job(path: str | Path, overrides: list[str] | None = None,
+             environ: Mapping[str, str] | None = None) -> JobConfig:
+    """Read a job JSON file, apply ``--set`` overrides and validate it (with a launcher's
+    exported settings from `environ`, see `job_from_dict`)."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -435,4 +536,4 @@ def load_job(path: str | Path, overrides: list[str] | None = None) -> JobConfig:
     if not isinstance(raw, dict):
         raise ConfigError([f"{path}: a job must be a JSON object"])
     deepspeed_overrides = apply_overrides(raw, overrides or [])
-    return job_from_dict(raw, path.resolve().parent, deepspeed_overrides)
+    return job_from_dict(raw, path.resolve().parent, deepspeed_overrides, environ)

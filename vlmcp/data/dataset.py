@@ -7,7 +7,7 @@ it is indexed (`vlmcp.data.index`) and its packs are loaded when needed (`vlmcp.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from vlmcp.data.formats import DataError, Sample, parse_record
@@ -34,6 +34,27 @@ def iter_samples(
             yield parse_record(record, source, base_dir, processor, max_seq_len, truncate)
         except DataError as e:
             yield e
+
+
+def nth_sample(
+    data_paths: Sequence[str | Path], index: int, processor: VLProcessor, max_seq_len: int,
+    truncate: bool = False, image_root: str | Path | None = None,
+) -> Sample:
+    """The sample at 0-based `index` of the files taken in order (records counted across them, as
+    read, before any mixture weight); only that record is parsed and only its images are decoded.
+    Raises `DataError` (the record's, or one naming the files and how many samples they hold)."""
+    count = 0
+    for data_path in data_paths:
+        path = Path(data_path)
+        for source, record in iter_records(path):
+            if isinstance(record, DataError):
+                raise record
+            if count == index:
+                base_dir = Path(image_root) if image_root is not None else path.parent
+                return parse_record(record, source, base_dir, processor, max_seq_len, truncate)
+            count += 1
+    names = ", ".join(str(p) for p in data_paths)
+    raise DataError(f"{names}: no sample {index} (the data holds {count})")
 
 
 def load_samples(

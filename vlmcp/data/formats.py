@@ -19,7 +19,8 @@ Accepted record formats:
   already expanded. labels use the unshifted HF convention (labels[t] is input_ids[t] or -100);
   every maximal run of image tokens is one image and must hold t*h*w // merge**2 tokens.
 
-Chat formats are rendered once with the tokenizer's chat template (Qwen/ChatML:
+Chat formats are rendered once with the tokenizer's chat template, given the processor's
+``chat_template_kwargs`` (``data.chat_template_kwargs``) as template variables (Qwen/ChatML:
 ``<|im_start|>role\\n...<|im_end|>\\n``; an image renders as
 ``<|vision_start|><|image_pad|><|vision_end|>`` and the single ``<|image_pad|>`` is expanded to
 the image's t*h*w // merge**2 placeholders).
@@ -27,7 +28,9 @@ the image's t*h*w // merge**2 placeholders).
 Targets (label != -100) of chat formats, exactly: for every assistant turn, the tokens after its
 ``<|im_start|>assistant\\n`` header up to and including its closing ``<|im_end|>``; that is the
 reply as the template renders it (for templates with reasoning blocks this includes the rendered
-``<think>...</think>`` part) plus ``<|im_end|>``. Not targets: the header, the ``\\n`` after
+``<think>...</think>`` part) plus ``<|im_end|>``; with the processor's ``empty_think`` "prompt"
+(``data.empty_think``), an empty ``<think>\\n\\n</think>\\n\\n`` opening a reply belongs to
+the prompt instead. Not targets: the header, the ``\\n`` after
 ``<|im_end|>``, system and user turns, and image placeholders anywhere. The rendered text is cut
 at each header end and at each ``<|im_end|>`` and the pieces are tokenized separately, so the
 prompt tokenizes exactly as it does at generation time (prompt ending in the header). Spans are
@@ -61,6 +64,8 @@ AUDIO_MARKER = "<audio>"
 VIDEO_MARKER = "<video>"
 ASSISTANT_HEADER = "<|im_start|>assistant\n"
 TURN_END = "<|im_end|>"
+#: What Qwen3.x templates render at the start of a reply that has no reasoning.
+EMPTY_THINK = "<think>\n\n</think>\n\n"
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                    "system": "system"}
 _CHAT_ROLES = {"system", "user", "assistant"}
@@ -205,13 +210,19 @@ def _chat_messages(record: dict[str, Any], source: str) -> list[dict[str, Any]]:
     return messages
 
 
-def _segments(text: str, source: str, num_assistant: int) -> list[tuple[str, bool]]:
-    """Split rendered text into (piece, is_target) at assistant header ends and turn ends."""
+def _segments(text: str, source: str, num_assistant: int,
+              empty_think_target: bool) -> list[tuple[str, bool]]:
+    """Split rendered text into (piece, is_target) at assistant header ends and turn ends.
+
+    Without `empty_think_target`, an `EMPTY_THINK` that opens a reply stays with the prompt.
+    """
     pieces: list[tuple[str, bool]] = []
     cursor = 0
     found = 0
     while (header := text.find(ASSISTANT_HEADER, cursor)) != -1:
         start = header + len(ASSISTANT_HEADER)
+        if not empty_think_target and text.startswith(EMPTY_THINK, start):
+            start += len(EMPTY_THINK)
         end = text.find(TURN_END, start)
         if end == -1:
             raise _fail(source, "an assistant turn has no closing <|im_end|> in the rendering")
@@ -258,14 +269,16 @@ def _tokenize_chat(
     if tokenizer.chat_template is None:
         raise _fail(source, "the tokenizer has no chat template")
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                             **processor.chat_template_kwargs)
     except Exception as e:  # the template itself may raise on content it rejects
         raise _fail(source, f"chat template failed: {e}") from e
     num_assistant = sum(m["role"] == "assistant" for m in messages)
     input_ids: list[int] = []
     labels: list[int] = []
     next_image = 0
-    for piece, is_target in _segments(text, source, num_assistant):
+    for piece, is_target in _segments(text, source, num_assistant,
+                                      processor.empty_think == "target"):
         ids = tokenizer(piece, add_special_tokens=False)["input_ids"]
         piece_ids, piece_labels, next_image = _expand(ids, is_target, counts, processor, next_image)
         input_ids += piece_ids

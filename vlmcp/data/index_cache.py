@@ -2,9 +2,9 @@
 
 One file per (data files, processor, settings): `<cache_dir>/index-<key>.npz`, where key is a
 SHA-256 over the absolute data file paths, a fingerprint of the processor (the tokenizer's
-serialized vocabulary, merges and added tokens, its chat template, the image processor's
-settings and the vision token ids), the index-affecting settings (max_seq_len, truncate, the
-chat template kwargs) and the index format version. Inside, next to the arrays, each data file's
+serialized vocabulary, merges and added tokens, its chat template, the chat template kwargs and
+empty-think choice it renders with, the image processor's settings and the vision token ids), the
+index-affecting settings (max_seq_len, truncate, image_root) and the index format version. Inside, next to the arrays, each data file's
 size, mtime and SHA-256 of its bytes.
 
 A cached index is used when every data file has the recorded size and mtime (nothing is read), or
@@ -57,6 +57,8 @@ def processor_fingerprint(processor: VLProcessor) -> str:
         "image_processor": processor.image_processor.to_json_string(),
         "ids": [processor.image_token_id, processor.vision_start_id, processor.vision_end_id,
                 processor.merge_size],
+        "chat_template_kwargs": processor.chat_template_kwargs,
+        "empty_think": processor.empty_think,
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 

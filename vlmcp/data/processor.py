@@ -16,7 +16,7 @@ differ slightly from the Fast processor's on images that need resizing.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,12 @@ class VLProcessor:
     vision_start_id: int
     vision_end_id: int
     merge_size: int
+    #: Extra keyword arguments of every `apply_chat_template` call that renders a sample
+    #: (`data.chat_template_kwargs`, e.g. {"enable_thinking": False}); template variables.
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: "target": an empty think block the template renders at the start of a reply is a target;
+    #: "prompt": it belongs to the prompt (`data.empty_think`).
+    empty_think: str = "target"
 
     def process_images(self, images: list[Image.Image]) -> tuple[torch.Tensor, torch.Tensor]:
         """Patchify images in order.
@@ -133,9 +139,12 @@ def _check_against_model_config(
             )
 
 
-def load_processor(model_dir: str | Path) -> VLProcessor:
+def load_processor(model_dir: str | Path, chat_template_kwargs: dict[str, Any] | None = None,
+                   empty_think: str = "target") -> VLProcessor:
     """Build the `VLProcessor` of a local checkpoint directory (offline, no torchvision).
 
+    `chat_template_kwargs` are given to every `apply_chat_template` call that renders a sample;
+    `empty_think` says whether an empty think block opening a reply is a "target" or "prompt".
     Checks that the tokenizer's vision tokens match config.json's ids and that patch/merge sizes
     match the vision config.
     """
@@ -157,4 +166,6 @@ def load_processor(model_dir: str | Path) -> VLProcessor:
         vision_start_id=ids["vision_start_token_id"],
         vision_end_id=ids["vision_end_token_id"],
         merge_size=int(preprocessor["merge_size"]),
+        chat_template_kwargs=dict(chat_template_kwargs or {}),
+        empty_think=empty_think,
     )

@@ -11,6 +11,8 @@ PackedBatch):
         full attention: Ulysses all-to-all, causal per sample   (model.attention)
         Gated DeltaNet: conv halo + state chain, or heads mode   (model.deltanet)
     final norm, lm_head + CE on this shard's targets             (model.loss)
+    with model.router_aux_loss: router statistics of the shard's real tokens, summed over the
+        SP group, give this rank's share of the load-balancing loss   (model.router_loss)
 
 With P == 1 the same code is the exact packed single-rank path.
 """
@@ -27,6 +29,7 @@ from vlmcp.model.attention import ATTENTION_KEY, register_attention
 from vlmcp.model.deltanet import install_deltanet_hooks
 from vlmcp.model.loss import DEFAULT_LOSS_CHUNK_MB, shard_loss_sum
 from vlmcp.model.merge import VISION_MODES, merge_embeddings, shard_first_embeddings
+from vlmcp.model.router_loss import RouterAuxLoss
 from vlmcp.parallel.groups import SequenceParallel
 from vlmcp.parallel.shard import ShardPlan
 from vlmcp.model.vision import replicated_copy
@@ -48,6 +51,10 @@ class PackedVLM(nn.Module):
     `self.vision`; under "split" each rank calls it at most once per micro-batch (module hooks on
     it time one rank's share).
 
+    `router_aux_loss` (MoE only, `model.router_aux_loss`): `forward` also returns this rank's
+    share of the micro-batch's router load-balancing loss (model.router_loss), and
+    `router_aux_coef` is the checkpoint's `router_aux_loss_coef` (0.0 when off).
+
     The wrapped model keeps working with plain transformers calls (`generate`, `save_pretrained`):
     the text attention key and the DeltaNet hooks fall back to the stock computation whenever no
     shard plan is passed.
@@ -61,6 +68,7 @@ class PackedVLM(nn.Module):
         gradient_checkpointing: bool = False,
         vision_mode: str = "split",
         loss_chunk_mb: float = DEFAULT_LOSS_CHUNK_MB,
+        router_aux_loss: bool = False,
     ) -> None:
         super().__init__()
         if vision_mode not in VISION_MODES:
@@ -73,8 +81,9 @@ class PackedVLM(nn.Module):
         self.image_token_id = config.image_token_id
         text_config = config.text_config
         self.conv_halo = text_config.linear_conv_kernel_dim - 1
-        if getattr(text_config, "output_router_logits", False):
-            logger.warning("output_router_logits is set, but vlmcp trains on token cross-entropy only (no router aux loss)")
+        if getattr(text_config, "output_router_logits", False) and not router_aux_loss:
+            logger.warning("output_router_logits is set, but vlmcp trains on token cross-entropy only "
+                           "(no router aux loss); set model.router_aux_loss: true to add it")
 
         register_attention()
         vision_attention = config.vision_config._attn_implementation or "sdpa"
@@ -90,6 +99,8 @@ class PackedVLM(nn.Module):
             hf_model.model.visual = vision
             object.__setattr__(self, "frozen_visual", vision)
         self.deltanet_layers = install_deltanet_hooks(self.language_model, deltanet_cp)
+        self.router_loss = RouterAuxLoss(self.language_model, text_config) if router_aux_loss else None
+        self.router_aux_coef = self.router_loss.coef if self.router_loss is not None else 0.0
         if gradient_checkpointing:
             hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
@@ -114,19 +125,27 @@ class PackedVLM(nn.Module):
         targets = self.plan(batch).shard(batch.targets, dim=0, pad_value=IGNORE_INDEX)
         return int((targets != IGNORE_INDEX).sum())
 
-    def forward(self, batch: PackedBatch) -> tuple[torch.Tensor, int]:
-        """Loss sum over this rank's shard of the pack, and its number of target tokens.
+    def forward(self, batch: PackedBatch) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+        """Loss sum over this rank's shard of the pack, its number of target tokens, and this
+        rank's share of the router aux loss.
 
-        Returns (0-dim fp32 tensor, int). Divide by the global target count (model.loss) for the
-        step's mean.
+        Returns (0-dim fp32 tensor, int, 0-dim fp32 tensor or None without `router_aux_loss`).
+        Divide the loss sum by the global target count (model.loss) for the step's mean; the
+        router shares of an SP group sum to the micro-batch's aux loss (model.router_loss).
         """
         plan = self.plan(batch)
         hidden = self.shard_embeddings(batch, plan).unsqueeze(0)
         device = hidden.device
         positions = plan.shard(batch.position_ids.to(device), dim=1).unsqueeze(1)
         targets = plan.shard(batch.targets.to(device), dim=0, pad_value=IGNORE_INDEX)
-        hidden = self.decode(hidden, positions, plan)
-        return shard_loss_sum(hidden[0], targets, self.lm_head, self.loss_chunk_mb)
+        if self.router_loss is None:
+            hidden = self.decode(hidden, positions, plan)
+            return *shard_loss_sum(hidden[0], targets, self.lm_head, self.loss_chunk_mb), None
+        real = plan.shard(torch.ones(len(batch.input_ids), device=device), dim=0, pad_value=0.0)
+        with self.router_loss.capture(real) as router_stats:
+            hidden = self.decode(hidden, positions, plan)
+        loss_sum, count = shard_loss_sum(hidden[0], targets, self.lm_head, self.loss_chunk_mb)
+        return loss_sum, count, router_stats.share(self.sp.group)
 
     def shard_embeddings(self, batch: PackedBatch, plan: ShardPlan) -> torch.Tensor:
         """This rank's input embeddings, image features merged: [S_local, hidden]."""

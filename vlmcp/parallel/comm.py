@@ -200,6 +200,31 @@ def all_gather_autograd(tensor: torch.Tensor, group: ProcessGroup | None) -> tor
     return _AllGatherStack.apply(tensor, group)
 
 
+class _AllReduceSum(torch.autograd.Function):
+    """Forward: the sum over the group. Backward: the sum of the incoming gradients over the group."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _all_reduce(tensor.contiguous().clone(), dist.ReduceOp.SUM, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_reduce(grad.contiguous().clone(), dist.ReduceOp.SUM, ctx.group), None
+
+
+def all_reduce_sum_autograd(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """The sum of every rank's `tensor` over `group` (same shape on all ranks), out of place.
+
+    Backward hands every rank the sum of all ranks' incoming gradients: when each rank backpropagates
+    its own loss term through the sum, each input receives the gradient of every term. Every rank of
+    the group must run the backward.
+    """
+    if group_size(group) == 1:
+        return tensor
+    return _AllReduceSum.apply(tensor, group)
+
+
 def keep_in_graph(out: torch.Tensor, *gathered: torch.Tensor) -> torch.Tensor:
     """`out`, made to depend (with weight zero) on collective outputs this rank did not use.
 

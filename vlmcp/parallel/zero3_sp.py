@@ -28,15 +28,14 @@ def sp_exact_zero_settings(ds_config: dict, sp_size: int, max_param_numel: int) 
     zero = config["zero_optimization"]
     bucket = zero.get("reduce_bucket_size", 5e8)
     bucket = 5e8 if bucket == "auto" else bucket
-    if zero.get("reduce_scatter", True) or bucket < max_param_numel:
-        logger.info(
-            "ZeRO-3 with parallel.sp_size=%d: setting zero_optimization.reduce_scatter=false and "
-            "reduce_bucket_size>=%d so gradients average over DP, not over all ranks",
-            sp_size,
-            max_param_numel,
-        )
-    zero["reduce_scatter"] = False
-    zero["reduce_bucket_size"] = int(max(bucket, max_param_numel))
+    new = {"reduce_scatter": False, "reduce_bucket_size": int(max(bucket, max_param_numel))}
+    for key, value in new.items():
+        old = zero.get(key, "(absent)")
+        if old != value:
+            logger.info("deepspeed config zero_optimization.%s: %s -> %s (ZeRO-3 with "
+                        "parallel.sp_size=%d: gradients average over DP, not over all ranks)",
+                        key, old, value, sp_size)
+        zero[key] = value
     return config
 
 

@@ -22,6 +22,8 @@ Resume loads the newest complete one and logs each newer incomplete one it skips
 The client state records the completed step (the data position: the step schedule is a pure
 function of it) and how the training module's keys map to Hugging Face names (for
 `vlmcp export`). Model, optimizer, LR scheduler and RNG-free data order restore exactly.
+A LoRA run (`lora.r` > 0) leaves its frozen base weights out (they come from `model.path` again
+on resume and export), so a checkpoint holds only the adapters and their optimizer state.
 """
 
 from __future__ import annotations
@@ -161,7 +163,8 @@ def save_checkpoint(engine: Any, job: JobConfig, step: int, hf_key_prefixes: dic
     problem = None
     try:
         engine.save_checkpoint(str(directory), tag=tmp_tag, save_latest=False,
-                               client_state={"step": step, "hf_key_prefixes": hf_key_prefixes})
+                               client_state={"step": step, "hf_key_prefixes": hf_key_prefixes},
+                               exclude_frozen_parameters=bool(job.lora.r))
     except (OSError, RuntimeError) as exc:
         problem = f"saving checkpoint {directory / tag}: {write_error(exc, tmp, needed)}"
         # The others wait in the barrier that closes DeepSpeed's save; join it before agreeing.
@@ -193,7 +196,9 @@ def load_latest(engine: Any, job: JobConfig) -> int:
         logger.warning("train.resume: skipping an incomplete checkpoint: %s", reason)
     if tag is None:
         raise CheckpointError([f"train.resume: {directory} holds no complete checkpoint"] + skipped)
-    path, client_state = engine.load_checkpoint(str(directory), tag=tag)
+    # A LoRA checkpoint holds no frozen base weights; the module already has them from model.path.
+    path, client_state = engine.load_checkpoint(str(directory), tag=tag,
+                                                load_module_strict=not job.lora.r)
     if path is None:
         raise CheckpointError([f"train.resume: DeepSpeed could not load {directory / tag}"])
     step = int(client_state["step"])

@@ -78,7 +78,7 @@ def eval_loss(engine: nn.Module, samples: Sequence[Sample], max_seq_len: int,
     totals = torch.zeros(2, dtype=torch.float64)
     for round_ in range(_rounds(len(packs), sp.dp_size)):
         index = round_ * sp.dp_size + sp.dp_rank
-        loss_sum, count = engine(packs[index % len(packs)])
+        loss_sum, count, _ = engine(packs[index % len(packs)])
         if index < len(packs):
             totals += torch.tensor([float(loss_sum), float(count)], dtype=torch.float64)
     comm.all_reduce_sum(totals)

@@ -176,12 +176,16 @@ def read_checkpoint_state(checkpoint_dir: str | Path, tag: str) -> tuple[dict[st
 
 
 def export_checkpoint(job: JobConfig, tag: str | None = None,
-                      out_dir: str | Path | None = None) -> Path:
+                      out_dir: str | Path | None = None, merge: bool = False) -> Path:
     """Convert a DeepSpeed checkpoint of `job` (default: the newest complete) to a HF model dir.
 
     Parameters the checkpoint does not hold (a frozen vision tower) come from `model.path`.
-    Writes to `out_dir`, default OUTPUT_DIR/export-<tag>.
+    Writes to `out_dir`, default OUTPUT_DIR/export-<tag>. A LoRA job (`lora.r` > 0) writes its
+    PEFT adapter directory, or with `merge` the HF model with the adapters merged in
+    (training.lora_export).
     """
+    if merge and not job.lora.r:
+        raise ValueError("--merge applies to LoRA jobs (lora.r > 0); this job trains full weights")
     directory = checkpoint_dir(job)
     if tag is None:
         tag, skipped = newest_complete(directory)
@@ -192,14 +196,21 @@ def export_checkpoint(job: JobConfig, tag: str | None = None,
     state, client = read_checkpoint_state(directory, tag)
     if "hf_key_prefixes" not in client:
         raise ValueError(f"{directory / tag} was not written by vlmcp (no hf_key_prefixes)")
+    out = Path(out_dir) if out_dir else Path(job.output_dir) / f"export-{tag}"
+    hf_state = to_hf_keys(state, client["hf_key_prefixes"])
+    if job.lora.r:
+        from vlmcp.training.lora_export import export_lora
+
+        export_lora(job, hf_state, out, merge)
+        logger.info("exported %s (step %s) to %s (%s)", directory / tag, client.get("step"), out,
+                    "merged model" if merge else "LoRA adapter")
+        return out
     model_dir = job.resolve_input(job.model.path)
     model = load_model(model_dir, job.model.dtype, freeze_vision=job.model.freeze_vision)
-    hf_state = to_hf_keys(state, client["hf_key_prefixes"])
     unknown = sorted(set(hf_state) - set(model.state_dict()))
     if unknown:
         raise ValueError(f"checkpoint keys unknown to {model_dir}: {unknown[:5]}")
     model.load_state_dict(hf_state, strict=False)
-    out = Path(out_dir) if out_dir else Path(job.output_dir) / f"export-{tag}"
     save_hf(model, model.state_dict(), model_dir, out)
     logger.info("exported %s (step %s) to %s", directory / tag, client.get("step"), out)
     return out

@@ -6,6 +6,11 @@ of target-token cross-entropy over all micro-batches and ranks / the number of t
 each micro-batch's shard loss is scaled so that DeepSpeed's averaging and accumulation yield
 exactly that gradient. DeepSpeed clips, steps the optimizer and the LR schedule at the
 accumulation boundary.
+
+With `model.router_aux_loss` (MoE), each micro-batch also adds router_aux_loss_coef x its router
+load-balancing loss (model.router_loss): the step's gradient is d(sum CE / N) + coef x d(mean of
+the micro-batches' aux losses over DP x accumulation). The row's `loss` stays the LM loss; the
+mean aux loss (without the coefficient) is reported as `router_aux_loss`.
 """
 
 from __future__ import annotations
@@ -28,17 +33,21 @@ from vlmcp.data.mixture import draws_per_epoch
 from vlmcp.data.pack import PackedDataset
 from vlmcp.data.stream import SampleReader
 from vlmcp.model.load import load_model
+from vlmcp.model.lora import apply_lora
 from vlmcp.model.loss import global_target_count, scale_for_deepspeed
 from vlmcp.model.packed import PackedVLM
+from vlmcp.model.router_loss import router_objective
 from vlmcp.parallel import comm
 from vlmcp.parallel.groups import SequenceParallel
 from vlmcp.training.checkpoint import checkpoint_dir, load_latest, save_checkpoint
 from vlmcp.training.ds_config import zero_stage
 from vlmcp.training.evaluate import eval_loss, generation_accuracy
 from vlmcp.training.export import hf_key_prefixes, save_final
+from vlmcp.training.lora_export import save_final_adapter
 from vlmcp.training.metrics import MetricsWriter
 from vlmcp.training.nonfinite import NonFiniteError, NonFiniteGuard
-from vlmcp.training.optim import build_optimizer, build_scheduler
+from vlmcp.training.ds_engine import describe_engine, engine_optim_args
+from vlmcp.training.optim import can_veto
 from vlmcp.training.preflight import Preflight, PreflightError, load_train_index, run_preflight
 from vlmcp.training.schedule import StepSchedule
 from vlmcp.training.signals import StopRequested, StopSignals
@@ -59,6 +68,8 @@ class Run:
     schedule: StepSchedule
     metrics: MetricsWriter
     start_step: int
+    #: The PeftModel around `module.hf_model` when the job trains LoRA adapters (lora.r > 0).
+    adapter: Any = None
 
 
 def seed_everything(seed: int) -> None:
@@ -82,26 +93,39 @@ def agree_on_problems(problems: list[str]) -> None:
     raise PreflightError([])
 
 
-def _build_engine(job: JobConfig, preflight: Preflight, sp: SequenceParallel) -> tuple[Any, PackedVLM]:
+def _build_engine(job: JobConfig, preflight: Preflight,
+                  sp: SequenceParallel) -> tuple[Any, PackedVLM, Any]:
+    """(DeepSpeed engine, training module, the PeftModel when lora.r > 0 else None).
+
+    With LoRA the adapters are injected into the loaded model before PackedVLM wraps it, so
+    only adapter weights (and modules_to_save copies) enter the optimizer; under ZeRO-3 the new
+    adapter weights are partitioned by deepspeed.initialize next to the frozen base weights.
+    """
     import deepspeed
     from transformers.integrations import HfDeepSpeedConfig
 
     ds_config = preflight.ds_config
-    # Kept alive while the model loads, so that from_pretrained partitions under ZeRO-3.
-    hf_ds_config = HfDeepSpeedConfig(ds_config) if zero_stage(ds_config) == 3 else None
-    hf_model = load_model(job.resolve_input(job.model.path), job.model.dtype,
+    # Kept alive while the model loads, so that from_pretrained partitions under ZeRO-3
+    # (unless accelerate's zero3_init_flag says false: DeepSpeed then partitions it afterwards).
+    partitioned = zero_stage(ds_config) == 3 and job.zero3_init is not False
+    hf_ds_config = HfDeepSpeedConfig(ds_config) if partitioned else None
+    model_dir = job.resolve_input(job.model.path)
+    hf_model = load_model(model_dir, job.model.dtype,
                           freeze_vision=job.model.freeze_vision,
                           attn_implementation=job.model.attn_implementation)
+    adapter = apply_lora(hf_model, job.lora, model_dir) if job.lora.r else None
     module = PackedVLM(hf_model, sp=sp, deltanet_cp=job.parallel.deltanet_cp,
                        gradient_checkpointing=job.train.gradient_checkpointing,
                        vision_mode=job.parallel.vision,
-                       loss_chunk_mb=job.train.loss_chunk_mb)
-    optimizer = build_optimizer((p for p in module.parameters() if p.requires_grad), job.optimizer)
-    scheduler = build_scheduler(optimizer, job.scheduler, job.train.max_steps)
-    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=ds_config, mpu=sp.mpu)
+                       loss_chunk_mb=job.train.loss_chunk_mb,
+                       router_aux_loss=job.model.router_aux_loss)
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=trainable,
+                                           config=ds_config, mpu=sp.mpu,
+                                           **engine_optim_args(job, ds_config, trainable))
     del hf_ds_config
-    return engine, module
+    logger.info("%s", describe_engine(engine, ds_config))
+    return engine, module, adapter
 
 
 def _index_builder() -> bool:
@@ -150,13 +174,13 @@ def start_run(job: JobConfig) -> Run:
     logger.info("world %d = sp %d x dp %d, ZeRO stage %d, %d train / %d eval samples",
                 comm.world_size(), sp.size, sp.dp_size, zero_stage(preflight.ds_config),
                 len(preflight.train_index), len(preflight.eval_samples))
-    engine, module = _build_engine(job, preflight, sp)
+    engine, module, adapter = _build_engine(job, preflight, sp)
     start_step = load_latest(engine, job) if job.train.resume else 0
     return Run(job=job, preflight=preflight, sp=sp, engine=engine, module=module,
                schedule=_schedule(job, preflight, sp),
                metrics=MetricsWriter(job.output_dir, enabled=comm.rank() == 0,
                                      start_step=start_step),
-               start_step=start_step)
+               start_step=start_step, adapter=adapter)
 
 
 def _step_batches(run: Run, step: int) -> list[PackedBatch]:
@@ -188,20 +212,25 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     batches = _step_batches(run, step)
     lr = engine.get_lr()[0]
     n_global = global_target_count(sum(run.module.shard_target_count(b) for b in batches))
-    # [shard CE sum, pack tokens (once per SP group), 1 where the optimizer step was not applied]
-    sums = torch.zeros(3, dtype=torch.float64)
+    # [shard CE sum, pack tokens (once per SP group), 1 where the optimizer step was not applied,
+    #  this rank's shares of the router aux losses]
+    sums = torch.zeros(4, dtype=torch.float64)
     grad_norm = None
     skipped_before = engine.skipped_steps
     for index, batch in enumerate(batches):
-        loss_sum, _ = engine(batch)
+        loss_sum, _, router_share = engine(batch)
         engine.backward(scale_for_deepspeed(loss_sum, n_global, dp_size=sp.dp_size,
-                                            grad_accum=grad_accum))
+                                            grad_accum=grad_accum)
+                        + router_objective(router_share, run.module.router_aux_coef))
         if index == len(batches) - 1 and _plain_fp32_engine(engine):
             grad_norm = _grad_norm(engine.module)
             # DeepSpeed checks for NaN/Inf gradients itself everywhere else (training/nonfinite.py).
-            engine.optimizer.overflow = not math.isfinite(grad_norm)
+            if can_veto(engine.optimizer):
+                engine.optimizer.overflow = not math.isfinite(grad_norm)
         engine.step()
         sums[0] += float(loss_sum.detach())
+        if router_share is not None:
+            sums[3] += float(router_share.detach())
         if sp.rank == 0:
             sums[1] += batch.num_tokens
     sums[2] = float(engine.skipped_steps > skipped_before)
@@ -220,6 +249,8 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         "step_time_s": elapsed,
         "epoch": run.schedule.locate(step)[0],
     }
+    if run.module.router_loss is not None:
+        row["router_aux_loss"] = float(sums[3]) / (sp.dp_size * grad_accum)
     if sums[2]:
         row["skipped_step"] = True
     return row
@@ -267,8 +298,12 @@ def train(job: JobConfig) -> Run:
         _train_loop(run, stop, watchdog)
         run.schedule.close()
         with watchdog.watch("the final export"):
-            save_final(run.engine, run.module, run.module.hf_model,
-                       job.resolve_input(job.model.path), f"{job.output_dir}/final")
+            if run.adapter is not None:
+                save_final_adapter(run.module, run.adapter, job.resolve_input(job.model.path),
+                                   f"{job.output_dir}/final")
+            else:
+                save_final(run.engine, run.module, run.module.hf_model,
+                           job.resolve_input(job.model.path), f"{job.output_dir}/final")
     logger.info("done: %d steps; metrics in %s/metrics.jsonl, checkpoints in %s",
                 job.train.max_steps, job.output_dir, checkpoint_dir(job))
     return run

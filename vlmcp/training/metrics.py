@@ -1,7 +1,9 @@
 """Metrics of a run: OUTPUT_DIR/metrics.jsonl (one JSON object per line) and TensorBoard.
 
 Training rows: {"step", "loss", "lr", "grad_norm", "tokens", "targets", "tokens_per_s",
-"step_time_s", "epoch"}. Evaluation rows: {"step", "eval_loss", "eval_targets"} plus
+"step_time_s", "epoch"}, plus "router_aux_loss" (the mean router load-balancing loss of the
+step's micro-batches, without its coefficient; `loss` stays the LM loss) with
+`model.router_aux_loss`. Evaluation rows: {"step", "eval_loss", "eval_targets"} plus
 "eval_accuracy" and "eval_samples" when generation eval is on. `step` counts completed optimizer
 steps. Rows are strict JSON: a NaN or infinite value is written as null and its key listed in
 "nonfinite"; a training row whose optimizer step was not applied carries "skipped_step": true.

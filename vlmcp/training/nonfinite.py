@@ -2,7 +2,9 @@
 
 Such a step never reaches the weights: DeepSpeed's ZeRO 1-3 and bf16/fp16 optimizers check the
 gradients for NaN/Inf before applying a step and skip it ("OVERFLOW!"), and on ZeRO-0 fp32 the
-loop vetoes the step from its own gradient norm (`optim._VetoableStep`). Every rank sees the
+loop vetoes the step from its own gradient norm (`optim._VetoableStep`). A DeepSpeed-built
+optimizer (a config's optimizer block) cannot be vetoed there: `skip` is refused for it at
+validate, and `abort` stops after the step reached the weights. Every rank sees the
 same verdict (the norm is of the all-reduced gradients; the skip flag and the loss are
 all-reduced with the step's sums).
 

@@ -1,7 +1,8 @@
 """The job's torch optimizer and LR schedule (handed to `deepspeed.initialize`).
 
-DeepSpeed's own optimizers would JIT-compile ops on CPU (FusedAdam, CPUAdam); a torch optimizer
-never does. The schedule is a `LambdaLR`: linear warmup from 0 over `warmup_steps`, then constant
+Used where the DeepSpeed config has no optimizer / scheduler block (training/ds_engine.py);
+DeepSpeed's own optimizers JIT-compile ops on CPU (FusedAdam, CPUAdam), a torch optimizer never
+does. The schedule is a `LambdaLR`: linear warmup from 0 over `warmup_steps`, then constant
 or cosine decay to `min_lr_ratio * lr` at `train.max_steps`. DeepSpeed steps it once per optimizer
 step.
 """
@@ -71,3 +72,9 @@ def build_scheduler(optimizer: torch.optim.Optimizer, section: SchedulerSection,
                     max_steps: int) -> LambdaLR:
     """The job's LambdaLR schedule."""
     return LambdaLR(optimizer, lambda step: lr_multiplier(step, section, max_steps))
+
+
+def can_veto(optimizer: object) -> bool:
+    """Whether the loop can veto `optimizer`'s next step (a vlmcp torch optimizer; DeepSpeed's
+    own optimizers, built from a config's optimizer block, cannot be vetoed)."""
+    return isinstance(optimizer, _VetoableStep)

@@ -8,10 +8,9 @@ lengths, targets; each weighted file contributing at least one sample per epoch)
 has a complete checkpoint to resume from, and that output_dir is writable.
 
 data.train becomes a length index (`vlmcp.data.index`), not samples in memory. `vlmcp validate`
-(`decode_images=True`) decodes every image once and rebuilds the cached index; a training rank
-loads the cached index, and only the rank that may build it (`index_role="build"`) builds it from
-image headers when it is missing or stale; `index_role="load"` only loads it, `"skip"` leaves it
-for later (`load_train_index`).
+(`decode_images=True`) decodes every image once and rebuilds the cached index. A training rank
+that builds indexes (`index_role="build"`) loads the cached index or builds it from image
+headers; the others (`"skip"`) load it afterwards with `load_train_index`.
 """
 
 from __future__ import annotations
@@ -35,11 +34,13 @@ from vlmcp.data.mixture import draws_per_epoch
 from vlmcp.data.processor import ProcessorError, VLProcessor, load_processor
 from vlmcp.data.sources import DataFile, data_files
 from vlmcp.model.load import ModelLoadError, load_config, text_hidden_size
+from vlmcp.model.lora import lora_problems
+from vlmcp.model.router_loss import router_config_problem
 from vlmcp.parallel import comm
 from vlmcp.parallel.constraints import check_sp_constraints
 from vlmcp.parallel.zero3_sp import largest_tensor_numel, sp_exact_zero_settings
 from vlmcp.training.checkpoint import checkpoint_dir, checkpoint_tags, latest_tag, newest_complete
-from vlmcp.training.ds_config import fill_deepspeed_config, load_deepspeed_config
+from vlmcp.training.ds_config import fill_deepspeed_config, load_deepspeed_config, zero_stage
 
 
 logger = logging.getLogger(__name__)
@@ -133,8 +134,13 @@ def _check_model(job: JobConfig, world_size: int, report: Preflight) -> None:
     report.problems.extend(check_sp_constraints(
         report.model_config.get_text_config(), sp_size=job.parallel.sp_size,
         world_size=world_size, deltanet_cp=job.parallel.deltanet_cp))
+    if job.model.router_aux_loss:
+        problem = router_config_problem(report.model_config.get_text_config())
+        if problem:
+            report.problems.append(problem)
     try:
-        report.processor = load_processor(model_dir)
+        report.processor = load_processor(model_dir, job.data.chat_template_kwargs,
+                                          job.data.empty_think)
     except (ProcessorError, OSError, ValueError) as exc:
         report.problems.append(f"config key 'model.path': {exc}")
 
@@ -153,6 +159,17 @@ def _check_deepspeed(job: JobConfig, world_size: int, report: Preflight) -> None
     model_dir = str(job.resolve_input(job.model.path))
     report.ds_config = sp_exact_zero_settings(filled, job.parallel.sp_size,
                                               largest_tensor_numel(model_dir))
+
+
+def _check_lora(job: JobConfig, report: Preflight) -> None:
+    """The `lora` module names against the model (built on the meta device)."""
+    if not job.lora.r or report.model_config is None:
+        return
+    report.problems.extend(lora_problems(report.model_config, job.lora))
+    if job.lora.modules_to_save and report.ds_config and zero_stage(report.ds_config) == 3:
+        report.problems.append("config key 'lora.modules_to_save' is not supported with ZeRO-3 "
+                               "(PEFT copies the partitioned modules); use ZeRO 0-2 or train "
+                               "adapters only")
 
 
 def _check_resume(job: JobConfig, report: Preflight) -> None:
@@ -195,9 +212,9 @@ def _check_output_dir(job: JobConfig, report: Preflight) -> None:
 
 
 def index_settings(job: JobConfig) -> dict[str, Any]:
-    """The job settings that change token counts (part of the index cache key)."""
-    return {"max_seq_len": job.data.max_seq_len, "truncate": job.data.truncate,
-            "chat_template_kwargs": getattr(job.data, "chat_template_kwargs", None)}
+    """The job settings besides the processor (whose fingerprint covers data.chat_template_kwargs
+    and data.empty_think) that change token counts: part of the index cache key."""
+    return {"max_seq_len": job.data.max_seq_len, "truncate": job.data.truncate}
 
 
 def load_train_index(job: JobConfig, report: Preflight, *, may_build: bool,
@@ -235,18 +252,19 @@ def run_preflight(job: JobConfig, world_size: int, *, index_role: str = "build",
                   decode_images: bool = False) -> Preflight:
     """Run every check of `job` for a world of `world_size` ranks and index its data.
 
-    index_role: "build" (load the cached length index, or build it), "load" (only load it) or
-    "skip" (leave it to `load_train_index`). decode_images: decode every image once and rebuild
+    index_role: "build" (load the cached length index, or build it) or "skip" (leave it to
+    `load_train_index`). decode_images: decode every image once and rebuild
     the index (validation).
     """
     report = Preflight()
     _check_model(job, world_size, report)
     _check_deepspeed(job, world_size, report)
+    _check_lora(job, report)
     _check_output_dir(job, report)
     _check_resume(job, report)
     if report.processor is not None and _check_image_root(job, report):
         if index_role != "skip":
-            load_train_index(job, report, may_build=index_role == "build", rebuild=decode_images)
+            load_train_index(job, report, may_build=True, rebuild=decode_images)
         if job.data.eval:
             _read_eval(job, report.processor, _image_root(job), report)
     return report

@@ -1,0 +1,214 @@
+"""LoRA adapters (PEFT) on the language model of a Qwen3.5 VLM.
+
+The job's `lora` section names modules the way PEFT does: an entry matches a module whose full
+name equals it or ends with "." + entry (`"q_proj"`, `"linear_attn.out_proj"`), and
+`"all-linear"` stands for every `nn.Linear` of the decoder layers. An entry that matches modules
+of the language model selects only those (`"norm"` never reaches the vision merger's norm). vlmcp resolves the entries
+itself, against the whole model, before PEFT sees them, and hands PEFT only full module names of
+the language model, so that:
+
+* the vision tower (frozen, replicated outside DeepSpeed), the embeddings and the lm_head are
+  never adapted: the fused cross-entropy (model.loss) reads `lm_head.weight` directly, and the
+  sharded DeltaNet forward (model.deltanet) reads `conv1d.weight` directly, so an adapter on
+  either would be silently skipped; naming them is an error;
+* every other adapted module is called as a module by the SP code (the DeltaNet projections by
+  model.deltanet, the attention and MLP projections by transformers' own layer code), so PEFT's
+  wrappers run under SP exactly as on one rank;
+* an entry that matches nothing is an error before any rank starts (`lora_problems`, on a
+  meta-device model).
+
+In a `qwen3_5_moe` model the routed experts hold fused 3-D weights (`mlp.experts.gate_up_proj`,
+`mlp.experts.down_proj`), not Linear modules; they are not adapted (naming them is an error),
+while `gate_proj`/`up_proj`/`down_proj` adapt the shared expert's Linear layers.
+
+`apply_lora` injects the adapters in place: the transformers model keeps its class and module
+paths (wrapped Linear layers become PEFT `LoraLayer`s with a `base_layer`), every base weight is
+frozen, and only the adapter weights (and `modules_to_save` copies) require gradients.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+
+from vlmcp.config import LoraSection
+from vlmcp.model.load import MODEL_CLASSES
+
+logger = logging.getLogger(__name__)
+
+ALL_LINEAR = "all-linear"
+#: Where the decoder layers live inside `Qwen3_5(Moe)ForConditionalGeneration`.
+LAYERS_PREFIX = "model.language_model.layers."
+LANGUAGE_MODEL_PREFIX = "model.language_model."
+_FUSED_EXPERTS = ("the routed experts hold fused 3-D weights, not Linear layers, and are not "
+                  "adapted (gate_proj, up_proj and down_proj adapt the shared expert)")
+
+
+class LoraError(ValueError):
+    """LoRA settings that cannot apply to the model; `problems` holds one line per problem."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+def _matches(name: str, entry: str) -> bool:
+    return name == entry or name.endswith("." + entry)
+
+
+def _refused(name: str, key: str, entry: str) -> str | None:
+    """Why module `name` (matched by `entry` of `lora.<key>`) must not be adapted, or None."""
+    where = f"config key 'lora.{key}': {entry!r} matches {name}"
+    if name.startswith("model.visual.") or name == "model.visual":
+        return f"{where}, in the vision tower, which stays frozen under LoRA"
+    if name == "lm_head":
+        return (f"{where}: the lm_head stays frozen under LoRA (the fused cross-entropy reads its "
+                "weight directly)")
+    if name.endswith("embed_tokens"):
+        return f"{where}: the embeddings stay frozen under LoRA"
+    if not name.startswith(LANGUAGE_MODEL_PREFIX):
+        return f"{where}, outside the language model ({LANGUAGE_MODEL_PREFIX}*)"
+    if name.endswith(".conv1d"):
+        return (f"{where}: the sharded DeltaNet reads the conv1d weight directly, so it cannot be "
+                "wrapped")
+    return None
+
+
+def _scoped_matches(modules: dict[str, nn.Module], entry: str, key: str) -> list[str]:
+    """Modules `entry` matches: those inside the language model when there are any (matches
+    elsewhere, e.g. the vision merger's `norm`, are left out with a log line), else all (which
+    `_refused` then names)."""
+    found = [n for n in modules if _matches(n, entry)]
+    inside = [n for n in found if n.startswith(LANGUAGE_MODEL_PREFIX)]
+    if inside and len(inside) < len(found):
+        logger.info("lora.%s: %r also matches %d modules outside the language model (e.g. %s); "
+                    "only the language model's are used", key, entry, len(found) - len(inside),
+                    next(n for n in found if n not in inside))
+    return inside or found
+
+
+def resolve_lora_modules(model: nn.Module, section: LoraSection) -> tuple[list[str], list[str]]:
+    """(full names of the Linear modules to adapt, full names of the modules to train whole).
+
+    Raises LoraError listing every entry that matches nothing or matches a module that must stay
+    frozen, that is not a Linear (targets) or not a leaf module (modules_to_save).
+    """
+    modules = dict(model.named_modules())
+    parameters = [n for n, _ in model.named_parameters()]
+    problems: list[str] = []
+
+    entries = section.target_modules
+    if entries == ALL_LINEAR:
+        targets = {n for n, m in modules.items()
+                   if n.startswith(LAYERS_PREFIX) and isinstance(m, nn.Linear)}
+    else:
+        targets = set()
+        for entry in entries:
+            found = _scoped_matches(modules, entry, "target_modules")
+            if not found and any(_matches(n, entry) and ".experts." in n for n in parameters):
+                problems.append(f"config key 'lora.target_modules': {entry!r} names a parameter "
+                                f"of the routed experts: {_FUSED_EXPERTS}")
+            elif not found:
+                problems.append(f"config key 'lora.target_modules': {entry!r} matches no module "
+                                f"of the model (e.g. q_proj, in_proj_qkv, down_proj, or "
+                                f"{ALL_LINEAR!r})")
+            for name in found:
+                problem = _refused(name, "target_modules", entry)
+                if problem is None and not isinstance(modules[name], nn.Linear):
+                    kind = type(modules[name]).__name__
+                    problem = (f"config key 'lora.target_modules': {entry!r} matches {name}, a "
+                               f"{kind}; LoRA targets Linear layers"
+                               + (f" ({_FUSED_EXPERTS})" if kind.endswith("Experts") else ""))
+                if problem:
+                    problems.append(problem)
+                else:
+                    targets.add(name)
+
+    to_save: set[str] = set()
+    for entry in section.modules_to_save:
+        found = _scoped_matches(modules, entry, "modules_to_save")
+        if not found:
+            problems.append(f"config key 'lora.modules_to_save': {entry!r} matches no module of "
+                            "the model")
+        for name in found:
+            problem = _refused(name, "modules_to_save", entry)
+            if problem is None and (any(True for _ in modules[name].children())
+                                    or not any(True for _ in modules[name].parameters())):
+                problem = (f"config key 'lora.modules_to_save': {entry!r} matches {name}, which "
+                           "is not a leaf module with weights; name norms or Linear layers")
+            if problem is None and name in targets:
+                problem = (f"config key 'lora.modules_to_save': {name} is also a LoRA target "
+                           "(lora.target_modules)")
+            if problem:
+                problems.append(problem)
+            else:
+                to_save.add(name)
+    if not targets and not problems:
+        problems.append("config key 'lora.target_modules': selects no Linear layer of the "
+                        "decoder layers")
+    if problems:
+        raise LoraError(problems)
+    return sorted(targets), sorted(to_save)
+
+
+def _target_pattern(targets: list[str], modules: list[str]) -> str | list[str]:
+    """A compact regex over leaf names for PEFT's `target_modules` when it selects exactly
+    `targets` among `modules`; else the explicit list of full names."""
+    leaves = sorted({t.rsplit(".", 1)[1] for t in targets})
+    pattern = rf"{re.escape(LAYERS_PREFIX)}\d+\.(?:.+\.)?(?:{'|'.join(map(re.escape, leaves))})"
+    if {n for n in modules if re.fullmatch(pattern, n)} == set(targets):
+        return pattern
+    return targets
+
+
+def lora_config(model: nn.Module, section: LoraSection, base_path: str | Path) -> LoraConfig:
+    """The PEFT LoraConfig of `section` for `model` (targets resolved to full module names)."""
+    targets, to_save = resolve_lora_modules(model, section)
+    names = [n for n, _ in model.named_modules()]
+    return LoraConfig(
+        r=section.r,
+        lora_alpha=section.alpha,
+        lora_dropout=section.dropout,
+        target_modules=_target_pattern(targets, names),
+        modules_to_save=to_save or None,
+        bias="none",
+        base_model_name_or_path=str(Path(base_path).absolute()),
+    )
+
+
+def apply_lora(model: PreTrainedModel, section: LoraSection, base_path: str | Path) -> PeftModel:
+    """Inject `section`'s adapters into `model` in place and return the PeftModel around it.
+
+    After this, `model` (== `peft_model.base_model.model`) holds the LoRA layers under its own
+    module paths; only adapter weights and `modules_to_save` copies require gradients. Adapter
+    weights are fp32 for a bf16/fp16 base (PEFT's autocast).
+    """
+    config = lora_config(model, section, base_path)
+    if any(type(m).__name__.endswith("Experts") for m in model.modules()):
+        logger.info("LoRA on a MoE model: %s", _FUSED_EXPERTS)
+    peft_model = get_peft_model(model, config)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    logger.info("LoRA r=%d alpha=%g on %d modules: %d trainable parameters", section.r,
+                section.alpha, sum(1 for m in model.modules() if hasattr(m, "lora_A")), trainable)
+    return peft_model
+
+
+def lora_problems(model_config: PretrainedConfig, section: LoraSection) -> list[str]:
+    """Problems of `section` against the model `model_config` describes (built on the meta
+    device: no weights, no DeepSpeed). Empty when LoRA is off or fits."""
+    if not section.r:
+        return []
+    model_class = MODEL_CLASSES[model_config.model_type]
+    with torch.device("meta"):
+        model = model_class._from_config(model_config)
+    try:
+        resolve_lora_modules(model, section)
+    except LoraError as exc:
+        return exc.problems
+    return []

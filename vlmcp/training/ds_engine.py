@@ -1,0 +1,58 @@
+"""What `deepspeed.initialize` gets for the optimizer and LR schedule, and what it then runs.
+
+HF Trainer's split (training/ds_blocks.py): a DeepSpeed config block is built by DeepSpeed, the
+job's section by vlmcp:
+
+    optimizer block   scheduler block   deepspeed.initialize gets
+    no                no                the job's torch optimizer and its LambdaLR
+    yes               no                no optimizer; a callable building the job's LambdaLR on
+                                        DeepSpeed's optimizer
+    no                yes               the job's torch optimizer; no scheduler
+    yes               yes               neither
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vlmcp.config import JobConfig
+from vlmcp.training.optim import build_optimizer, build_scheduler
+
+
+def engine_optim_args(job: JobConfig, ds_config: dict[str, Any],
+                      trainable: list[torch.nn.Parameter]) -> dict[str, Any]:
+    """`optimizer` and `lr_scheduler` keyword arguments of `deepspeed.initialize` (see above)."""
+    optimizer = None if "optimizer" in ds_config else build_optimizer(trainable, job.optimizer)
+    if "scheduler" in ds_config:
+        scheduler: Any = None
+    elif optimizer is None:
+        def scheduler(built: torch.optim.Optimizer) -> Any:
+            return build_scheduler(built, job.scheduler, job.train.max_steps)
+    else:
+        scheduler = build_scheduler(optimizer, job.scheduler, job.train.max_steps)
+    return {"optimizer": optimizer, "lr_scheduler": scheduler}
+
+
+def _offload(config: dict[str, Any], what: str) -> str:
+    device = config.get("zero_optimization", {}).get(f"offload_{what}", {}).get("device", "none")
+    return str(device)
+
+
+def describe_engine(engine: Any, config: dict[str, Any]) -> str:
+    """One line: what DeepSpeed runs (optimizer class, scheduler, ZeRO stage, offload devices,
+    precision, accumulation, clipping)."""
+    basic = getattr(engine, "basic_optimizer", None) or engine.optimizer
+    source = "deepspeed config" if "optimizer" in config else "job"
+    scheduler = type(engine.lr_scheduler).__name__ if engine.lr_scheduler is not None else "none"
+    scheduler_source = "deepspeed config" if "scheduler" in config else "job"
+    precision = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
+    clip = engine.gradient_clipping()
+    return (f"DeepSpeed runs: optimizer {type(basic).__module__}.{type(basic).__name__} "
+            f"(from the {source}), wrapped by {type(engine.optimizer).__name__}; "
+            f"scheduler {scheduler} (from the {scheduler_source}); "
+            f"ZeRO stage {engine.zero_optimization_stage()}; offload optimizer "
+            f"{_offload(config, 'optimizer')}, params {_offload(config, 'param')}; "
+            f"precision {precision}; gradient accumulation "
+            f"{engine.gradient_accumulation_steps()}; gradient clipping {clip or 'off'}")

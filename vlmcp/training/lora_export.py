@@ -1,0 +1,120 @@
+"""Writing LoRA runs: the PEFT adapter directory (`OUTPUT_DIR/final`, `vlmcp export`) and the
+merged Hugging Face model (`vlmcp export --merge`).
+
+An adapter directory holds PEFT's `adapter_config.json` (its `base_model_name_or_path` is the
+job's `model.path`) and `adapter_model.safetensors`, written by `PeftModel.save_pretrained`, plus
+the tokenizer and processor files of the base checkpoint; `PeftModel.from_pretrained(base,
+directory)` loads it onto the plain transformers model. Directories are written under a temporary
+name and renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from peft import PeftModel
+from safetensors import SafetensorError
+from torch import nn
+
+from vlmcp.config import JobConfig
+from vlmcp.model.load import load_model
+from vlmcp.model.lora import apply_lora
+from vlmcp.parallel import comm
+from vlmcp.training.atomic import remove_quietly, replace_dir, write_error
+from vlmcp.training.checkpoint import CheckpointError
+from vlmcp.training.export import copy_processor_files, hf_key_prefixes, save_hf, to_hf_keys
+
+logger = logging.getLogger(__name__)
+
+ADAPTER_CONFIG = "adapter_config.json"
+#: Prefix of the HF model's names inside a PeftModel's state dict.
+PEFT_PREFIX = "base_model.model."
+
+
+def trained_state_dict(module: nn.Module, hf_model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The trainable parameters of the live training module (adapters, modules_to_save copies)
+    under the HF model's names, on rank 0 (None elsewhere). Call on every rank: a ZeRO-3
+    partitioned parameter is gathered one at a time, in the same order everywhere."""
+    prefixes = hf_key_prefixes(module, hf_model)
+    state = {}
+    for name, param in module.named_parameters():
+        if not param.requires_grad:
+            continue
+        if hasattr(param, "ds_id"):
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([param]):
+                value = param.detach().cpu().clone()
+        else:
+            value = param.detach().cpu().clone()
+        state[name] = value
+    if comm.rank() != 0:
+        return None
+    return to_hf_keys(state, prefixes)
+
+
+def save_adapter(peft_model: PeftModel, state: dict[str, torch.Tensor], source_dir: str | Path,
+                 out_dir: str | Path) -> Path:
+    """Write the adapter directory: `state` holds the trainable tensors under HF model names.
+
+    An earlier adapter in `out_dir` is replaced; any other non-empty directory is refused.
+    Raises CheckpointError on a failed write (nothing half-written stays).
+    """
+    out_dir = Path(out_dir).absolute()
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / ADAPTER_CONFIG).is_file():
+        raise CheckpointError([f"exporting the adapter: {out_dir} exists and is not an adapter "
+                               f"directory (no {ADAPTER_CONFIG}); it would be replaced, so choose "
+                               "a new or empty directory"])
+    tmp = out_dir.with_name(f".tmp-{out_dir.name}")
+    try:
+        remove_quietly(tmp)
+        tmp.mkdir(parents=True)
+        peft_model.save_pretrained(str(tmp), state_dict={
+            PEFT_PREFIX + k: v.detach().cpu().contiguous() for k, v in state.items()})
+        copy_processor_files(source_dir, tmp)
+        replace_dir(tmp, out_dir)
+    except (OSError, RuntimeError, SafetensorError) as exc:
+        needed = sum(v.numel() * v.element_size() for v in state.values())
+        message = write_error(exc, tmp, needed)
+        remove_quietly(tmp)
+        raise CheckpointError([f"exporting the adapter to {out_dir}: {message}"]) from exc
+    return out_dir
+
+
+def save_final_adapter(module: nn.Module, peft_model: PeftModel, source_dir: str | Path,
+                       out_dir: str | Path) -> Path:
+    """Write the run's adapter to `out_dir` (rank 0 writes; call on every rank). Every rank raises
+    CheckpointError when rank 0 could not write it."""
+    state = trained_state_dict(module, peft_model.base_model.model)
+    problem = None
+    if state is not None:
+        try:
+            save_adapter(peft_model, state, source_dir, out_dir)
+            logger.info("saved the LoRA adapter (PEFT format) to %s", out_dir)
+        except CheckpointError as exc:
+            problem = exc
+    if comm.rank_flags(problem is not None)[0]:
+        raise problem or CheckpointError([])
+    return Path(out_dir)
+
+
+def export_lora(job: JobConfig, state: dict[str, torch.Tensor], out: Path, merge: bool) -> Path:
+    """Write a LoRA checkpoint's module `state` (training-module keys already mapped to HF
+    names) as an adapter directory, or with `merge` as a merged HF model
+    (`merge_and_unload`). The base weights come from `model.path`."""
+    model_dir = job.resolve_input(job.model.path)
+    model = load_model(model_dir, job.model.dtype, freeze_vision=True)
+    peft_model = apply_lora(model, job.lora, model_dir)
+    trained = {k for k, p in model.named_parameters() if p.requires_grad}
+    missing = sorted(trained - set(state))
+    if missing:
+        raise ValueError(f"the checkpoint holds no adapter weights for {missing[:5]} (was it "
+                         "trained with this job's lora section?)")
+    model.load_state_dict({k: state[k] for k in trained}, strict=False)
+    if not merge:
+        return save_adapter(peft_model, {k: state[k] for k in trained}, model_dir, out)
+    merged = peft_model.merge_and_unload()
+    return save_hf(merged, merged.state_dict(), model_dir, out)
+
