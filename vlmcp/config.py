@@ -97,8 +97,8 @@ class DataSection:
     prefetch_factor: int = field(default=2, metadata=_key(
         "packs each data loader worker keeps ready ahead of training", min=1))
     cache_dir: str | None = field(default=None, metadata=_key(
-        "directory of the cached length index of data.train (null: $XDG_CACHE_HOME/vlmcp/index, "
-        "else ~/.cache/vlmcp/index)"))
+        "directory of the cached length index of data.train, relative to the current directory "
+        "(null: $XDG_CACHE_HOME/vlmcp/index, else ~/.cache/vlmcp/index)"))
 
 
 @dataclass
