@@ -12,6 +12,15 @@ from __future__ import annotations
 
 import os
 
+import atexit
+import shutil
+import tempfile
+
+# The length index cache (data.cache_dir's default) of every run the suite starts stays in a
+# temporary directory, not in the user's ~/.cache.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="vlmcp-test-cache-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], True)
+
 if os.environ.get("VLMCP_TEST_CUDA") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ["DS_ACCELERATOR"] = "cpu"

@@ -22,6 +22,7 @@ from vlmcp.parallel import comm
 from vlmcp.parallel.zero3_sp import largest_tensor_numel, sp_exact_zero_settings
 from vlmcp.parallel.groups import SequenceParallel
 from vlmcp.training.objective_step import step_counts
+from vlmcp.data.pack import build_batch
 from vlmcp.training.score import score_samples
 from tests.parity import seed_adapter_weights
 
@@ -115,7 +116,12 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
             if p.requires_grad
         }
         engine.step()
-        scores = score_samples(engine, case["score"], case["score_max_len"], sp, entropy=True) if case.get("score") else None
+        scores = None
+        if case.get("score"):
+            samples = case["score"]
+            scores = score_samples(engine, [len(s) for s in samples],
+                                   lambda pack: build_batch([samples[i] for i in pack]),
+                                   case["score_max_len"], sp, entropy=True)
         results[name] = {
             "loss": float(comm.all_reduce_sum(loss_total)) / counts.denominator,
             "stats": dict(zip(STAT_KEYS, (comm.all_reduce_sum(stat_total) / counts.targets).tolist())),

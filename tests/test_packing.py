@@ -127,22 +127,21 @@ def test_mrope_positions_reject_a_run_that_does_not_match_its_grid():
 
 
 def _dataset(lengths: list[int], **kwargs) -> PackedDataset:
-    return PackedDataset([_text_sample(n, i) for i, n in enumerate(lengths)], max_seq_len=10,
-                         **kwargs)
+    return PackedDataset(lengths, max_seq_len=10, **kwargs)
 
 
 def test_every_rank_runs_the_same_number_of_micro_batches_and_wraps_deterministically():
     lengths = [10] * 7  # one sample per pack: 7 packs
     ranks = [_dataset(lengths, dp_rank=r, dp_size=3) for r in range(3)]
     assert [d.num_micro_batches(0) for d in ranks] == [3, 3, 3]
-    served = [[b.sample_ids[0] for b in d.epoch(0)] for d in ranks]
-    assert served == [["s:0", "s:3", "s:6"], ["s:1", "s:4", "s:0"], ["s:2", "s:5", "s:1"]]
+    served = [[pack[0] for pack in d.rank_packs(0)] for d in ranks]
+    assert served == [[0, 3, 6], [1, 4, 0], [2, 5, 1]]
 
 
 def test_micro_batch_count_rounds_up_to_multiple_of():
     dataset = _dataset([10] * 7, dp_rank=1, dp_size=2, multiple_of=3)
     assert dataset.num_micro_batches(0) == 6
-    assert len(list(dataset.epoch(0))) == 6
+    assert len(dataset.rank_packs(0)) == 6
 
 
 def test_a_weighted_mixture_packs_each_files_draws_by_their_index_in_samples():

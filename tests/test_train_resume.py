@@ -16,8 +16,9 @@ from safetensors.torch import load_file
 
 from launching import assert_ok, run_vlmcp, tiny_job, train_losses, write_job
 from vlmcp.cli import main
-from vlmcp.data.dataset import load_samples
+from vlmcp.data.index import build_index
 from vlmcp.data.pack import PackedDataset
+from vlmcp.data.stream import SampleReader
 from vlmcp.training.schedule import StepSchedule
 
 
@@ -57,6 +58,8 @@ def test_two_steps_plus_resume_equal_four_straight_steps_and_export_matches_fina
                        nproc=2)
     assert_ok(result)
     assert "resumed from" in result.stderr
+    assert "length index: loaded from cache" in result.stderr
+    assert "length index: built" not in result.stderr
     straight_losses, resumed_losses = train_losses(straight), train_losses(resumed)
     assert len(resumed_losses) == 4
     assert resumed_losses == pytest.approx(straight_losses, rel=1e-6)
@@ -73,11 +76,13 @@ def test_resume_without_a_checkpoint_is_a_clear_error(tiny_checkpoint, digits_js
 
 
 def test_step_schedule_is_a_pure_function_of_the_step(tiny_processor, digits_jsonl):
-    samples = load_samples(digits_jsonl / "train.jsonl", tiny_processor, max_seq_len=64)
+    index, problems = build_index([digits_jsonl / "train.jsonl"], tiny_processor, max_seq_len=64)
+    assert problems == []
+    reader = SampleReader(index, tiny_processor, max_seq_len=64, truncate=False)
 
     def schedule():
-        return StepSchedule(PackedDataset(samples, 64, dp_rank=1, dp_size=2, shuffle=True, seed=5,
-                                          multiple_of=2), grad_accum=2)
+        return StepSchedule(PackedDataset(index.tokens, 64, dp_rank=1, dp_size=2, shuffle=True,
+                                          seed=5, multiple_of=2), grad_accum=2, reader=reader)
 
     walked = schedule()
     steps_per_epoch = walked.steps_in_epoch(0)

@@ -125,7 +125,7 @@ def test_one_sgd_step_under_torchrun_matches_plain_transformers(
     max_seq_len = _seq_len_for([len(s) for s in samples], dp_size * grad_accum)
     step_packs = []
     for dp_rank in range(dp_size):
-        dataset = PackedDataset(samples, max_seq_len, dp_rank=dp_rank, dp_size=dp_size,
+        dataset = PackedDataset([len(s) for s in samples], max_seq_len, dp_rank=dp_rank, dp_size=dp_size,
                                 multiple_of=grad_accum)
         step_packs += dataset.rank_packs(0)[:grad_accum]
     step_samples = [i for pack in step_packs for i in pack]

@@ -403,6 +403,10 @@ def _resolve_args(args: argparse.Namespace, device: torch.device) -> None:
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark described by the `vlmcp bench` arguments; rank 0 writes the JSON."""
+    if args.data_scale:
+        from vlmcp.bench_data import run_data_scale
+
+        return _write_report(args, run_data_scale(args))
     device = compute_device()
     _resolve_args(args, device)
     vocab, hidden = _model_sizes(args)
@@ -415,6 +419,11 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     else:
         with tempfile.TemporaryDirectory(prefix="vlmcp-bench-") as scratch:
             report.update(_bench_model(args, _model_dir(args, scratch), device))
+    return _write_report(args, report)
+
+
+def _write_report(args: argparse.Namespace, report: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0 writes `report` to --out and prints it."""
     if comm.rank() == 0:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)

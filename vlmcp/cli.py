@@ -161,6 +161,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--granularity", type=int, default=1024,
                        help="--find-max-len probes multiples of this many tokens")
     bench.add_argument("--max-probes", type=int, default=12, help="--find-max-len probe limit")
+    bench.add_argument("--data-scale", default=None, metavar="N1,N2,...",
+                       help="instead of a step benchmark: train a short SP job (tiny model, "
+                            "--sp-size ranks, default 2, --steps steps) twice on synthetic "
+                            "datasets of N 512x512-image samples each, and report each rank's "
+                            "peak RSS, the length index build time and the second run's cache hit")
+    bench.add_argument("--data-max-seq-len", type=int, default=256,
+                       help="data.max_seq_len of the --data-scale job")
+    bench.add_argument("--data-workers", type=int, default=2,
+                       help="data.num_workers of the --data-scale job")
+    bench.add_argument("--scratch", default=None,
+                       help="directory for --data-scale's temporary datasets (default: the "
+                            "system temporary directory)")
     bench.add_argument("--out", default="runs/bench.json", help="JSON report path")
 
     demo = commands.add_parser(
@@ -241,14 +253,14 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "0")) or job.parallel.sp_size
     from vlmcp.training.preflight import run_preflight
 
-    report = run_preflight(job, world_size)
+    report = run_preflight(job, world_size, decode_images=True)
     if report.problems:
         return _report(report.problems)
     from vlmcp.data.mixture import draws_per_epoch
 
     drawn = sum(draws_per_epoch(report.train_file_sizes, report.train_weights))
-    per_epoch = f" ({drawn} per epoch)" if drawn != len(report.train_samples) else ""
-    print(f"ok: {args.job} ({len(report.train_samples)} train{per_epoch}, "
+    per_epoch = f" ({drawn} per epoch)" if drawn != len(report.train_index) else ""
+    print(f"ok: {args.job} ({len(report.train_index)} train{per_epoch}, "
           f"{len(report.eval_samples)} eval samples; world {world_size}, "
           f"sp_size {job.parallel.sp_size})")
     return 0

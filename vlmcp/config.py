@@ -91,6 +91,14 @@ class DataSection:
         "(Qwen3.5: the last one): a target (as rendered; teaches answering without thinking), or "
         "part of the prompt (as the enable_thinking=false generation prompt has it)",
         choices=["target", "prompt"]))
+    num_workers: int = field(default=2, metadata=_key(
+        "DataLoader worker processes per rank that read, decode and patchify the next packs; "
+        "0 loads them in the training process", min=0))
+    prefetch_factor: int = field(default=2, metadata=_key(
+        "packs each data loader worker keeps ready ahead of training", min=1))
+    cache_dir: str | None = field(default=None, metadata=_key(
+        "directory of the cached length index of data.train, relative to the current directory "
+        "(null: $XDG_CACHE_HOME/vlmcp/index, else ~/.cache/vlmcp/index)"))
 
 
 @dataclass

@@ -1,8 +1,8 @@
-"""A data file -> samples. Training stops at the first bad record; validation collects them all.
+"""A data file -> samples in memory, for held-out evaluation and tests.
 
 Records are read by `vlmcp.data.sources` (JSON Lines or a JSON array, by content). Images are
-decoded and patchified up front, when the file is read (fine for the small datasets this project
-trains on; a digits sample holds 4 patches, 24 KiB).
+decoded and patchified up front, when the file is read. Training data does not come through here:
+it is indexed (`vlmcp.data.index`) and its packs are loaded when needed (`vlmcp.data.stream`).
 """
 
 from __future__ import annotations

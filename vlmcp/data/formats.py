@@ -389,13 +389,32 @@ def _truncate_point(input_ids: list[int], processor: VLProcessor, max_len: int) 
     return max_len
 
 
-def _finish(
-    input_ids: list[int], labels: list[int], paths: list[Path],
-    pixel_values: torch.Tensor | None, grid: torch.Tensor | None, source: str,
-    processor: VLProcessor, max_seq_len: int, truncate: bool,
-    arrays: dict[str, list[float]] | None = None,
-) -> Sample:
-    arrays = arrays or {}
+@dataclass
+class Tokens:
+    """A record tokenized against its images' patch grids, with no pixels touched.
+
+    input_ids / labels: as in `Sample` (after truncation); paths: the images kept, in
+    placeholder order; grids: their (t, h, w) patch grids; arrays: the tokens format's per-token
+    arrays (`TOKEN_ARRAYS`), aligned with labels.
+    """
+
+    input_ids: list[int]
+    labels: list[int]
+    paths: list[Path]
+    grids: list[tuple[int, int, int]]
+    arrays: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def num_targets(self) -> int:
+        """Tokens that are predicted: labels[1:] that are not -100 (targets are shifted)."""
+        return sum(label != IGNORE_INDEX for label in self.labels[1:])
+
+
+def _cut(tokens: Tokens, source: str, processor: VLProcessor, max_seq_len: int,
+         truncate: bool) -> Tokens:
+    """Apply max_seq_len (failing, or truncating) and require a target."""
+    input_ids, labels, paths, grids = tokens.input_ids, tokens.labels, tokens.paths, tokens.grids
+    arrays = tokens.arrays
     if len(input_ids) > max_seq_len:
         if not truncate:
             raise _fail(source, f"{len(input_ids)} tokens, more than max_seq_len {max_seq_len} "
@@ -404,49 +423,58 @@ def _finish(
         input_ids, labels = input_ids[:cut], labels[:cut]
         arrays = {name: values[:cut] for name, values in arrays.items()}
         kept = len(_image_runs(input_ids, processor.image_token_id))
-        if kept < len(paths):
-            patches = int(grid[:kept].prod(-1).sum())
-            paths = paths[:kept]
-            pixel_values = pixel_values[:patches] if kept else None
-            grid = grid[:kept] if kept else None
+        paths, grids = paths[:kept], grids[:kept]
     if all(l == IGNORE_INDEX for l in labels[1:]):
         raise _fail(source, "no target tokens (no assistant reply, or all labels -100"
                             + (" after truncation)" if truncate else ")"))
-    ids = torch.tensor(input_ids, dtype=torch.long)
+    return Tokens(input_ids, labels, paths, grids, arrays)
+
+
+def _sample(tokens: Tokens, pixel_values: torch.Tensor | None, source: str,
+            processor: VLProcessor) -> Sample:
+    """The `Sample` of `tokens`; pixel_values [N_patch, C*T*P*P] cover at least its images."""
+    grid = torch.tensor(tokens.grids, dtype=torch.long) if tokens.grids else None
+    if grid is None:
+        pixel_values = None
+    elif pixel_values is not None:
+        pixel_values = pixel_values[:int(grid.prod(-1).sum())]
+    ids = torch.tensor(tokens.input_ids, dtype=torch.long)
     mm = (ids == processor.image_token_id).long()
     try:
         positions = mrope_positions(ids, mm, grid, processor.merge_size)
     except ValueError as e:
         raise _fail(source, str(e)) from e
     return Sample(
-        input_ids=input_ids, labels=labels, image_paths=[str(p) for p in paths],
-        pixel_values=pixel_values, image_grid_thw=grid, mm_token_type_ids=mm,
-        position_ids=positions, source=source,
+        input_ids=tokens.input_ids, labels=tokens.labels,
+        image_paths=[str(p) for p in tokens.paths], pixel_values=pixel_values,
+        image_grid_thw=grid, mm_token_type_ids=mm, position_ids=positions, source=source,
         token_arrays={name: torch.tensor(values, dtype=torch.float32)
-                      for name, values in arrays.items()},
+                      for name, values in tokens.arrays.items()},
     )
 
 
-def parse_record(
-    record: Any, source: str, base_dir: Path, processor: VLProcessor, max_seq_len: int,
-    truncate: bool = False,
-) -> Sample:
-    """Turn one decoded record into a `Sample`; raises `DataError` naming `source`.
-
-    base_dir: what relative image paths are relative to (data.image_root, else the data file's
-    directory). See the module docstring for formats and targets.
-    """
+def record_image_paths(record: Any, source: str, base_dir: Path) -> list[Path]:
+    """The image paths of one decoded record, after checking that it has a known format."""
     if not isinstance(record, dict):
         raise _fail(source, "a record must be a JSON object")
-    is_chat = "messages" in record or "conversations" in record
-    if not is_chat and "input_ids" not in record:
+    if "messages" not in record and "conversations" not in record and "input_ids" not in record:
         raise _fail(source, f"unknown format (keys {sorted(record)}); expected messages, "
                             "conversations or input_ids")
-    paths = _image_paths(record, base_dir, source)
-    pixel_values, grid = _process_images(paths, source, processor)
-    counts = [processor.num_placeholders(row) for row in grid] if grid is not None else []
+    return _image_paths(record, base_dir, source)
+
+
+def tokenize_record(
+    record: Any, source: str, base_dir: Path, processor: VLProcessor,
+    grids: list[tuple[int, int, int]], max_seq_len: int, truncate: bool = False,
+) -> Tokens:
+    """Tokens of one decoded record whose images have the (t, h, w) patch `grids` (one per
+    path of `record_image_paths`, e.g. read from the image file headers). Decodes no image."""
+    paths = record_image_paths(record, source, base_dir)
+    if len(grids) != len(paths):
+        raise ValueError(f"{len(grids)} grids for {len(paths)} images")
+    counts = [processor.num_placeholders(row) for row in grids]
     arrays: dict[str, list[float]] = {}
-    if is_chat:
+    if "messages" in record or "conversations" in record:
         present = [name for name in TOKEN_ARRAYS if name in record]
         if present:
             raise _fail(source, f"per-token arrays {present} need the tokens format "
@@ -455,5 +483,22 @@ def parse_record(
     else:
         input_ids, labels = _check_tokens(record, source, processor, counts, paths)
         arrays = _token_arrays(record, labels, source)
-    return _finish(input_ids, labels, paths, pixel_values, grid, source, processor,
-                   max_seq_len, truncate, arrays)
+    tokens = Tokens(input_ids, labels, paths, [tuple(int(x) for x in g) for g in grids], arrays)
+    return _cut(tokens, source, processor, max_seq_len, truncate)
+
+
+def parse_record(
+    record: Any, source: str, base_dir: Path, processor: VLProcessor, max_seq_len: int,
+    truncate: bool = False,
+) -> Sample:
+    """Turn one decoded record into a `Sample` (images decoded and patchified); raises
+    `DataError` naming `source`.
+
+    base_dir: what relative image paths are relative to (data.image_root, else the data file's
+    directory). See the module docstring for formats and targets.
+    """
+    paths = record_image_paths(record, source, base_dir)
+    pixel_values, grid = _process_images(paths, source, processor)
+    grids = [] if grid is None else [tuple(row) for row in grid.tolist()]
+    tokens = tokenize_record(record, source, base_dir, processor, grids, max_seq_len, truncate)
+    return _sample(tokens, pixel_values, source, processor)

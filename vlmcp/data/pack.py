@@ -17,7 +17,7 @@ weight every epoch (`vlmcp.data.mixture`), in file order or, with shuffle, in th
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -106,16 +106,17 @@ def pack_samples(samples: Sequence[Sample], max_seq_len: int) -> list[PackedBatc
 
 
 class PackedDataset:
-    """One data-parallel rank's packed micro-batches, epoch by epoch (see the module docstring).
+    """The packing plan of one data-parallel rank, epoch by epoch (see the module docstring).
 
-    samples holds the files of a mixture concatenated in file order: file_sizes[f] samples of
-    file f, drawn weights[f] times per epoch (`vlmcp.data.mixture`; default one file, weight 1).
-    Batches are built when iterated; only sample indices are kept per epoch.
+    Works from sample lengths alone (the length index); only sample indices are kept per epoch.
+    Loading the packs' samples is `vlmcp.data.stream`'s job. lengths holds the files of a mixture
+    concatenated in file order: file_sizes[f] samples of file f, drawn weights[f] times per epoch
+    (`vlmcp.data.mixture`; default one file, weight 1).
     """
 
     def __init__(
         self,
-        samples: Sequence[Sample],
+        lengths: Sequence[int],
         max_seq_len: int,
         dp_rank: int = 0,
         dp_size: int = 1,
@@ -125,16 +126,16 @@ class PackedDataset:
         file_sizes: Sequence[int] | None = None,
         weights: Sequence[float] | None = None,
     ) -> None:
-        if not samples:
+        if not len(lengths):
             raise ValueError("no samples to pack")
-        self.file_sizes = list(file_sizes) if file_sizes is not None else [len(samples)]
+        self.file_sizes = list(file_sizes) if file_sizes is not None else [len(lengths)]
         self.weights = list(weights) if weights is not None else [1.0] * len(self.file_sizes)
-        if sum(self.file_sizes) != len(samples) or len(self.weights) != len(self.file_sizes):
+        if sum(self.file_sizes) != len(lengths) or len(self.weights) != len(self.file_sizes):
             raise ValueError(f"file sizes {self.file_sizes} and weights {self.weights} do not "
-                             f"describe {len(samples)} samples")
+                             f"describe {len(lengths)} samples")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} outside [0, {dp_size})")
-        self.samples = list(samples)
+        self.lengths = [int(n) for n in lengths]
         self.max_seq_len = max_seq_len
         self.dp_rank = dp_rank
         self.dp_size = dp_size
@@ -153,7 +154,7 @@ class PackedDataset:
         """Every pack of `epoch` (all ranks), as sample indices."""
         if self._plan is None or self._plan[0] != epoch:
             order = self.order(epoch)
-            packs = first_fit([len(self.samples[i]) for i in order], self.max_seq_len)
+            packs = first_fit([self.lengths[i] for i in order], self.max_seq_len)
             self._plan = (epoch, [[order[i] for i in pack] for pack in packs])
         return self._plan[1]
 
@@ -167,8 +168,3 @@ class PackedDataset:
         packs = self.packs(epoch)
         return [packs[(step * self.dp_size + self.dp_rank) % len(packs)]
                 for step in range(self.num_micro_batches(epoch))]
-
-    def epoch(self, epoch: int) -> Iterator[PackedBatch]:
-        """This rank's micro-batches of `epoch`."""
-        for pack in self.rank_packs(epoch):
-            yield build_batch([self.samples[i] for i in pack])

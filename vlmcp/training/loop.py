@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -27,8 +28,11 @@ import numpy as np
 import torch
 
 from vlmcp.config import JobConfig
+from vlmcp.data.batch import PackedBatch
+from vlmcp.data.formats import DataError
 from vlmcp.data.mixture import draws_per_epoch
 from vlmcp.data.pack import PackedDataset
+from vlmcp.data.stream import SampleReader
 from vlmcp.model.load import load_model
 from vlmcp.model.lora import apply_lora
 from vlmcp.model.loss import scale_for_deepspeed
@@ -47,7 +51,7 @@ from vlmcp.training.nonfinite import NonFiniteError, NonFiniteGuard
 from vlmcp.training.ds_engine import describe_engine, engine_optim_args
 from vlmcp.training.objective_step import objective_metrics, objective_of, step_counts
 from vlmcp.training.optim import can_veto
-from vlmcp.training.preflight import Preflight, PreflightError, run_preflight
+from vlmcp.training.preflight import Preflight, PreflightError, load_train_index, run_preflight
 from vlmcp.training.schedule import StepSchedule
 from vlmcp.training.signals import StopRequested, StopSignals
 from vlmcp.training.watchdog import Watchdog
@@ -128,35 +132,71 @@ def _build_engine(job: JobConfig, preflight: Preflight,
     return engine, module, adapter
 
 
-def start_run(job: JobConfig) -> Run:
-    """Start the process group, check the job on every rank, build the engine and the data."""
-    # The default group's own timeout is a backstop 60 s behind the watchdog, which fires first
-    # and names the step and the collective (training/watchdog.py).
-    comm.init_distributed(job.train.collective_timeout_s + 60)
-    preflight = run_preflight(job, comm.world_size())
+def _index_builder() -> bool:
+    """Whether this rank builds a missing length index: local rank 0 of each node."""
+    return int(os.environ.get("LOCAL_RANK", comm.rank())) == 0
+
+
+def _load_data(job: JobConfig, preflight: Preflight, training: bool = True) -> None:
+    """The length index on every rank: its builders made it during the preflight (the others
+    waited in `agree_on_problems`); the others load it now, and all agree on the outcome.
+    `training` False (`vlmcp score`): no check of the per-token arrays `loss.type` needs."""
+    if not _index_builder():
+        load_train_index(job, preflight, may_build=False, training=training)
     agree_on_problems(preflight.problems)
-    seed_everything(job.train.seed)
-    sp = SequenceParallel.initialize(job.parallel.sp_size)
-    logger.info("world %d = sp %d x dp %d, ZeRO stage %d, %d train / %d eval samples",
-                comm.world_size(), sp.size, sp.dp_size, zero_stage(preflight.ds_config),
-                len(preflight.train_samples), len(preflight.eval_samples))
+
+
+def _schedule(job: JobConfig, preflight: Preflight, sp: SequenceParallel) -> StepSchedule:
+    """This rank's step schedule over the length index, loading packs with DataLoader workers."""
+    index = preflight.train_index
     if len(preflight.train_file_sizes) > 1 or any(w != 1 for w in preflight.train_weights):
         draws = draws_per_epoch(preflight.train_file_sizes, preflight.train_weights)
         logger.info("data.train mixture, samples per epoch: %s", ", ".join(
             f"[{i}] {n} x {w:g} -> {k}" for i, (n, w, k) in enumerate(
                 zip(preflight.train_file_sizes, preflight.train_weights, draws))))
-    engine, module, adapter = _build_engine(job, preflight, sp)
-    start_step = load_latest(engine, job) if job.train.resume else 0
-    dataset = PackedDataset(preflight.train_samples, job.data.max_seq_len, dp_rank=sp.dp_rank,
+    dataset = PackedDataset(index.tokens, job.data.max_seq_len, dp_rank=sp.dp_rank,
                             dp_size=sp.dp_size, shuffle=job.data.shuffle, seed=job.train.seed,
                             multiple_of=job.train.grad_accum,
                             file_sizes=preflight.train_file_sizes,
                             weights=preflight.train_weights)
+    reader = SampleReader(index, preflight.processor, job.data.max_seq_len, job.data.truncate,
+                          cache_path=str(preflight.train_index_result.path))
+    return StepSchedule(dataset, job.train.grad_accum, reader, num_workers=job.data.num_workers,
+                        prefetch_factor=job.data.prefetch_factor)
+
+
+def start_run(job: JobConfig) -> Run:
+    """Start the process group, check the job on every rank, build the engine and the data."""
+    # The default group's own timeout is a backstop 60 s behind the watchdog, which fires first
+    # and names the step and the collective (training/watchdog.py).
+    comm.init_distributed(job.train.collective_timeout_s + 60)
+    preflight = run_preflight(job, comm.world_size(),
+                              index_role="build" if _index_builder() else "skip")
+    agree_on_problems(preflight.problems)
+    _load_data(job, preflight)
+    seed_everything(job.train.seed)
+    sp = SequenceParallel.initialize(job.parallel.sp_size)
+    logger.info("world %d = sp %d x dp %d, ZeRO stage %d, %d train / %d eval samples",
+                comm.world_size(), sp.size, sp.dp_size, zero_stage(preflight.ds_config),
+                len(preflight.train_index), len(preflight.eval_samples))
+    engine, module, adapter = _build_engine(job, preflight, sp)
+    start_step = load_latest(engine, job) if job.train.resume else 0
     return Run(job=job, preflight=preflight, sp=sp, engine=engine, module=module,
-               schedule=StepSchedule(dataset, job.train.grad_accum),
+               schedule=_schedule(job, preflight, sp),
                metrics=MetricsWriter(job.output_dir, enabled=comm.rank() == 0,
                                      start_step=start_step),
                start_step=start_step, adapter=adapter)
+
+
+def _step_batches(run: Run, step: int) -> list[PackedBatch]:
+    """This rank's micro-batches of `step`; every rank stops together when any rank cannot load
+    its packs (a DataLoader worker that died, a sample that fails to load)."""
+    try:
+        batches, problems = run.schedule.batches(step), []
+    except (DataError, RuntimeError) as exc:
+        batches, problems = [], [f"loading the packs of step {step + 1}: {exc}"]
+    agree_on_problems(problems)
+    return batches
 
 
 def _plain_fp32_engine(engine: Any) -> bool:
@@ -174,7 +214,7 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     """Run optimizer step `step` (0-based); returns its metrics row."""
     started = time.perf_counter()
     engine, sp, grad_accum = run.engine, run.sp, run.job.train.grad_accum
-    batches = run.schedule.batches(step)
+    batches = _step_batches(run, step)
     lr = engine.get_lr()[0]
     counts = step_counts(run.module, batches, run.module.objective)
     n_global = counts.targets
@@ -250,8 +290,9 @@ def _progress(run: Run) -> Any:
                 unit="step", dynamic_ncols=True)
 
 
-def train(job: JobConfig) -> None:
-    """Train `job` to `train.max_steps`, checkpointing, evaluating and exporting on the way.
+def train(job: JobConfig) -> Run:
+    """Train `job` to `train.max_steps`, checkpointing, evaluating and exporting on the way;
+    returns the finished run.
 
     Raises StopRequested after a stop signal (a checkpoint is saved first), NonFiniteError on a
     non-finite step (`train.nonfinite`), CheckpointError when a checkpoint or the export cannot
@@ -264,6 +305,7 @@ def train(job: JobConfig) -> None:
     with StopSignals() as stop, Watchdog(timeout, rank=comm.rank()) as watchdog, \
             logging_redirect_tqdm():
         _train_loop(run, stop, watchdog)
+        run.schedule.close()
         with watchdog.watch("the final export"):
             if run.adapter is not None:
                 save_final_adapter(run.module, run.adapter, job.resolve_input(job.model.path),
@@ -273,6 +315,7 @@ def train(job: JobConfig) -> None:
                            job.resolve_input(job.model.path), f"{job.output_dir}/final")
     logger.info("done: %d steps; metrics in %s/metrics.jsonl, checkpoints in %s",
                 job.train.max_steps, job.output_dir, checkpoint_dir(job))
+    return run
 
 
 class _Saver:

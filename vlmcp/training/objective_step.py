@@ -17,7 +17,7 @@ import torch
 
 from vlmcp.config import JobConfig
 from vlmcp.data.batch import PackedBatch
-from vlmcp.data.formats import Sample
+from vlmcp.data.index import LengthIndex
 from vlmcp.model.objectives import STAT_KEYS, Objective
 from vlmcp.parallel import comm
 
@@ -32,17 +32,18 @@ def objective_of(job: JobConfig) -> Objective:
                      clip_high=loss.clip_high, kl_coef=loss.kl_coef)
 
 
-def objective_problems(job: JobConfig, samples: Sequence[Sample]) -> list[str]:
+def objective_problems(job: JobConfig, index: LengthIndex) -> list[str]:
     """One line per training sample ("file:line") lacking a per-token array that `loss.type`
-    needs (at most `_NAMED` per array, then a count)."""
+    needs (at most `_NAMED` per array, then a count); read from the length index."""
     objective = objective_of(job)
     problems = []
     for name in objective.required_arrays:
-        lacking = [s.source for s in samples if name not in s.token_arrays]
+        lacking = index.lacking(name)
         why = (f"loss.type {objective.type!r}"
                + (" with loss.kl_coef > 0" if name == "ref_logprobs" else ""))
-        problems += [f"{source}: {why} needs a per-token {name!r} array (tokens format, one "
-                     "entry per label); this sample has none" for source in lacking[:_NAMED]]
+        problems += [f"{index.source(int(i))}: {why} needs a per-token {name!r} array (tokens "
+                     "format, one entry per label); this sample has none"
+                     for i in lacking[:_NAMED]]
         if len(lacking) > _NAMED:
             problems.append(f"config key 'loss.type': {len(lacking) - _NAMED} more samples of "
                             f"data.train lack {name!r}")

@@ -6,7 +6,12 @@ processor, the sequence-parallel constraints of the model for the world size, th
 every record of every file of data.train and data.eval (files, images, placeholder counts,
 lengths, targets; each weighted file contributing at least one sample per epoch), that a resume
 has a complete checkpoint to resume from, and that output_dir is writable.
-Every training sample must carry the per-token arrays `loss.type` needs.
+
+data.train becomes a length index (`vlmcp.data.index`), not samples in memory. `vlmcp validate`
+(`decode_images=True`) decodes every image once and rebuilds the cached index. A training rank
+that builds indexes (`index_role="build"`) loads the cached index or builds it from image
+headers; the others (`"skip"`) load it afterwards with `load_train_index`.
+Every training sample must carry the per-token arrays `loss.type` needs (read from the index).
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from transformers import PretrainedConfig
 from vlmcp.config import ConfigError, JobConfig, JobError
 from vlmcp.data.dataset import iter_samples
 from vlmcp.data.formats import DataError, Sample
+from vlmcp.data.index import LengthIndex
+from vlmcp.data.index_cache import IndexResult, default_cache_dir, obtain_index
 from vlmcp.data.mixture import draws_per_epoch
 from vlmcp.data.processor import ProcessorError, VLProcessor, load_processor
 from vlmcp.data.sources import DataFile, data_files
@@ -53,8 +60,9 @@ class Preflight:
     model_config: PretrainedConfig | None = None
     processor: VLProcessor | None = None
     ds_config: dict[str, Any] | None = None
-    train_samples: list[Sample] = field(default_factory=list)
-    #: Samples of each data.train file (train_samples holds them concatenated in file order).
+    train_index: LengthIndex | None = None
+    train_index_result: IndexResult | None = None
+    #: Samples of each data.train file (the index holds them in file order).
     train_file_sizes: list[int] = field(default_factory=list)
     #: Weight of each data.train file (`vlmcp.data.mixture`).
     train_weights: list[float] = field(default_factory=list)
@@ -68,27 +76,41 @@ def _where(job: JobConfig, path: str) -> str:
     return f"{path!r} (looked in {job.job_dir} and in {Path.cwd()})"
 
 
-def _read_files(job: JobConfig, files: list[DataFile], processor: VLProcessor,
-                image_root: Path | None, report: Preflight) -> tuple[list[Sample], list[int]]:
-    """The samples of every file, concatenated in file order, and each file's sample count."""
-    samples: list[Sample] = []
-    counts: list[int] = []
-    for data_file in files:
-        resolved = job.resolve_input(data_file.path)
-        if not resolved.is_file():
-            report.problems.append(f"config key '{data_file.key}': file not found: "
-                                   f"{_where(job, data_file.path)}")
-            counts.append(0)
+def _image_root(job: JobConfig) -> Path | None:
+    """data.image_root resolved (None: unset)."""
+    return None if job.data.image_root is None else job.resolve_input(job.data.image_root)
+
+
+def _check_image_root(job: JobConfig, report: Preflight) -> bool:
+    """Whether data.image_root is unset or a directory (else a problem)."""
+    root = _image_root(job)
+    if root is not None and not root.is_dir():
+        report.problems.append(f"config key 'data.image_root': directory not found: "
+                               f"{_where(job, job.data.image_root)}")
+        return False
+    return True
+
+
+def _missing_files(job: JobConfig, files: list[DataFile]) -> list[str]:
+    """One problem per file of `files` that does not exist."""
+    return [f"config key '{f.key}': file not found: {_where(job, f.path)}" for f in files
+            if not job.resolve_input(f.path).is_file()]
+
+
+def _read_eval(job: JobConfig, processor: VLProcessor, image_root: Path | None,
+               report: Preflight) -> None:
+    """data.eval's samples, decoded (held-out sets are small; every rank evaluates on all)."""
+    files = data_files(job.data.eval, "data.eval", weighted=False)
+    report.problems.extend(_missing_files(job, files))
+    for path in (job.resolve_input(f.path) for f in files):
+        if not path.is_file():
             continue
-        before = len(samples)
-        for item in iter_samples(resolved, processor, job.data.max_seq_len, job.data.truncate,
+        for item in iter_samples(path, processor, job.data.max_seq_len, job.data.truncate,
                                  image_root):
             if isinstance(item, DataError):
                 report.problems.append(str(item))
             else:
-                samples.append(item)
-        counts.append(len(samples) - before)
-    return samples, counts
+                report.eval_samples.append(item)
 
 
 def _check_mixture(files: list[DataFile], counts: list[int], report: Preflight) -> None:
@@ -97,25 +119,6 @@ def _check_mixture(files: list[DataFile], counts: list[int], report: Preflight) 
         if n and not k:
             report.problems.append(f"config key '{data_file.key}.weight': {data_file.weight:g} x "
                                    f"{n} samples rounds to 0 samples per epoch")
-
-
-def _read_data(job: JobConfig, processor: VLProcessor, report: Preflight) -> None:
-    """Read every file of data.train and data.eval into `report` (samples, problems)."""
-    image_root = None
-    if job.data.image_root is not None:
-        image_root = job.resolve_input(job.data.image_root)
-        if not image_root.is_dir():  # one line, not one "image not found" per record
-            report.problems.append(f"config key 'data.image_root': directory not found: "
-                                   f"{_where(job, job.data.image_root)}")
-            return
-    train_files = data_files(job.data.train, "data.train")
-    report.train_samples, report.train_file_sizes = _read_files(job, train_files, processor,
-                                                                image_root, report)
-    report.train_weights = [f.weight for f in train_files]
-    _check_mixture(train_files, report.train_file_sizes, report)
-    if job.data.eval:
-        eval_files = data_files(job.data.eval, "data.eval", weighted=False)
-        report.eval_samples, _ = _read_files(job, eval_files, processor, image_root, report)
 
 
 def _check_model(job: JobConfig, world_size: int, report: Preflight) -> None:
@@ -210,11 +213,55 @@ def _check_output_dir(job: JobConfig, report: Preflight) -> None:
                                f"{exc.strerror or exc}")
 
 
-def run_preflight(job: JobConfig, world_size: int, training: bool = True) -> Preflight:
-    """Run every check of `job` for a world of `world_size` ranks and load its data.
+def index_settings(job: JobConfig) -> dict[str, Any]:
+    """The job settings besides the processor (whose fingerprint covers data.chat_template_kwargs
+    and data.empty_think) that change token counts: part of the index cache key."""
+    return {"max_seq_len": job.data.max_seq_len, "truncate": job.data.truncate}
 
-    `training` False (`vlmcp score`): no checkpoint-resume check and no check of the per-token
-    arrays `loss.type` needs."""
+
+def load_train_index(job: JobConfig, report: Preflight, *, may_build: bool,
+                     rebuild: bool = False, training: bool = True) -> None:
+    """Set report.train_index (and train_file_sizes, train_weights) from the cache, building it
+    when `may_build`; problems are added to report.problems (the data's, then missing files,
+    then mixture weights that draw nothing, then, when `training`, samples without the per-token
+    arrays `loss.type` needs)."""
+    if report.processor is None:
+        return
+    files = data_files(job.data.train, "data.train")
+    paths = [job.resolve_input(f.path) for f in files]
+    present = [i for i, path in enumerate(paths) if path.is_file()]
+    result = None
+    if present:
+        cache_dir = Path(job.data.cache_dir) if job.data.cache_dir else default_cache_dir()
+        result = obtain_index([paths[i] for i in present], report.processor, index_settings(job),
+                              cache_dir, image_root=_image_root(job), may_build=may_build,
+                              rebuild=rebuild)
+        report.problems.extend(result.problems)
+        report.train_index_result = result
+    report.problems.extend(_missing_files(job, files))
+    if result is None or result.index is None:
+        return
+    sizes = [0] * len(files)
+    for i, size in zip(present, result.index.file_sizes()):
+        sizes[i] = size
+    report.train_file_sizes = sizes
+    report.train_weights = [f.weight for f in files]
+    _check_mixture(files, sizes, report)
+    if len(present) == len(files) and not result.problems:
+        report.train_index = result.index
+    if training:
+        report.problems.extend(objective_problems(job, result.index))
+
+
+def run_preflight(job: JobConfig, world_size: int, *, index_role: str = "build",
+                  decode_images: bool = False, training: bool = True) -> Preflight:
+    """Run every check of `job` for a world of `world_size` ranks and index its data.
+
+    index_role: "build" (load the cached length index, or build it) or "skip" (leave it to
+    `load_train_index`). decode_images: decode every image once and rebuild
+    the index (validation). training False (`vlmcp score`): no checkpoint-resume check and no
+    check of the per-token arrays `loss.type` needs.
+    """
     report = Preflight()
     _check_model(job, world_size, report)
     _check_deepspeed(job, world_size, report)
@@ -222,8 +269,10 @@ def run_preflight(job: JobConfig, world_size: int, training: bool = True) -> Pre
     _check_output_dir(job, report)
     if training:
         _check_resume(job, report)
-    if report.processor is not None:
-        _read_data(job, report.processor, report)
-    if training:
-        report.problems.extend(objective_problems(job, report.train_samples))
+    if report.processor is not None and _check_image_root(job, report):
+        if index_role != "skip":
+            load_train_index(job, report, may_build=True, rebuild=decode_images,
+                             training=training)
+        if job.data.eval:
+            _read_eval(job, report.processor, _image_root(job), report)
     return report

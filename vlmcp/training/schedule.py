@@ -4,23 +4,37 @@ An epoch of `PackedDataset` gives every data-parallel rank the same number of mi
 multiple of `train.grad_accum`, so optimizer steps never straddle epochs. Step k of a run is
 located by walking the epochs; a resumed run that starts at step k therefore sees exactly the
 micro-batches an uninterrupted run would.
+
+The micro-batches are loaded by `vlmcp.data.stream.load_packs` (DataLoader workers, prefetching
+ahead in this rank's pack order). Steps asked for in order continue one loader; a step out of
+order (the first step of a resumed run) starts a loader at that step's first pack.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from vlmcp.data.batch import PackedBatch
-from vlmcp.data.pack import PackedDataset, build_batch
+from vlmcp.data.pack import PackedDataset
+from vlmcp.data.stream import SampleReader, load_packs
 
 
 class StepSchedule:
     """Optimizer step -> this rank's `grad_accum` packed micro-batches."""
 
-    def __init__(self, dataset: PackedDataset, grad_accum: int):
+    def __init__(self, dataset: PackedDataset, grad_accum: int, reader: SampleReader,
+                 num_workers: int = 0, prefetch_factor: int = 2):
         if dataset.multiple_of % grad_accum:
             raise ValueError("the dataset's micro-batch count must be a multiple of grad_accum")
         self.dataset = dataset
         self.grad_accum = grad_accum
+        self.reader = reader
+        self.num_workers = num_workers
+        self.prefetch_factor = prefetch_factor
         self._steps_per_epoch: list[int] = []
+        self._stream: Iterator[PackedBatch] | None = None
+        self._next: tuple[int, int] | None = None
+        self._last: tuple[int, list[PackedBatch]] | None = None
 
     def steps_in_epoch(self, epoch: int) -> int:
         """Optimizer steps that epoch `epoch` holds."""
@@ -38,8 +52,27 @@ class StepSchedule:
         return epoch, step
 
     def batches(self, step: int) -> list[PackedBatch]:
-        """This rank's micro-batches of optimizer step `step` (0-based), in order."""
+        """This rank's micro-batches of optimizer step `step` (0-based), in order.
+
+        Raises DataError when a sample of them cannot be loaded.
+        """
+        if self._last is not None and self._last[0] == step:
+            return self._last[1]
         epoch, inner = self.locate(step)
-        packs = self.dataset.rank_packs(epoch)
-        chosen = packs[inner * self.grad_accum:(inner + 1) * self.grad_accum]
-        return [build_batch([self.dataset.samples[i] for i in pack]) for pack in chosen]
+        if self._stream is None or self._next != (epoch, inner):
+            self.close()
+            packs = self.dataset.rank_packs(epoch)[inner * self.grad_accum:]
+            self._stream = load_packs(self.reader, packs, self.num_workers, self.prefetch_factor)
+        chosen = [next(self._stream) for _ in range(self.grad_accum)]
+        if inner + 1 == self.steps_in_epoch(epoch):
+            self.close()
+        else:
+            self._next = (epoch, inner + 1)
+        self._last = (step, chosen)
+        return chosen
+
+    def close(self) -> None:
+        """Stop the loader (and its workers) of the current epoch, if any."""
+        if self._stream is not None:
+            self._stream.close()
+        self._stream, self._next = None, None

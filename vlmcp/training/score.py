@@ -17,59 +17,67 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from vlmcp.config import ConfigError, JobConfig
-from vlmcp.data.batch import IGNORE_INDEX
-from vlmcp.data.formats import Sample
-from vlmcp.data.pack import build_batch, first_fit, shifted_targets
+from vlmcp.data.batch import IGNORE_INDEX, PackedBatch
+from vlmcp.data.pack import first_fit
+from vlmcp.data.stream import SampleReader
 from vlmcp.parallel import comm
 from vlmcp.parallel.groups import SequenceParallel
 
 
 @torch.no_grad()
-def score_samples(engine: Any, samples: Sequence[Sample], max_seq_len: int,
-                  sp: SequenceParallel, entropy: bool = False) -> list[dict[str, Any]]:
+def score_samples(engine: Any, lengths: Sequence[int], load: Callable[[list[int]], PackedBatch],
+                  max_seq_len: int, sp: SequenceParallel, entropy: bool = False
+                  ) -> list[dict[str, Any]]:
     """Every sample's record (see the module docstring), sorted by index, on global rank 0; an
-    empty list on the other ranks. Every rank must call it (collectives each round)."""
-    packs = first_fit([len(s) for s in samples], max_seq_len)
+    empty list on the other ranks. Every rank must call it (collectives each round).
+
+    lengths: the samples' token counts (packed first-fit into `max_seq_len`); load(pack): the
+    `PackedBatch` of the sample indices `pack` (only the packs of this rank's DP group are loaded).
+    """
+    packs = first_fit(list(lengths), max_seq_len)
     records: dict[int, dict[str, Any]] = {}
     for round_ in range(max(1, math.ceil(len(packs) / sp.dp_size))):
         index = round_ * sp.dp_size + sp.dp_rank
-        batch = build_batch([samples[i] for i in packs[index % len(packs)]])
+        batch = load(packs[index % len(packs)])
         logprobs, entropies = engine(batch, scores=True)
+        targets = engine.module.plan(batch).shard(batch.targets, dim=0, pad_value=IGNORE_INDEX)
         width = torch.tensor([logprobs.numel()], dtype=torch.float64)
         width = int(comm.all_reduce_max(width)[0])
-        # rows: logprobs, entropy, and this shard's length in [2, 0]
-        local = torch.full((3, width), float("nan"), dtype=torch.float64)
+        # rows: logprobs, entropy, target mask, and this shard's length in [3, 0]
+        local = torch.full((4, width), float("nan"), dtype=torch.float64)
         local[0, :logprobs.numel()] = logprobs.double().cpu()
         local[1, :entropies.numel()] = entropies.double().cpu()
-        local[2, 0] = logprobs.numel()
+        local[2, :targets.numel()] = (targets != IGNORE_INDEX).double().cpu()
+        local[3, 0] = logprobs.numel()
         gathered = comm.all_gather_world(local)
         if comm.rank() == 0:
             for group in range(sp.dp_size):
                 pack = round_ * sp.dp_size + group
                 if pack < len(packs):
                     shards = gathered[group * sp.size:(group + 1) * sp.size]
-                    records.update(_pack_records(shards, [(i, samples[i]) for i in packs[pack]],
-                                                 entropy))
+                    records.update(_pack_records(
+                        shards, [(i, int(lengths[i])) for i in packs[pack]], entropy))
     return [records[i] for i in sorted(records)]
 
 
-def _pack_records(shards: torch.Tensor, members: list[tuple[int, Sample]], entropy: bool
+def _pack_records(shards: torch.Tensor, members: list[tuple[int, int]], entropy: bool
                   ) -> dict[int, dict[str, Any]]:
-    """shards: [P, 3, width] one SP group's gathered rows -> {sample index: record}."""
-    whole = torch.cat([shard[:2, :int(shard[2, 0])] for shard in shards], dim=1)
+    """shards: [P, 4, width] one SP group's gathered rows; members: (sample index, length) in
+    pack order -> {sample index: record}."""
+    whole = torch.cat([shard[:3, :int(shard[3, 0])] for shard in shards], dim=1)
     records = {}
     offset = 0
-    for index, sample in members:
-        part = whole[:, offset:offset + len(sample)]
-        offset += len(sample)
-        mask = torch.tensor(shifted_targets(sample.labels)) != IGNORE_INDEX
+    for index, length in members:
+        part = whole[:, offset:offset + length]
+        offset += length
+        mask = part[2] == 1
         record: dict[str, Any] = {"index": index, "logprobs": part[0][mask].tolist()}
         if entropy:
             record["entropy"] = part[1][mask].tolist()
@@ -89,7 +97,7 @@ def score(job: JobConfig, out: str | None = None, entropy: bool = False) -> Path
     """Score data.train with the job's model on every rank of the launcher's world; returns the
     output path (default OUTPUT_DIR/scores.jsonl), written by global rank 0. A LoRA job
     (lora.r > 0) is a ConfigError: its adapters are not at model.path."""
-    from vlmcp.training.loop import _build_engine, agree_on_problems
+    from vlmcp.training.loop import _build_engine, _index_builder, _load_data, agree_on_problems
     from vlmcp.training.preflight import run_preflight
 
     if job.lora.r:
@@ -97,12 +105,17 @@ def score(job: JobConfig, out: str | None = None, entropy: bool = False) -> Path
                            "trained adapters; score the merged model of `vlmcp export --merge` "
                            "with lora.r 0"])
     comm.init_distributed(job.train.collective_timeout_s + 60)
-    preflight = run_preflight(job, comm.world_size(), training=False)
+    preflight = run_preflight(job, comm.world_size(), training=False,
+                              index_role="build" if _index_builder() else "skip")
     agree_on_problems(preflight.problems)
+    _load_data(job, preflight, training=False)
     sp = SequenceParallel.initialize(job.parallel.sp_size)
     engine, _, _ = _build_engine(job, preflight, sp)
     engine.eval()
-    records = score_samples(engine, preflight.train_samples, job.data.max_seq_len, sp, entropy)
+    reader = SampleReader(preflight.train_index, preflight.processor, job.data.max_seq_len,
+                          job.data.truncate)
+    records = score_samples(engine, preflight.train_index.tokens.tolist(), reader.pack,
+                            job.data.max_seq_len, sp, entropy)
     path = Path(out) if out else Path(job.output_dir) / "scores.jsonl"
     if comm.rank() == 0:
         write_scores(records, path)

@@ -1,0 +1,116 @@
+"""Packs -> `PackedBatch`es, loaded when needed: records read back, images decoded, in workers.
+
+A rank's micro-batches of one epoch are the packs `PackedDataset.rank_packs` gives it; only
+those packs are loaded (every rank of a sequence-parallel group loads the same pack). Loading a
+pack reads each sample's record back from its byte span, tokenizes it again (the same
+deterministic tokenization as the index pass), decodes and patchifies its images, and checks that
+its token count still equals the length index's. A `torch.utils.data.DataLoader` runs that in
+`num_workers` worker processes (0: in this process), each keeping up to `prefetch_factor` packs
+ready, in pack order; the batches are the same whatever the number of workers.
+
+A sample that fails to load (an image that is gone, unreadable, or of another size than when the
+index was built) does not kill a worker: the worker hands back a `LoadFailure` and the rank raises
+one `DataError` naming the sample, which training turns into an agreed stop of every rank. Workers
+run in their own process group, so a stop signal sent to a rank's group reaches the rank alone.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from vlmcp.data.batch import PackedBatch
+from vlmcp.data.formats import DataError, Sample, parse_record
+from vlmcp.data.index import LengthIndex
+from vlmcp.data.pack import build_batch
+from vlmcp.data.processor import VLProcessor
+from vlmcp.data.records import read_record
+
+
+@dataclass
+class LoadFailure:
+    """A pack that could not be loaded: the one-line reason (it names file:line)."""
+
+    message: str
+
+
+@dataclass
+class SampleReader:
+    """Reads sample i of a length index back as a full `Sample` (pixels included)."""
+
+    index: LengthIndex
+    processor: VLProcessor
+    max_seq_len: int
+    truncate: bool
+    cache_path: str = ""
+
+    def sample(self, i: int) -> Sample:
+        path, span = self.index.location(i)
+        source = self.index.source(i)
+        record = read_record(path, span, source)
+        sample = parse_record(record, source, self.index.base_dir(i), self.processor,
+                              self.max_seq_len, self.truncate)
+        expected = int(self.index.tokens[i])
+        if len(sample) != expected:
+            raise DataError(f"{source}: {len(sample)} tokens now, {expected} in the length index "
+                            f"{self.cache_path or '(in memory)'}: the sample or one of its images "
+                            "changed since the index was built; delete that file or run "
+                            "`vlmcp validate` to rebuild it")
+        return sample
+
+    def pack(self, pack: Sequence[int]) -> PackedBatch:
+        """The `PackedBatch` of sample indices `pack`."""
+        return build_batch([self.sample(i) for i in pack])
+
+
+class _PackList(torch.utils.data.Dataset):
+    """Item k: the `PackedBatch` of packs[k], or a `LoadFailure`."""
+
+    def __init__(self, reader: SampleReader, packs: Sequence[Sequence[int]]) -> None:
+        self.reader = reader
+        self.packs = packs
+
+    def __len__(self) -> int:
+        return len(self.packs)
+
+    def __getitem__(self, k: int) -> PackedBatch | LoadFailure:
+        try:
+            return self.reader.pack(self.packs[k])
+        except DataError as e:
+            return LoadFailure(str(e))
+
+
+#: How loader workers start: forked where the OS can (they inherit the index and the processor
+#: instead of unpickling them into a fresh interpreter; a rank that was itself started by
+#: multiprocessing "spawn" would otherwise start its workers that way, some seconds each).
+_WORKER_START = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
+
+
+def _as_is(item: PackedBatch | LoadFailure) -> PackedBatch | LoadFailure:
+    return item
+
+
+def _own_process_group(worker_id: int) -> None:
+    """Move a loader worker out of its rank's process group: a launcher's SIGTERM to the rank's
+    group (torchrun's `killpg`) or a terminal's Ctrl-C then reaches only the rank, which stops
+    in step with its peers; the worker still ends with its loader or its rank."""
+    os.setpgrp()
+
+
+def load_packs(reader: SampleReader, packs: Sequence[Sequence[int]], num_workers: int,
+               prefetch_factor: int) -> Iterator[PackedBatch]:
+    """The batches of `packs`, in order, loaded by `num_workers` DataLoader workers (0: here)
+    with `prefetch_factor` packs ready per worker. Raises DataError at a pack that fails."""
+    loader = torch.utils.data.DataLoader(
+        _PackList(reader, packs), batch_size=None, shuffle=False, num_workers=num_workers,
+        prefetch_factor=prefetch_factor if num_workers else None, collate_fn=_as_is,
+        worker_init_fn=_own_process_group,
+        multiprocessing_context=_WORKER_START if num_workers else None)
+    for item in loader:
+        if isinstance(item, LoadFailure):
+            raise DataError(item.message)
+        yield item
