@@ -142,3 +142,14 @@ def seed_adapter_weights(model: torch.nn.Module) -> None:
                 param.add_(0.05 * noise)
             else:
                 param.copy_(noise * (0.1 if ".lora_A." in name else 0.05))
+
+
+def plain_sample_loss(model: torch.nn.Module, sample) -> tuple[torch.Tensor, int]:
+    """(mean CE over the targets, target count) of a vlmcp `Sample` forwarded alone through a
+    plain transformers (or PEFT-wrapped) model."""
+    kwargs = {}
+    if sample.pixel_values is not None:
+        kwargs = {"pixel_values": sample.pixel_values, "image_grid_thw": sample.image_grid_thw}
+    out = model(input_ids=torch.tensor([sample.input_ids]), labels=torch.tensor([sample.labels]),
+                mm_token_type_ids=sample.mm_token_type_ids[None], use_cache=False, **kwargs)
+    return out.loss, sum(label != IGNORE_INDEX for label in sample.labels[1:])

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from transformers import Qwen3_5ForConditionalGeneration
 
 from launching import assert_ok, run_vlmcp, tiny_job, train_losses, write_job
+from parity import plain_sample_loss
 from vlmcp.cli import main
 from vlmcp.data.dataset import load_samples
 from vlmcp.data.processor import load_processor
@@ -44,13 +45,8 @@ def _eval_loss(model, samples) -> float:
     total, count = 0.0, 0
     with torch.no_grad():
         for s in samples:
-            n = sum(label != -100 for label in s.labels[1:])
-            kwargs = {}
-            if s.pixel_values is not None:
-                kwargs = {"pixel_values": s.pixel_values, "image_grid_thw": s.image_grid_thw}
-            out = model(input_ids=torch.tensor([s.input_ids]), labels=torch.tensor([s.labels]),
-                        mm_token_type_ids=s.mm_token_type_ids[None], use_cache=False, **kwargs)
-            total += float(out.loss) * n
+            loss, n = plain_sample_loss(model, s)
+            total += float(loss) * n
             count += n
     return total / count
 

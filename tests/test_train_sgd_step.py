@@ -21,7 +21,7 @@ from transformers import Qwen3_5ForConditionalGeneration
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForConditionalGeneration
 
 from launching import assert_ok, run_vlmcp, tiny_job, train_losses, write_job
-from parity import RawSample
+from parity import RawSample, plain_sample_loss
 from router_reference import reference_router_aux_and_grads
 from vlmcp.data.dataset import load_samples
 from vlmcp.data.pack import PackedDataset, first_fit
@@ -99,13 +99,8 @@ def _reference_update(checkpoint, samples, router_packs=None):
         _, router_grads = reference_router_aux_and_grads(model, [[raw[i] for i in pack] for pack in router_packs])
     n_total = sum(sum(label != -100 for label in s.labels[1:]) for s in samples)
     for s in samples:
-        n = sum(label != -100 for label in s.labels[1:])
-        kwargs = {}
-        if s.pixel_values is not None:
-            kwargs = {"pixel_values": s.pixel_values, "image_grid_thw": s.image_grid_thw}
-        out = model(input_ids=torch.tensor([s.input_ids]), labels=torch.tensor([s.labels]),
-                    mm_token_type_ids=s.mm_token_type_ids[None], use_cache=False, **kwargs)
-        (out.loss * n / n_total).backward()
+        loss, n = plain_sample_loss(model, s)
+        (loss * n / n_total).backward()
     grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
     for name, grad in router_grads.items():
         grads[name] = grads[name] + grad if name in grads else grad

@@ -150,29 +150,50 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx: Any, grad_total: torch.Tensor, _grad_entropy: torch.Tensor | None
                  ) -> tuple[torch.Tensor | None, ...]:
         hidden, targets, weight, bias, lse = ctx.saved_tensors
-        need_hidden, _, need_weight, need_bias, _ = ctx.needs_input_grad
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros_like(weight) if need_weight else None
-        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if need_bias else None
-        for start in range(0, hidden.shape[0], ctx.rows):
-            stop = min(start + ctx.rows, hidden.shape[0])
-            h, t = hidden[start:stop], targets[start:stop]
+
+        def grad_logits_of(start: int, stop: int, logits: torch.Tensor) -> torch.Tensor:
             # softmax - onehot, times the incoming gradient, built in place in the fp32 logits.
-            grad_logits = F.linear(h, weight, bias).float()
-            grad_logits.sub_(lse[start:stop, None]).exp_()
-            grad_logits[torch.arange(stop - start, device=t.device), t] -= 1.0
-            grad_logits.mul_(grad_total)
-            if grad_bias is not None:
-                grad_bias.add_(grad_logits.sum(0))
-            grad_logits = grad_logits.to(weight.dtype)
-            if grad_hidden is not None:
-                torch.mm(grad_logits, weight, out=grad_hidden[start:stop])
-            if grad_weight is not None:
-                grad_weight.addmm_(grad_logits.t(), h)
-            del grad_logits
-        if grad_bias is not None:
-            grad_bias = grad_bias.to(bias.dtype)
+            logits.sub_(lse[start:stop, None]).exp_()
+            logits[torch.arange(stop - start, device=targets.device), targets[start:stop]] -= 1.0
+            return logits.mul_(grad_total)
+
+        grad_hidden, grad_weight, grad_bias = linear_head_backward(
+            ctx, hidden, weight, bias, ctx.rows, grad_logits_of)
         return grad_hidden, None, grad_weight, grad_bias, None
+
+
+def linear_head_backward(
+    ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int,
+    grad_logits_of: Callable[[int, int, torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The input, weight and bias gradients of `logits = hidden @ weight.T + bias`, chunk by chunk.
+
+    hidden: [N, hidden]; weight: [vocab, hidden]; bias: [vocab] or None; ctx: the autograd
+    context whose `needs_input_grad` is (hidden, targets, weight, bias, rows).
+    grad_logits_of(start, stop, logits) turns the recomputed fp32 logits of rows [start, stop)
+    ([stop - start, vocab], its own to change in place) into their gradient. The hidden gradient is
+    written into one [N, hidden] buffer and the weight (and bias) gradient accumulated in place in
+    one buffer of the parameter's dtype, so nothing weight-sized exists beyond the gradient.
+    """
+    need_hidden, _, need_weight, need_bias, _ = ctx.needs_input_grad
+    grad_hidden = torch.empty_like(hidden) if need_hidden else None
+    grad_weight = torch.zeros_like(weight) if need_weight else None
+    grad_bias = torch.zeros_like(bias, dtype=torch.float32) if need_bias else None
+    for start in range(0, hidden.shape[0], rows):
+        stop = min(start + rows, hidden.shape[0])
+        h = hidden[start:stop]
+        grad_logits = grad_logits_of(start, stop, F.linear(h, weight, bias).float())
+        if grad_bias is not None:
+            grad_bias.add_(grad_logits.sum(0))
+        grad_logits = grad_logits.to(weight.dtype)
+        if grad_hidden is not None:
+            torch.mm(grad_logits, weight, out=grad_hidden[start:stop])
+        if grad_weight is not None:
+            grad_weight.addmm_(grad_logits.t(), h)
+        del grad_logits
+    if grad_bias is not None:
+        grad_bias = grad_bias.to(bias.dtype)
+    return grad_hidden, grad_weight, grad_bias
 
 
 def _ce_sum_and_lse(project: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,

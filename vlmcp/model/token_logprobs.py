@@ -29,6 +29,7 @@ from vlmcp.model.loss import (
     CE_BYTES_PER_LOGIT,
     CHECKPOINTED_CE_BYTES_PER_LOGIT,
     chunk_entropy,
+    linear_head_backward,
     logits_entropy,
     softmax_dot_shifted,
     vocab_chunk_rows,
@@ -130,28 +131,17 @@ class FusedLinearLogprobs(torch.autograd.Function):
     def backward(ctx: Any, grad_logprobs: torch.Tensor, _grad_entropy: torch.Tensor | None
                  ) -> tuple[torch.Tensor | None, ...]:
         hidden, targets, weight, bias, lse = ctx.saved_tensors
-        need_hidden, _, need_weight, need_bias, _ = ctx.needs_input_grad
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros_like(weight) if need_weight else None
-        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if need_bias else None
         grad_logprobs = grad_logprobs.float()
-        for start in range(0, hidden.shape[0], ctx.rows):
-            stop = min(start + ctx.rows, hidden.shape[0])
-            h, t, g = hidden[start:stop], targets[start:stop], grad_logprobs[start:stop]
+
+        def grad_logits_of(start: int, stop: int, logits: torch.Tensor) -> torch.Tensor:
             # d logprob / d logits = onehot - softmax, times g, built in place in the fp32 logits.
-            grad_logits = F.linear(h, weight, bias).float()
-            grad_logits.sub_(lse[start:stop, None]).exp_().mul_(-g[:, None])
-            grad_logits[torch.arange(stop - start, device=t.device), t] += g
-            if grad_bias is not None:
-                grad_bias.add_(grad_logits.sum(0))
-            grad_logits = grad_logits.to(weight.dtype)
-            if grad_hidden is not None:
-                torch.mm(grad_logits, weight, out=grad_hidden[start:stop])
-            if grad_weight is not None:
-                grad_weight.addmm_(grad_logits.t(), h)
-            del grad_logits
-        if grad_bias is not None:
-            grad_bias = grad_bias.to(bias.dtype)
+            g = grad_logprobs[start:stop]
+            logits.sub_(lse[start:stop, None]).exp_().mul_(-g[:, None])
+            logits[torch.arange(stop - start, device=targets.device), targets[start:stop]] += g
+            return logits
+
+        grad_hidden, grad_weight, grad_bias = linear_head_backward(
+            ctx, hidden, weight, bias, ctx.rows, grad_logits_of)
         return grad_hidden, None, grad_weight, grad_bias, None
 
 

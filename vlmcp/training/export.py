@@ -74,32 +74,45 @@ def _restore_use_cache(config: PretrainedConfig,
     return changed
 
 
-def save_hf(hf_model: PreTrainedModel, state_dict: dict[str, torch.Tensor],
-            source_dir: str | Path, out_dir: str | Path) -> Path:
-    """save_pretrained(`state_dict`) + the processor files of `source_dir` into `out_dir`.
+def write_dir_atomically(out_dir: str | Path, marker: str, what: str,
+                         fill: Callable[[Path], None], needed_bytes: int) -> Path:
+    """Fill a fresh directory with `fill(tmp)` and rename it into place as `out_dir`.
 
-    Written to a temporary directory beside `out_dir` and renamed into place when complete, so
-    `out_dir` is never half-written; an earlier model in `out_dir` is replaced, any other
+    The temporary directory lies beside `out_dir`, so `out_dir` is never half-written. An earlier
+    `what` ("model", "adapter") in `out_dir` (it holds the file `marker`) is replaced; any other
     non-empty directory is refused. On failure the temporary directory is removed and
-    CheckpointError says why ("no space left on ..." for a full disk).
+    CheckpointError says why ("no space left on ..." for a full disk, `needed_bytes` of data).
     """
     out_dir = Path(out_dir).absolute()
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "config.json").is_file():
-        raise CheckpointError([f"exporting the model: {out_dir} exists and is not a model "
-                               "directory (no config.json); it would be replaced, so choose a "
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / marker).is_file():
+        raise CheckpointError([f"exporting the {what}: {out_dir} exists and is not a {what} "
+                               f"directory (no {marker}); it would be replaced, so choose a "
                                "new or empty directory"])
     tmp = out_dir.with_name(f".tmp-{out_dir.name}")
     try:
         remove_quietly(tmp)
         tmp.mkdir(parents=True)
-        _write_hf(hf_model, state_dict, source_dir, tmp)
+        fill(tmp)
         replace_dir(tmp, out_dir)
     except (OSError, RuntimeError, SafetensorError) as exc:
-        needed = sum(v.numel() * v.element_size() for v in state_dict.values())
-        message = write_error(exc, tmp, needed)
+        message = write_error(exc, tmp, needed_bytes)
         remove_quietly(tmp)
-        raise CheckpointError([f"exporting the model to {out_dir}: {message}"]) from exc
+        raise CheckpointError([f"exporting the {what} to {out_dir}: {message}"]) from exc
     return out_dir
+
+
+def state_bytes(state_dict: dict[str, torch.Tensor]) -> int:
+    """Bytes the tensors of `state_dict` take."""
+    return sum(v.numel() * v.element_size() for v in state_dict.values())
+
+
+def save_hf(hf_model: PreTrainedModel, state_dict: dict[str, torch.Tensor],
+            source_dir: str | Path, out_dir: str | Path) -> Path:
+    """save_pretrained(`state_dict`) + the processor files of `source_dir` into `out_dir`, written
+    by `write_dir_atomically` (an earlier model there, one with config.json, is replaced)."""
+    return write_dir_atomically(
+        out_dir, "config.json", "model",
+        lambda tmp: _write_hf(hf_model, state_dict, source_dir, tmp), state_bytes(state_dict))
 
 
 def _write_hf(hf_model: PreTrainedModel, state_dict: dict[str, torch.Tensor],

@@ -15,17 +15,14 @@ from pathlib import Path
 
 import torch
 from peft import PeftModel
-from safetensors import SafetensorError
 from torch import nn
 
 from vlmcp.config import JobConfig
 from vlmcp.model.load import load_model
 from vlmcp.model.lora import apply_lora
 from vlmcp.parallel import comm
-from vlmcp.training.atomic import remove_quietly, replace_dir, write_error
-from vlmcp.training.checkpoint import CheckpointError
-from vlmcp.training.export import (copy_processor_files, hf_key_prefixes, save_hf, to_hf_keys,
-                                   write_on_rank0)
+from vlmcp.training.export import (copy_processor_files, hf_key_prefixes, save_hf, state_bytes,
+                                   to_hf_keys, write_dir_atomically, write_on_rank0)
 
 logger = logging.getLogger(__name__)
 
@@ -60,28 +57,15 @@ def save_adapter(peft_model: PeftModel, state: dict[str, torch.Tensor], source_d
                  out_dir: str | Path) -> Path:
     """Write the adapter directory: `state` holds the trainable tensors under HF model names.
 
-    An earlier adapter in `out_dir` is replaced; any other non-empty directory is refused.
-    Raises CheckpointError on a failed write (nothing half-written stays).
+    Written by `write_dir_atomically`: an earlier adapter in `out_dir` is replaced, any other
+    non-empty directory is refused, CheckpointError on a failed write.
     """
-    out_dir = Path(out_dir).absolute()
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / ADAPTER_CONFIG).is_file():
-        raise CheckpointError([f"exporting the adapter: {out_dir} exists and is not an adapter "
-                               f"directory (no {ADAPTER_CONFIG}); it would be replaced, so choose "
-                               "a new or empty directory"])
-    tmp = out_dir.with_name(f".tmp-{out_dir.name}")
-    try:
-        remove_quietly(tmp)
-        tmp.mkdir(parents=True)
+    def fill(tmp: Path) -> None:
         peft_model.save_pretrained(str(tmp), state_dict={
             PEFT_PREFIX + k: v.detach().cpu().contiguous() for k, v in state.items()})
         copy_processor_files(source_dir, tmp)
-        replace_dir(tmp, out_dir)
-    except (OSError, RuntimeError, SafetensorError) as exc:
-        needed = sum(v.numel() * v.element_size() for v in state.values())
-        message = write_error(exc, tmp, needed)
-        remove_quietly(tmp)
-        raise CheckpointError([f"exporting the adapter to {out_dir}: {message}"]) from exc
-    return out_dir
+
+    return write_dir_atomically(out_dir, ADAPTER_CONFIG, "adapter", fill, state_bytes(state))
 
 
 def save_final_adapter(module: nn.Module, peft_model: PeftModel, source_dir: str | Path,

@@ -16,6 +16,7 @@ samples and alone writes the file, sorted by sample index.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -29,6 +30,8 @@ from vlmcp.data.pack import first_fit
 from vlmcp.data.stream import SampleReader
 from vlmcp.parallel import comm
 from vlmcp.parallel.groups import SequenceParallel
+
+logger = logging.getLogger(__name__)
 
 
 @torch.no_grad()
@@ -112,6 +115,9 @@ def score(job: JobConfig, out: str | None = None, entropy: bool = False) -> Path
     sp = SequenceParallel.initialize(job.parallel.sp_size)
     engine, _, _ = _build_engine(job, preflight, sp)
     engine.eval()
+    if any(w != 1 for w in preflight.train_weights):
+        logger.warning("data.train weights are not used by vlmcp score: it scores every record of "
+                       "the files once, in file order (index i counts records across the files)")
     reader = SampleReader(preflight.train_index, preflight.processor, job.data.max_seq_len,
                           job.data.truncate)
     records = score_samples(engine, preflight.train_index.tokens.tolist(), reader.pack,
