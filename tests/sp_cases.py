@@ -61,7 +61,8 @@ def _record_tower_calls(vision: torch.nn.Module, calls: list) -> None:
 def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
     """For each case {checkpoint, stage, mode, grad_accum, vision, packs: list per DP rank of lists
     of PackedBatch, optionally lora: LoraSection keys, objective (model.objectives.Objective) and
-    score (Samples to run `score_samples` on after the step, with score_max_len)}: one DeepSpeed
+    score (Samples to run `score_samples` on after the step, with score_max_len), partition_all
+    (ZeRO-3 partitions every parameter, however small)}: one DeepSpeed
     step; returns the step loss, the metric sums (STAT_KEYS) / global targets, every trainable
     parameter's full gradient (HF names) as DeepSpeed holds them at the accumulation boundary,
     and the score records. A LoRA case injects vlmcp's adapters (then `seed_adapter_weights`)
@@ -75,6 +76,8 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
         config = sp_exact_zero_settings(
             ds_config(case["stage"], case["grad_accum"], sp.dp_size, case.get("bf16", False)), sp.size, largest_tensor_numel(case["checkpoint"])
         )
+        if case.get("partition_all"):
+            config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
         keep_alive = HfDeepSpeedConfig(config) if case["stage"] == 3 else None
         cls = Qwen3_5MoeForConditionalGeneration if hf_config.model_type == "qwen3_5_moe" else Qwen3_5ForConditionalGeneration
         dtype = torch.bfloat16 if case.get("bf16") else torch.float32

@@ -4,7 +4,7 @@ DeepSpeed step equal those of a plain transformers model that forwards each samp
 or replicated. Real engine, real gloo processes, real checkpoints on disk.
 
 LoRA cases (P = 1, 2, 3, 4; ZeRO 0-3; both DeltaNet modes; gradient checkpointing): vlmcp's adapters on the DeltaNet,
-attention and MLP projections against PEFT's on plain transformers, the same adapter weights on
+attention and MLP projections and on the MoE routed experts' fused weights (target_parameters) against PEFT's on plain transformers, the same adapter weights on
 both sides; the trainable parameters are then exactly the adapters (and modules_to_save).
 
 Each world size runs all its cases in one set of processes."""
@@ -30,6 +30,8 @@ LORA_R, LORA_ALPHA = 4, 8.0
 #: Every Linear of a dense model's decoder layers: DeltaNet, attention and MLP projections.
 DENSE_TARGETS = ["in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj",
                  "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+#: The routed experts' fused weights of a qwen3_5_moe model (lora.target_parameters).
+ROUTED_EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 # name -> world, sp size, model overrides, zero stage, DeltaNet mode, grad accumulation, pack layout,
 # and optionally vision ("split", the default, or "replicated"), train_vision, checkpointing, bf16,
@@ -123,6 +125,13 @@ CASES = {
         world=1, sp=1, model={}, stage=0, mode="state", accum=1, lora=dict(targets=["in_proj_qkv", "q_proj", "up_proj"]),
         packs=[[[(19, [(1, 4, 4)]), (26, [])]]],
     ),
+    # the routed experts' fused 3-D weights through lora.target_parameters (one LoRA pair per
+    # expert), next to Linear targets and the shared expert's MLP projections
+    "sp1_lora_moe_routed_experts_zero2": dict(
+        world=1, sp=1, model={"moe": True}, stage=2, mode="state", accum=1,
+        lora=dict(targets=["q_proj", "down_proj"], target_parameters=ROUTED_EXPERTS),
+        packs=[[[(11, []), (37, [(1, 8, 8)])]]],
+    ),
     "p2_lora_replicated_vision_gradient_checkpointing_zero1": dict(
         world=2, sp=2, model={}, stage=1, mode="state", accum=1, vision="replicated", checkpointing=True,
         lora=dict(targets=["in_proj_z", "out_proj", "k_proj", "gate_proj"]),
@@ -141,6 +150,14 @@ CASES = {
         world=2, sp=2, model={"moe": True}, stage=3, mode="state", accum=1,
         lora=dict(targets=["in_proj_qkv", "out_proj", "q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
         packs=[[[(25, [(1, 4, 4), (1, 2, 4)]), (15, [(1, 2, 2)])]]],
+    ),
+    # [24] placeholders 15..30 straddle the edge; routed experts only (no Linear targets); every
+    # ZeRO-3 parameter partitioned (persistence threshold 0: the tiny experts would stay whole),
+    # so PEFT adds the adapters to the gathered expert weights
+    "p2_lora_moe_routed_experts_image_straddles_partitioned_zero3": dict(
+        world=2, sp=2, model={"moe": True}, stage=3, mode="state", accum=1, partition_all=True,
+        lora=dict(targets=[], target_parameters=ROUTED_EXPERTS),
+        packs=[[[(11, []), (36, [(1, 8, 8)])]]],
     ),
     "p3_lora_sample_spans_three_ranks_zero3": dict(
         world=3, sp=3, model={"num_attention_heads": 6, "num_key_value_heads": 3}, stage=3, mode="state", accum=1,
@@ -188,7 +205,8 @@ def _lora_section(spec: dict) -> dict:
     """The case's vlmcp `lora` section."""
     lora = spec["lora"]
     return dict(r=LORA_R, alpha=LORA_ALPHA, target_modules=lora["targets"],
-                modules_to_save=lora.get("modules_to_save", []))
+                modules_to_save=lora.get("modules_to_save", []),
+                target_parameters=lora.get("target_parameters", []))
 
 
 def _peft_reference(model, spec: dict, samples) -> tuple[float, dict[str, torch.Tensor]]:
@@ -197,7 +215,8 @@ def _peft_reference(model, spec: dict, samples) -> tuple[float, dict[str, torch.
     lora = spec["lora"]
     targets = DENSE_TARGETS if lora["targets"] == "all-linear" else lora["targets"]
     peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(
-        r=LORA_R, lora_alpha=LORA_ALPHA, target_modules=targets, modules_to_save=lora.get("modules_to_save")))
+        r=LORA_R, lora_alpha=LORA_ALPHA, target_modules=targets or None, modules_to_save=lora.get("modules_to_save"),
+        target_parameters=lora.get("target_parameters")))
     seed_adapter_weights(peft_model)
     loss, grads = reference_loss_and_grads(peft_model, samples)
     prefix = "base_model.model."
@@ -242,7 +261,7 @@ def _results(world: int, sp: int, tmp_root) -> dict:
                            checkpointing=spec.get("checkpointing", False), vision=spec.get("vision", "split"),
                            loss_chunk_mb=spec.get("loss_chunk_mb", DEFAULT_LOSS_CHUNK_MB),
                            lora=_lora_section(spec) if spec.get("lora") else None,
-                           router_aux=spec.get("router_aux", False))
+                           router_aux=spec.get("router_aux", False), partition_all=spec.get("partition_all", False))
     per_rank = run_ranks(engine_step, world, sp, cases)
     return {name: (references[name], [r[name] for r in per_rank]) for name in cases}
 

@@ -219,6 +219,10 @@ class LoraSection:
     modules_to_save: list[str] = field(default_factory=list, metadata=_key(
         "leaf modules of the language model trained in full next to the adapters (norms, "
         "Linear layers; not embed_tokens or lm_head); not with ZeRO-3"))
+    target_parameters: list[str] = field(default_factory=list, metadata=_key(
+        "fused parameters to adapt (PEFT target_parameters): the routed experts' 3-D weights of "
+        "a qwen3_5_moe model, mlp.experts.gate_up_proj and mlp.experts.down_proj, one LoRA pair "
+        "per expert; needs lora.dropout 0; not with ZeRO-3"))
 
 
 @dataclass
@@ -461,8 +465,13 @@ def _lora_checks(lora: LoraSection, model: ModelSection) -> list[str]:
     if isinstance(lora.target_modules, str) and lora.target_modules != "all-linear":
         problems.append(f"config key 'lora.target_modules': expected a list of module names or "
                         f"\"all-linear\", got {json.dumps(lora.target_modules)}")
-    if isinstance(lora.target_modules, list) and not lora.target_modules:
-        problems.append("config key 'lora.target_modules': must name at least one module")
+    if (isinstance(lora.target_modules, list) and not lora.target_modules
+            and not lora.target_parameters):
+        problems.append("config key 'lora.target_modules': must name at least one module (or "
+                        "set lora.target_parameters)")
+    if lora.target_parameters and lora.dropout:
+        problems.append(f"config key 'lora.dropout' is {lora.dropout} but 'lora.target_parameters' "
+                        "is set: PEFT's parameter LoRA has no dropout (set lora.dropout to 0)")
     if not model.freeze_vision:
         problems.append("config key 'model.freeze_vision' is false but LoRA (lora.r > 0) keeps "
                         "the vision tower frozen")

@@ -17,9 +17,15 @@ the language model, so that:
 * an entry that matches nothing is an error before any rank starts (`lora_problems`, on a
   meta-device model).
 
-In a `qwen3_5_moe` model the routed experts hold fused 3-D weights (`mlp.experts.gate_up_proj`,
-`mlp.experts.down_proj`), not Linear modules; they are not adapted (naming them is an error),
-while `gate_proj`/`up_proj`/`down_proj` adapt the shared expert's Linear layers.
+In a `qwen3_5_moe` model the routed experts hold fused 3-D weights (`mlp.experts.gate_up_proj`
+[E, 2I, H], `mlp.experts.down_proj` [E, H, I]), not Linear modules: `target_modules` refuses them
+and `gate_proj`/`up_proj`/`down_proj` there adapt the shared expert's Linear layers. The section's
+`target_parameters` adapts them instead, through PEFT's `target_parameters` (a `ParamWrapper`
+around the experts module: one rank-r pair per expert, added to the weight while the module runs).
+Its entries match parameter names the same way, inside the language model, and must land on a
+routed-experts module (anything else is a Linear for `target_modules`, or a weight the SP code
+reads directly). The experts module is called as a module by transformers' MoE block, so the
+wrapper runs under SP as on one rank.
 
 `apply_lora` injects the adapters in place: the transformers model keeps its class and module
 paths (wrapped Linear layers become PEFT `LoraLayer`s with a `base_layer`), every base weight is
@@ -46,8 +52,10 @@ ALL_LINEAR = "all-linear"
 #: Where the decoder layers live inside `Qwen3_5(Moe)ForConditionalGeneration`.
 LAYERS_PREFIX = "model.language_model.layers."
 LANGUAGE_MODEL_PREFIX = "model.language_model."
-_FUSED_EXPERTS = ("the routed experts hold fused 3-D weights, not Linear layers, and are not "
-                  "adapted (gate_proj, up_proj and down_proj adapt the shared expert)")
+_FUSED_EXPERTS = ("the routed experts hold fused 3-D weights, not Linear layers: adapt them with "
+                  "lora.target_parameters (e.g. [\"mlp.experts.gate_up_proj\", "
+                  "\"mlp.experts.down_proj\"]); in lora.target_modules, gate_proj, up_proj and "
+                  "down_proj adapt the shared expert")
 
 
 class LoraError(ValueError):
@@ -149,12 +157,49 @@ def resolve_lora_modules(model: nn.Module, section: LoraSection) -> tuple[list[s
                 problems.append(problem)
             else:
                 to_save.add(name)
-    if not targets and not problems:
+    if not targets and not problems and not section.target_parameters:
         problems.append("config key 'lora.target_modules': selects no Linear layer of the "
                         "decoder layers")
     if problems:
         raise LoraError(problems)
     return sorted(targets), sorted(to_save)
+
+
+def _is_experts(module: nn.Module) -> bool:
+    return type(module).__name__.endswith("Experts")
+
+
+def resolve_lora_parameters(model: nn.Module, section: LoraSection) -> list[str]:
+    """Full names of the routed experts' fused parameters `lora.target_parameters` selects.
+
+    Raises LoraError listing every entry that matches no parameter, or matches one outside the
+    language model or not held by a routed-experts module.
+    """
+    modules = dict(model.named_modules())
+    names = [n for n, _ in model.named_parameters()]
+    problems: list[str] = []
+    selected: set[str] = set()
+    for entry in section.target_parameters:
+        found = [n for n in names if _matches(n, entry)]
+        inside = [n for n in found if n.startswith(LANGUAGE_MODEL_PREFIX)]
+        if not found:
+            problems.append(f"config key 'lora.target_parameters': {entry!r} matches no parameter "
+                            "of the model (the routed experts' are mlp.experts.gate_up_proj and "
+                            "mlp.experts.down_proj, in a qwen3_5_moe model)")
+        for name in inside or found:
+            owner = name.rpartition(".")[0]
+            problem = _refused(owner, "target_parameters", entry)
+            if problem is None and not _is_experts(modules[owner]):
+                problem = (f"config key 'lora.target_parameters': {entry!r} matches {name}, not a "
+                           "weight of the routed experts (mlp.experts.*); adapt Linear layers "
+                           "with lora.target_modules")
+            if problem:
+                problems.append(problem)
+            else:
+                selected.add(name)
+    if problems:
+        raise LoraError(problems)
+    return sorted(selected)
 
 
 def _target_pattern(targets: list[str], modules: list[str]) -> str | list[str]:
@@ -167,15 +212,34 @@ def _target_pattern(targets: list[str], modules: list[str]) -> str | list[str]:
     return targets
 
 
+def _resolve(model: nn.Module, section: LoraSection) -> tuple[list[str], list[str], list[str]]:
+    """(Linear targets, modules_to_save, fused expert parameters); one LoraError naming the
+    problems of all three keys."""
+    problems: list[str] = []
+    targets, to_save, parameters = [], [], []
+    try:
+        targets, to_save = resolve_lora_modules(model, section)
+    except LoraError as exc:
+        problems.extend(exc.problems)
+    try:
+        parameters = resolve_lora_parameters(model, section)
+    except LoraError as exc:
+        problems.extend(exc.problems)
+    if problems:
+        raise LoraError(problems)
+    return targets, to_save, parameters
+
+
 def lora_config(model: nn.Module, section: LoraSection, base_path: str | Path) -> LoraConfig:
     """The PEFT LoraConfig of `section` for `model` (targets resolved to full module names)."""
-    targets, to_save = resolve_lora_modules(model, section)
+    targets, to_save, parameters = _resolve(model, section)
     names = [n for n, _ in model.named_modules()]
     return LoraConfig(
         r=section.r,
         lora_alpha=section.alpha,
         lora_dropout=section.dropout,
-        target_modules=_target_pattern(targets, names),
+        target_modules=_target_pattern(targets, names) if targets else None,
+        target_parameters=parameters or None,
         modules_to_save=to_save or None,
         bias="none",
         base_model_name_or_path=str(Path(base_path).absolute()),
@@ -190,12 +254,14 @@ def apply_lora(model: PreTrainedModel, section: LoraSection, base_path: str | Pa
     weights are fp32 for a bf16/fp16 base (PEFT's autocast).
     """
     config = lora_config(model, section, base_path)
-    if any(type(m).__name__.endswith("Experts") for m in model.modules()):
+    if not config.target_parameters and any(_is_experts(m) for m in model.modules()):
         logger.info("LoRA on a MoE model: %s", _FUSED_EXPERTS)
     peft_model = get_peft_model(model, config)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    logger.info("LoRA r=%d alpha=%g on %d modules: %d trainable parameters", section.r,
-                section.alpha, sum(1 for m in model.modules() if hasattr(m, "lora_A")), trainable)
+    wrapped = [m for m in model.modules() if hasattr(m, "lora_A")]
+    experts = sum(1 for m in wrapped if hasattr(m, "parameter_name"))
+    logger.info("LoRA r=%d alpha=%g on %d modules and %d expert parameters: %d trainable "
+                "parameters", section.r, section.alpha, len(wrapped) - experts, experts, trainable)
     return peft_model
 
 
@@ -208,7 +274,7 @@ def lora_problems(model_config: PretrainedConfig, section: LoraSection) -> list[
     with torch.device("meta"):
         model = model_class._from_config(model_config)
     try:
-        resolve_lora_modules(model, section)
+        _resolve(model, section)
     except LoraError as exc:
         return exc.problems
     return []
