@@ -127,8 +127,8 @@ CASES = {
     ),
     # the routed experts' fused 3-D weights through lora.target_parameters (one LoRA pair per
     # expert), next to Linear targets and the shared expert's MLP projections
-    "sp1_lora_moe_routed_experts_zero2": dict(
-        world=1, sp=1, model={"moe": True}, stage=2, mode="state", accum=1,
+    "sp1_lora_moe_routed_experts_gradient_checkpointing_zero2": dict(
+        world=1, sp=1, model={"moe": True}, stage=2, mode="state", accum=1, checkpointing=True,
         lora=dict(targets=["q_proj", "down_proj"], target_parameters=ROUTED_EXPERTS),
         packs=[[[(11, []), (37, [(1, 8, 8)])]]],
     ),
