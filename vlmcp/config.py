@@ -222,7 +222,7 @@ class LoraSection:
     target_parameters: list[str] = field(default_factory=list, metadata=_key(
         "fused parameters to adapt (PEFT target_parameters): the routed experts' 3-D weights of "
         "a qwen3_5_moe model, mlp.experts.gate_up_proj and mlp.experts.down_proj, one LoRA pair "
-        "per expert; needs lora.dropout 0; not with ZeRO-3"))
+        "per expert; needs lora.dropout 0"))
 
 
 @dataclass

@@ -231,7 +231,8 @@ def _resolve(model: nn.Module, section: LoraSection) -> tuple[list[str], list[st
 
 
 def lora_config(model: nn.Module, section: LoraSection, base_path: str | Path) -> LoraConfig:
-    """The PEFT LoraConfig of `section` for `model` (targets resolved to full module names)."""
+    """The PEFT LoraConfig of `section` for `model` (targets resolved to full module names,
+    target_parameters to full parameter names)."""
     targets, to_save, parameters = _resolve(model, section)
     names = [n for n, _ in model.named_modules()]
     return LoraConfig(
