@@ -121,6 +121,8 @@ def run_data_scale(args: argparse.Namespace) -> dict[str, Any]:
     sizes = [int(n) for n in args.data_scale.split(",")]
     args.sp_size = args.sp_size or 2
     rows = []
+    if args.scratch:
+        Path(args.scratch).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="vlmcp-data-scale-", dir=args.scratch) as scratch:
         root = Path(scratch)
         model_dir = build_tiny_checkpoint(root / "model", moe=False, seed=0)
