@@ -153,3 +153,19 @@ def plain_sample_loss(model: torch.nn.Module, sample) -> tuple[torch.Tensor, int
     out = model(input_ids=torch.tensor([sample.input_ids]), labels=torch.tensor([sample.labels]),
                 mm_token_type_ids=sample.mm_token_type_ids[None], use_cache=False, **kwargs)
     return out.loss, sum(label != IGNORE_INDEX for label in sample.labels[1:])
+
+
+def random_lm_head(vocab: int, hidden: int, rows: int, bias: bool, ignore_every: int,
+                   generator: torch.Generator) -> tuple[torch.nn.Linear, torch.Tensor, torch.Tensor]:
+    """(an lm_head Linear [vocab, hidden] with N(0, 1) weights (and bias), hidden states
+    [rows, hidden], targets [rows] with every `ignore_every`-th one IGNORE_INDEX), all from
+    `generator`, fp32."""
+    head = torch.nn.Linear(hidden, vocab, bias=bias)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(vocab, hidden, generator=generator))
+        if bias:
+            head.bias.copy_(torch.randn(vocab, generator=generator))
+    states = torch.randn(rows, hidden, generator=generator)
+    targets = torch.randint(0, vocab, (rows,), generator=generator)
+    targets[::ignore_every] = IGNORE_INDEX
+    return head, states, targets

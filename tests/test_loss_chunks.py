@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.parity import random_lm_head
 from vlmcp.config import TrainSection
 from vlmcp.data.batch import IGNORE_INDEX
 from vlmcp.model.loss import (
@@ -56,15 +57,7 @@ def test_job_default_budget_is_the_model_default():
 
 
 def _head_and_inputs(bias: bool, dtype: torch.dtype) -> tuple[torch.nn.Linear, torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(0)
-    head = torch.nn.Linear(HIDDEN, VOCAB, bias=bias)
-    with torch.no_grad():
-        head.weight.copy_(torch.randn(VOCAB, HIDDEN, generator=generator))
-        if bias:
-            head.bias.copy_(torch.randn(VOCAB, generator=generator))
-    hidden = torch.randn(ROWS, HIDDEN, generator=generator)
-    targets = torch.randint(0, VOCAB, (ROWS,), generator=generator)
-    targets[::7] = IGNORE_INDEX
+    head, hidden, targets = random_lm_head(VOCAB, HIDDEN, ROWS, bias, 7, torch.Generator().manual_seed(0))
     return head.to(dtype), hidden.to(dtype).requires_grad_(True), targets
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.parity import random_lm_head
 from vlmcp.data.batch import IGNORE_INDEX
 from vlmcp.model.loss import CE_BYTES_PER_LOGIT, CHECKPOINTED_CE_BYTES_PER_LOGIT, shard_ce_and_entropy
 from vlmcp.model.token_logprobs import shard_token_logprobs
@@ -22,14 +23,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _inputs(bias: bool = True):
     generator = torch.Generator().manual_seed(0)
-    head = torch.nn.Linear(HIDDEN, VOCAB, bias=bias)
-    with torch.no_grad():
-        head.weight.copy_(torch.randn(VOCAB, HIDDEN, generator=generator))
-        if bias:
-            head.bias.copy_(torch.randn(VOCAB, generator=generator))
-    hidden = torch.randn(ROWS, HIDDEN, generator=generator)
-    targets = torch.randint(0, VOCAB, (ROWS,), generator=generator)
-    targets[::5] = IGNORE_INDEX
+    head, hidden, targets = random_lm_head(VOCAB, HIDDEN, ROWS, bias, 5, generator)
     coefficients = torch.randn(int((targets != IGNORE_INDEX).sum()), generator=generator)
     return head, hidden, targets, coefficients
 
