@@ -148,7 +148,7 @@ def test_train_under_torchrun_fails_on_every_rank_with_the_validate_lines(
 
 def _problems_on_rank_one_only():
     from vlmcp.parallel import comm
-    from vlmcp.training.loop import agree_on_problems
+    from vlmcp.training.preflight import agree_on_problems
 
     try:
         agree_on_problems(["data.train: only rank 1 sees this"] if comm.rank() == 1 else [])

@@ -239,3 +239,28 @@ def test_a_pack_that_fails_to_load_stops_both_ranks_with_its_sample(
     assert len(errors) == 1, result.stderr[-3000:]
     assert errors[0].startswith("loading the packs of step")
     assert f"{data}:3: cannot decode image {cut}" in errors[0]
+
+
+def test_a_held_out_sample_that_fails_to_load_stops_both_ranks_at_the_evaluation(
+        tiny_checkpoint, make_jsonl, tmp_path):
+    """data.eval is indexed from image headers, not decoded up front: the run starts with an
+    eval image whose pixels are cut off, trains its first step, and then every rank stops at the
+    evaluation with one error naming that held-out sample; none hangs."""
+    good = {"messages": [{"role": "user", "content": "<image>Which digit?"},
+                         {"role": "assistant", "content": "7"}], "images": ["img/a.png"]}
+    train = make_jsonl([good] * 4, {"img/a.png": (32, 32), "img/cut.png": (64, 64)})
+    held_out = make_jsonl([good, {**good, "images": ["img/cut.png"]}], name="eval.jsonl")
+    cut = tmp_path / "img" / "cut.png"
+    cut.write_bytes(cut.read_bytes()[:60])
+    job = write_job(tmp_path / "job.json", tiny_job(
+        tiny_checkpoint, train, tmp_path / "out",
+        data={"eval": str(held_out), "max_seq_len": 40, "num_workers": 0},
+        parallel={"sp_size": 2}, train={"max_steps": 2, "eval_every": 1}))
+    result = run_vlmcp(["train", str(job)], launcher="torchrun", nproc=2, timeout=240)
+    assert result.returncode != 0
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows if "loss" in row] == [1]
+    errors = result.stderr.split("error: ")[1:]
+    assert len(errors) == 1, result.stderr[-3000:]
+    assert errors[0].startswith("evaluation: ")
+    assert f"{held_out}:2: cannot decode image {cut}" in errors[0]

@@ -261,7 +261,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     drawn = sum(draws_per_epoch(report.train_file_sizes, report.train_weights))
     per_epoch = f" ({drawn} per epoch)" if drawn != len(report.train_index) else ""
     print(f"ok: {args.job} ({len(report.train_index)} train{per_epoch}, "
-          f"{len(report.eval_samples)} eval samples; world {world_size}, "
+          f"{len(report.eval_index or ())} eval samples; world {world_size}, "
           f"sp_size {job.parallel.sp_size})")
     return 0
 

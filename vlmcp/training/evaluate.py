@@ -11,23 +11,32 @@ the sample counts as correct when plain Hugging Face greedy `generate` on that p
 the sample's first run of target tokens exactly (for chat data: the first assistant reply and its
 `<|im_end|>`), up to `eval.max_new_tokens` tokens. Samples are spread over all ranks; under
 ZeRO-3 every rank runs the same number of `generate` calls with `synced_gpus`.
+
+Nothing is decoded up front: packs and prompts are read back from data.eval's length index
+(`SampleReader`) when they are needed, by the rank that needs them. A sample that fails to load
+stops every rank with one error naming it.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import nn
 
 from vlmcp.data.batch import IGNORE_INDEX
-from vlmcp.data.formats import Sample
-from vlmcp.data.pack import pack_samples
-from vlmcp.parallel import comm
+from vlmcp.data.formats import DataError, Sample
+from vlmcp.data.pack import first_fit
+from vlmcp.data.stream import SampleReader
 from vlmcp.model.objectives import Objective
+from vlmcp.parallel import comm
 from vlmcp.parallel.groups import SequenceParallel
+from vlmcp.training.preflight import agree_on_problems
+
+T = TypeVar("T")
 
 #: Held-out loss is always token-mean cross-entropy, whatever `loss.type` trains.
 EVAL_OBJECTIVE = Objective()
@@ -74,15 +83,30 @@ def _rounds(count: int, ways: int) -> int:
     return max(1, math.ceil(count / ways))
 
 
+def _load_agreed(load: Callable[[], T]) -> T | None:
+    """`load()` on every rank, then agree (one small all-reduce): every rank raises
+    PreflightError when any rank could not load its data (the lowest failing rank with the
+    error naming the sample), so no rank is left waiting in the next collective."""
+    try:
+        item, problems = load(), []
+    except DataError as exc:
+        item, problems = None, [f"evaluation: {exc}"]
+    agree_on_problems(problems)
+    return item
+
+
 @torch.no_grad()
-def eval_loss(engine: nn.Module, samples: Sequence[Sample], max_seq_len: int,
+def eval_loss(engine: nn.Module, reader: SampleReader, max_seq_len: int,
               sp: SequenceParallel) -> tuple[float, int]:
-    """(mean target-token CE over `samples`, number of targets), identical on every rank."""
-    packs = pack_samples(samples, max_seq_len)
+    """(mean target-token CE over the samples of `reader.index`, number of targets), identical
+    on every rank. Packs are first-fit over the index's lengths and dealt round-robin over the DP
+    groups; each rank loads only its own packs."""
+    packs = first_fit(reader.index.tokens.tolist(), max_seq_len)
     totals = torch.zeros(2, dtype=torch.float64)
     for round_ in range(_rounds(len(packs), sp.dp_size)):
         index = round_ * sp.dp_size + sp.dp_rank
-        loss_sum, count, _ = engine(packs[index % len(packs)], objective=EVAL_OBJECTIVE)
+        batch = _load_agreed(lambda: reader.pack(packs[index % len(packs)]))
+        loss_sum, count, _ = engine(batch, objective=EVAL_OBJECTIVE)
         if index < len(packs):
             totals += torch.tensor([float(loss_sum), float(count)], dtype=torch.float64)
     comm.all_reduce_sum(totals)
@@ -90,9 +114,10 @@ def eval_loss(engine: nn.Module, samples: Sequence[Sample], max_seq_len: int,
 
 
 @torch.no_grad()
-def generation_accuracy(hf_model: nn.Module, samples: Sequence[Sample], max_new_tokens: int,
-                        *, synced: bool) -> tuple[float, int]:
-    """(fraction of samples whose greedy continuation matches, samples), identical on every rank.
+def generation_accuracy(hf_model: nn.Module, reader: SampleReader, count: int,
+                        max_new_tokens: int, *, synced: bool) -> tuple[float, int]:
+    """(fraction of the first `count` samples of `reader.index` whose greedy continuation
+    matches, samples), identical on every rank; each rank loads only its own samples.
 
     `synced`: every rank must take part in every forward (ZeRO-3).
     """
@@ -101,10 +126,19 @@ def generation_accuracy(hf_model: nn.Module, samples: Sequence[Sample], max_new_
     was_training = hf_model.training
     hf_model.eval()
     totals = torch.zeros(2, dtype=torch.float64)
-    rounds = _rounds(len(samples), world) if synced else math.ceil(max(len(samples) - rank, 0) / world)
+    rounds = _rounds(count, world) if synced else math.ceil(max(count - rank, 0) / world)
+    problems: list[str] = []
     for round_ in range(rounds):
         index = round_ * world + rank
-        prompt = generation_prompt(samples[index % len(samples)], max_new_tokens)
+        if synced:
+            sample = _load_agreed(lambda: reader.sample(index % count))
+        else:
+            try:
+                sample = reader.sample(index)
+            except DataError as exc:
+                problems.append(f"evaluation: {exc}")
+                break
+        prompt = generation_prompt(sample, max_new_tokens)
         kwargs = {}
         if prompt.pixel_values is not None:
             kwargs = {"pixel_values": prompt.pixel_values.to(device),
@@ -120,8 +154,9 @@ def generation_accuracy(hf_model: nn.Module, samples: Sequence[Sample], max_new_
             **kwargs,
         )
         generated = output[0, prompt.input_ids.shape[1]:].tolist()
-        if index < len(samples):
+        if index < count:
             totals += torch.tensor([float(generated == prompt.reference), 1.0], dtype=torch.float64)
     hf_model.train(was_training)
+    agree_on_problems(problems)
     comm.all_reduce_sum(totals)
     return float(totals[0] / max(totals[1], 1.0)), int(totals[1])

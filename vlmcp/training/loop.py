@@ -51,7 +51,8 @@ from vlmcp.training.nonfinite import NonFiniteError, NonFiniteGuard
 from vlmcp.training.ds_engine import describe_engine, engine_optim_args
 from vlmcp.training.objective_step import objective_metrics, objective_of, step_counts
 from vlmcp.training.optim import can_veto
-from vlmcp.training.preflight import Preflight, PreflightError, load_train_index, run_preflight
+from vlmcp.training.preflight import (Preflight, agree_on_problems,
+                                      load_eval_index, load_train_index, run_preflight)
 from vlmcp.training.schedule import StepSchedule
 from vlmcp.training.signals import StopRequested, StopSignals
 from vlmcp.training.watchdog import Watchdog
@@ -79,21 +80,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def agree_on_problems(problems: list[str]) -> None:
-    """Fail on every rank when any rank found a problem, before any other collective.
-
-    The lowest failing rank raises its problems (the CLI prints them); every other rank raises
-    an empty PreflightError and exits quietly, so no rank is left waiting in a collective and
-    each problem is printed once.
-    """
-    failing = [r for r, flag in enumerate(comm.rank_flags(bool(problems))) if flag]
-    if not failing:
-        return
-    if comm.rank() == failing[0]:
-        raise PreflightError(problems)
-    raise PreflightError([])
 
 
 def _build_engine(job: JobConfig, preflight: Preflight,
@@ -143,6 +129,8 @@ def _load_data(job: JobConfig, preflight: Preflight, training: bool = True) -> N
     `training` False (`vlmcp score`): no check of the per-token arrays `loss.type` needs."""
     if not _index_builder():
         load_train_index(job, preflight, may_build=False, training=training)
+        if training:
+            load_eval_index(job, preflight, may_build=False)
     agree_on_problems(preflight.problems)
 
 
@@ -178,7 +166,7 @@ def start_run(job: JobConfig) -> Run:
     sp = SequenceParallel.initialize(job.parallel.sp_size)
     logger.info("world %d = sp %d x dp %d, ZeRO stage %d, %d train / %d eval samples",
                 comm.world_size(), sp.size, sp.dp_size, zero_stage(preflight.ds_config),
-                len(preflight.train_index), len(preflight.eval_samples))
+                len(preflight.train_index), len(preflight.eval_index or ()))
     engine, module, adapter = _build_engine(job, preflight, sp)
     start_step = load_latest(engine, job) if job.train.resume else 0
     return Run(job=job, preflight=preflight, sp=sp, engine=engine, module=module,
@@ -266,15 +254,20 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
 
 
 def evaluate(run: Run, step: int) -> dict[str, Any]:
-    """Evaluation row at `step` completed steps (every rank takes part)."""
+    """Evaluation row at `step` completed steps (every rank takes part); data.eval's packs and
+    prompts are loaded from its length index as they are needed."""
     job, engine = run.job, run.engine
+    reader = SampleReader(run.preflight.eval_index, run.preflight.processor, job.data.max_seq_len,
+                          job.data.truncate)
     engine.eval()
-    loss, targets = eval_loss(engine, run.preflight.eval_samples, job.data.max_seq_len, run.sp)
+    loss, targets = eval_loss(engine, reader, job.data.max_seq_len, run.sp)
     row: dict[str, Any] = {"step": step, "eval_loss": loss, "eval_targets": targets}
     if job.eval.generate:
-        samples = run.preflight.eval_samples[:job.eval.max_samples]
+        count = len(reader.index)
+        if job.eval.max_samples is not None:
+            count = min(count, job.eval.max_samples)
         accuracy, count = generation_accuracy(
-            run.module.hf_model, samples, job.eval.max_new_tokens,
+            run.module.hf_model, reader, count, job.eval.max_new_tokens,
             synced=zero_stage(run.preflight.ds_config) == 3)
         row.update({"eval_accuracy": accuracy, "eval_samples": count})
     engine.train()

@@ -7,10 +7,11 @@ every record of every file of data.train and data.eval (files, images, placehold
 lengths, targets; each weighted file contributing at least one sample per epoch), that a resume
 has a complete checkpoint to resume from, and that output_dir is writable.
 
-data.train becomes a length index (`vlmcp.data.index`), not samples in memory. `vlmcp validate`
-(`decode_images=True`) decodes every image once and rebuilds the cached index. A training rank
-that builds indexes (`index_role="build"`) loads the cached index or builds it from image
-headers; the others (`"skip"`) load it afterwards with `load_train_index`.
+data.train and data.eval become length indexes (`vlmcp.data.index`), not samples in memory.
+`vlmcp validate` (`decode_images=True`) decodes every image once and rebuilds the cached indexes.
+A training rank that builds indexes (`index_role="build"`) loads the cached indexes or builds
+them from image headers; the others (`"skip"`) load them afterwards with `load_train_index` and
+`load_eval_index`.
 Every training sample must carry the per-token arrays `loss.type` needs (read from the index).
 """
 
@@ -27,8 +28,6 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from vlmcp.config import ConfigError, JobConfig, JobError
-from vlmcp.data.dataset import iter_samples
-from vlmcp.data.formats import DataError, Sample
 from vlmcp.data.index import LengthIndex
 from vlmcp.data.index_cache import IndexResult, default_cache_dir, obtain_index
 from vlmcp.data.mixture import draws_per_epoch
@@ -66,7 +65,7 @@ class Preflight:
     train_file_sizes: list[int] = field(default_factory=list)
     #: Weight of each data.train file (`vlmcp.data.mixture`).
     train_weights: list[float] = field(default_factory=list)
-    eval_samples: list[Sample] = field(default_factory=list)
+    eval_index: LengthIndex | None = None
 
 
 def _where(job: JobConfig, path: str) -> str:
@@ -95,22 +94,6 @@ def _missing_files(job: JobConfig, files: list[DataFile]) -> list[str]:
     """One problem per file of `files` that does not exist."""
     return [f"config key '{f.key}': file not found: {_where(job, f.path)}" for f in files
             if not job.resolve_input(f.path).is_file()]
-
-
-def _read_eval(job: JobConfig, processor: VLProcessor, image_root: Path | None,
-               report: Preflight) -> None:
-    """data.eval's samples, decoded (held-out sets are small; every rank evaluates on all)."""
-    files = data_files(job.data.eval, "data.eval", weighted=False)
-    report.problems.extend(_missing_files(job, files))
-    for path in (job.resolve_input(f.path) for f in files):
-        if not path.is_file():
-            continue
-        for item in iter_samples(path, processor, job.data.max_seq_len, job.data.truncate,
-                                 image_root):
-            if isinstance(item, DataError):
-                report.problems.append(str(item))
-            else:
-                report.eval_samples.append(item)
 
 
 def _check_mixture(files: list[DataFile], counts: list[int], report: Preflight) -> None:
@@ -213,10 +196,42 @@ def _check_output_dir(job: JobConfig, report: Preflight) -> None:
                                f"{exc.strerror or exc}")
 
 
+def agree_on_problems(problems: list[str]) -> None:
+    """Fail on every rank when any rank found a problem, before any other collective.
+
+    The lowest failing rank raises its problems (the CLI prints them); every other rank raises
+    an empty PreflightError and exits quietly, so no rank is left waiting in a collective and
+    each problem is printed once.
+    """
+    failing = [r for r, flag in enumerate(comm.rank_flags(bool(problems))) if flag]
+    if not failing:
+        return
+    if comm.rank() == failing[0]:
+        raise PreflightError(problems)
+    raise PreflightError([])
+
+
 def index_settings(job: JobConfig) -> dict[str, Any]:
     """The job settings besides the processor (whose fingerprint covers data.chat_template_kwargs
     and data.empty_think) that change token counts: part of the index cache key."""
     return {"max_seq_len": job.data.max_seq_len, "truncate": job.data.truncate}
+
+
+def _index_files(job: JobConfig, report: Preflight, files: list[DataFile], *, may_build: bool,
+                 rebuild: bool) -> tuple[IndexResult | None, list[int]]:
+    """The length index of those of `files` that exist (None when none does), and their positions
+    in `files`; the data's problems, then the missing files, are added to report.problems."""
+    paths = [job.resolve_input(f.path) for f in files]
+    present = [i for i, path in enumerate(paths) if path.is_file()]
+    result = None
+    if present:
+        cache_dir = Path(job.data.cache_dir) if job.data.cache_dir else default_cache_dir()
+        result = obtain_index([paths[i] for i in present], report.processor, index_settings(job),
+                              cache_dir, image_root=_image_root(job), may_build=may_build,
+                              rebuild=rebuild)
+        report.problems.extend(result.problems)
+    report.problems.extend(_missing_files(job, files))
+    return result, present
 
 
 def load_train_index(job: JobConfig, report: Preflight, *, may_build: bool,
@@ -228,17 +243,8 @@ def load_train_index(job: JobConfig, report: Preflight, *, may_build: bool,
     if report.processor is None:
         return
     files = data_files(job.data.train, "data.train")
-    paths = [job.resolve_input(f.path) for f in files]
-    present = [i for i, path in enumerate(paths) if path.is_file()]
-    result = None
-    if present:
-        cache_dir = Path(job.data.cache_dir) if job.data.cache_dir else default_cache_dir()
-        result = obtain_index([paths[i] for i in present], report.processor, index_settings(job),
-                              cache_dir, image_root=_image_root(job), may_build=may_build,
-                              rebuild=rebuild)
-        report.problems.extend(result.problems)
-        report.train_index_result = result
-    report.problems.extend(_missing_files(job, files))
+    result, present = _index_files(job, report, files, may_build=may_build, rebuild=rebuild)
+    report.train_index_result = result
     if result is None or result.index is None:
         return
     sizes = [0] * len(files)
@@ -253,12 +259,25 @@ def load_train_index(job: JobConfig, report: Preflight, *, may_build: bool,
         report.problems.extend(objective_problems(job, result.index))
 
 
+def load_eval_index(job: JobConfig, report: Preflight, *, may_build: bool,
+                    rebuild: bool = False) -> None:
+    """Set report.eval_index, the length index of data.eval (evaluation loads its packs and
+    generation prompts from it when it runs), like `load_train_index`."""
+    if report.processor is None or not job.data.eval:
+        return
+    files = data_files(job.data.eval, "data.eval", weighted=False)
+    result, present = _index_files(job, report, files, may_build=may_build, rebuild=rebuild)
+    if result is not None and result.index is not None and len(present) == len(files) \
+            and not result.problems:
+        report.eval_index = result.index
+
+
 def run_preflight(job: JobConfig, world_size: int, *, index_role: str = "build",
                   decode_images: bool = False, training: bool = True) -> Preflight:
     """Run every check of `job` for a world of `world_size` ranks and index its data.
 
-    index_role: "build" (load the cached length index, or build it) or "skip" (leave it to
-    `load_train_index`). decode_images: decode every image once and rebuild
+    index_role: "build" (load the cached length indexes, or build them) or "skip" (leave them to
+    `load_train_index` and `load_eval_index`). decode_images: decode every image once and rebuild
     the index (validation). training False (`vlmcp score`): no checkpoint-resume check and no
     check of the per-token arrays `loss.type` needs.
     """
@@ -269,10 +288,8 @@ def run_preflight(job: JobConfig, world_size: int, *, index_role: str = "build",
     _check_output_dir(job, report)
     if training:
         _check_resume(job, report)
-    if report.processor is not None and _check_image_root(job, report):
-        if index_role != "skip":
-            load_train_index(job, report, may_build=True, rebuild=decode_images,
-                             training=training)
-        if job.data.eval:
-            _read_eval(job, report.processor, _image_root(job), report)
+    if report.processor is not None and _check_image_root(job, report) and index_role != "skip":
+        load_train_index(job, report, may_build=True, rebuild=decode_images, training=training)
+        if training:
+            load_eval_index(job, report, may_build=True, rebuild=decode_images)
     return report

@@ -100,8 +100,8 @@ def score(job: JobConfig, out: str | None = None, entropy: bool = False) -> Path
     """Score data.train with the job's model on every rank of the launcher's world; returns the
     output path (default OUTPUT_DIR/scores.jsonl), written by global rank 0. A LoRA job
     (lora.r > 0) is a ConfigError: its adapters are not at model.path."""
-    from vlmcp.training.loop import _build_engine, _index_builder, _load_data, agree_on_problems
-    from vlmcp.training.preflight import run_preflight
+    from vlmcp.training.loop import _build_engine, _index_builder, _load_data
+    from vlmcp.training.preflight import agree_on_problems, run_preflight
 
     if job.lora.r:
         raise ConfigError(["config key 'lora.r': vlmcp score runs the model at model.path without "
