@@ -1,9 +1,10 @@
 """Records of a data file with the byte span each occupies, so that one can be read back alone.
 
-`vlmcp.data.sources.iter_records` is the one reader of data files (JSON Lines or a JSON array,
-by content; labels and errors). `locate_records` walks it once (the length index pass) and adds
-each record's byte span; `read_record` reads one record back from its span (a data loader worker,
-when the record's pack is needed), so nothing of the file stays in memory in between.
+`vlmcp.data.sources` is the one reader of data files (JSON Lines or a JSON array, by content;
+labels and errors). `locate_records` walks a file once (the length index pass), with the byte span
+the reader found for each record in that same pass; `read_record` reads one record back from its
+span (a data loader worker, when the record's pack is needed), so nothing of the file stays in
+memory in between.
 
 Spans: a JSON Lines record is its line; a JSON array record is the text of its element.
 """
@@ -16,10 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vlmcp.data.sources import DataError, iter_records
-
-_BOM = b"\xef\xbb\xbf"
-_WHITESPACE = " \t\r\n"
+from vlmcp.data.sources import DataError, iter_located_records
 
 
 @dataclass(frozen=True)
@@ -33,70 +31,15 @@ class Span:
     nbytes: int
 
 
-def is_json_array(path: Path) -> bool:
-    """Whether the file's first non-whitespace character (after a byte-order mark) is "["."""
-    with path.open("rb") as handle:
-        head = handle.read(3)
-        if head != _BOM:
-            handle.seek(0)
-        while chunk := handle.read(4096):
-            stripped = chunk.lstrip(_WHITESPACE.encode())
-            if stripped:
-                return stripped[:1] == b"["
-    return False
-
-
-def _line_spans(path: Path) -> Iterator[tuple[int, int, int]]:
-    """(line, byte offset, byte length) of every line, blank ones included."""
-    offset = 0
-    with path.open("rb") as handle:
-        for number, raw in enumerate(handle, start=1):
-            yield number, offset, len(raw)
-            offset += len(raw)
-
-
-def _array_spans(path: Path) -> Iterator[tuple[int, int, int]]:
-    """(line, byte offset, byte length) of every element of a well-formed JSON array file."""
-    raw = path.read_bytes()
-    start = len(_BOM) if raw.startswith(_BOM) else 0
-    text = raw[start:].decode("utf-8")
-    decoder = json.JSONDecoder()
-
-    def skip(pos: int) -> int:
-        while pos < len(text) and text[pos] in _WHITESPACE:
-            pos += 1
-        return pos
-
-    pos = skip(skip(0) + 1)
-    char_at, byte_at, line = 0, start, 1
-    while pos < len(text) and text[pos] != "]":
-        _, end = decoder.raw_decode(text, pos)
-        byte_at += len(text[char_at:pos].encode("utf-8"))
-        line += text.count("\n", char_at, pos)
-        nbytes = len(text[pos:end].encode("utf-8"))
-        yield line, byte_at, nbytes
-        char_at = pos
-        pos = skip(end)
-        if pos < len(text) and text[pos] == ",":
-            pos = skip(pos + 1)
-
-
 def locate_records(path: Path) -> Iterator[tuple[str, dict[str, Any] | DataError, Span | None]]:
-    """`iter_records(path)` (source label, record or its DataError) with each record's span; the
-    span is None for a file-level problem."""
-    array = path.is_file() and is_json_array(path)
-    spans = _array_spans(path) if array else _line_spans(path)
+    """`iter_records(path)` (source label, record or its DataError) with each record's span, from
+    the same single read of the file; the span is None for a file-level problem."""
     ordinal = 0
-    for label, record in iter_records(path):
-        if label == str(path):
+    for label, record, position in iter_located_records(path):
+        if position is None:
             yield label, record, None
             continue
-        if array:
-            line, offset, nbytes = next(spans)
-        else:
-            wanted = int(label.rsplit(":", 1)[1])
-            line, offset, nbytes = next(s for s in spans if s[0] == wanted)
-        yield label, record, Span(ordinal, line, offset, nbytes)
+        yield label, record, Span(ordinal, *position)
         ordinal += 1
 
 

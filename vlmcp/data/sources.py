@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 _ENCODING = "utf-8-sig"
+_BOM = b"\xef\xbb\xbf"
 _WHITESPACE = " \t\r\n"
 
 
@@ -151,19 +152,25 @@ def _skip_space(text: str, pos: int) -> int:
     return pos
 
 
-def _array_records(path: Path) -> list[tuple[str, Any]]:
-    """(label, value) of every element of a JSON array file; raises one `DataError` at the
-    first syntax error, naming file:line:col (so a malformed file yields no record at all)."""
-    text = path.read_text(encoding=_ENCODING)
+#: Where a record lies in its file: (1-based line it starts on, byte offset, byte length).
+Position = tuple[int, int, int]
+
+
+def _array_records(path: Path) -> list[tuple[str, Any, Position]]:
+    """(label, value, position) of every element of a JSON array file; raises one `DataError` at
+    the first syntax error, naming file:line:col (so a malformed file yields no record at all)."""
+    raw = path.read_bytes()
+    bom = len(_BOM) if raw.startswith(_BOM) else 0
+    text = raw[bom:].decode("utf-8")
     decoder = json.JSONDecoder()
 
     def malformed(pos: int, message: str) -> DataError:
         line, col = _line_col(text, pos)
         return DataError(f"{path}:{line}:{col}: malformed JSON array: {message}")
 
-    records: list[tuple[str, Any]] = []
+    records: list[tuple[str, Any, Position]] = []
     pos = _skip_space(text, _skip_space(text, 0) + 1)  # past "["
-    line, counted = 1, 0
+    line, counted, byte_at = 1, 0, bom
     if pos < len(text) and text[pos] == "]":
         pos += 1
     else:
@@ -173,8 +180,10 @@ def _array_records(path: Path) -> list[tuple[str, Any]]:
             except json.JSONDecodeError as e:
                 raise malformed(e.pos, e.msg) from e
             line += text.count("\n", counted, pos)
+            byte_at += len(text[counted:pos].encode("utf-8"))
             counted = pos
-            records.append((f"{path}[{len(records)}] (line {line})", value))
+            records.append((f"{path}[{len(records)}] (line {line})", value,
+                            (line, byte_at, len(text[pos:end].encode("utf-8")))))
             pos = _skip_space(text, end)
             if pos < len(text) and text[pos] == ",":
                 pos = _skip_space(text, pos + 1)
@@ -215,11 +224,16 @@ def _multiline_document(path: Path) -> DataError | None:
                      "file is JSON Lines (one record per line) or a JSON array of records")
 
 
-def _jsonl_records(path: Path) -> Iterator[tuple[str, Any | DataError]]:
-    """(label, value or its DataError) of every non-blank line; file-level problems raise."""
+def _jsonl_records(path: Path) -> Iterator[tuple[str, Any | DataError, Position]]:
+    """(label, value or its DataError, position) of every non-blank line, read line by line;
+    file-level problems raise."""
     first = True
-    with path.open(encoding=_ENCODING) as handle:
-        for number, line in enumerate(handle, start=1):
+    offset = 0
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            position = (number, offset, len(raw))
+            line = raw.decode(_ENCODING if number == 1 else "utf-8")
+            offset += len(raw)
             if not line.strip(_WHITESPACE):
                 continue
             label = f"{path}:{number}"
@@ -230,10 +244,49 @@ def _jsonl_records(path: Path) -> Iterator[tuple[str, Any | DataError]]:
                     else None
                 if document_error is not None:
                     raise document_error from e
-                yield label, DataError(f"{label}: malformed JSON: {e.msg} at column {e.colno}")
+                yield label, DataError(f"{label}: malformed JSON: {e.msg} at column {e.colno}"), \
+                    position
             else:
-                yield label, value
+                yield label, value, position
             first = False
+
+
+def is_json_array(path: Path) -> bool:
+    """Whether the data file is read as a JSON array (its first non-whitespace character, after
+    a byte-order mark, is "["); False for a file that cannot be read."""
+    try:
+        return _first_char(path) == "["
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def iter_located_records(path: str | Path
+                         ) -> Iterator[tuple[str, dict[str, Any] | DataError, Position | None]]:
+    """`iter_records`, with each record's position (line, byte offset, byte length) in the file,
+    from the same single read; the position is None for a file-level problem."""
+    path = Path(path)
+    found = False
+    try:
+        kind = _first_char(path)
+        values = _array_records(path) if kind == "[" else _jsonl_records(path)
+        for label, value, position in values:
+            found = True
+            if isinstance(value, DataError) or isinstance(value, dict):
+                yield label, value, position
+            else:
+                yield label, DataError(f"{label}: a record must be a JSON object, got "
+                                       f"{type(value).__name__}"), position
+    except OSError as e:
+        yield str(path), DataError(f"{path}: cannot open ({e.strerror})"), None
+        return
+    except UnicodeDecodeError as e:
+        yield str(path), DataError(f"{path}: not UTF-8 text ({e})"), None
+        return
+    except DataError as e:
+        yield str(path), e, None
+        return
+    if not found:
+        yield str(path), DataError(f"{path}: no samples"), None
 
 
 def iter_records(path: str | Path) -> Iterator[tuple[str, dict[str, Any] | DataError]]:
@@ -243,26 +296,5 @@ def iter_records(path: str | Path) -> Iterator[tuple[str, dict[str, Any] | DataE
     A file-level problem (cannot open, not UTF-8, a malformed array, no records) is yielded as
     one (str(path), DataError) and ends the iteration.
     """
-    path = Path(path)
-    found = False
-    try:
-        kind = _first_char(path)
-        values = _array_records(path) if kind == "[" else _jsonl_records(path)
-        for label, value in values:
-            found = True
-            if isinstance(value, DataError) or isinstance(value, dict):
-                yield label, value
-            else:
-                yield label, DataError(f"{label}: a record must be a JSON object, got "
-                                       f"{type(value).__name__}")
-    except OSError as e:
-        yield str(path), DataError(f"{path}: cannot open ({e.strerror})")
-        return
-    except UnicodeDecodeError as e:
-        yield str(path), DataError(f"{path}: not UTF-8 text ({e})")
-        return
-    except DataError as e:
-        yield str(path), e
-        return
-    if not found:
-        yield str(path), DataError(f"{path}: no samples")
+    for label, record, _ in iter_located_records(path):
+        yield label, record
