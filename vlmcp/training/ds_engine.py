@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from vlmcp.config import JobConfig
+from vlmcp.training.ds_edits import ABSENT, get_path
 from vlmcp.training.optim import build_optimizer, build_scheduler
 
 
@@ -36,8 +37,8 @@ def engine_optim_args(job: JobConfig, ds_config: dict[str, Any],
 
 
 def _offload(config: dict[str, Any], what: str) -> str:
-    device = config.get("zero_optimization", {}).get(f"offload_{what}", {}).get("device", "none")
-    return str(device)
+    device = get_path(config, f"zero_optimization.offload_{what}.device")
+    return "none" if device is ABSENT else str(device)
 
 
 def describe_engine(engine: Any, config: dict[str, Any]) -> str:
