@@ -39,7 +39,7 @@ test: $(STAMP)
 # On a machine without a CUDA device it stops at once ("no CUDA device", exit 2).
 gpu-check: export DS_ACCELERATOR = cuda
 gpu-check:
-	$(GPU_PYTHON) -m vlmcp.gpu_check --out $(GPU_CHECK_OUT)
+	PYTHONPATH=.$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) scripts/gpu_check.py --out $(GPU_CHECK_OUT)
 
 install: $(STAMP)
 

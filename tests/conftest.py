@@ -2,6 +2,10 @@
 
 Session-scoped fixtures build each asset once per test run (a tiny checkpoint takes ~0.2 s).
 
+A test that starts processes (ranks, launchers, the CLI in a subprocess, DataLoader workers) is
+marked `e2e`, so that `pytest -m "not e2e"` is the fast part of the suite; a test that starts a
+process without the mark fails, so the mark stays true.
+
 The suite means CPU: GPUs are hidden (CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR=cpu, set before
 anything touches CUDA, and inherited by every process a test starts), so `make test` on a GPU
 machine runs exactly what it runs in CI. Only with VLMCP_TEST_CUDA=1 (set by `make gpu-check`)
@@ -26,16 +30,18 @@ if os.environ.get("VLMCP_TEST_CUDA") != "1":
     os.environ["DS_ACCELERATOR"] = "cpu"
 
 import json
-from collections.abc import Callable
+import multiprocessing.process
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
-from PIL import Image
 
+from tests.helpers.images import save_png
 from vlmcp.data.processor import VLProcessor, load_processor
-from vlmcp.demo_assets import build_tiny_checkpoint, write_digits_dataset
+from vlmcp.demo.assets import write_digits_dataset
+from vlmcp.model.tiny import build_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -64,14 +70,6 @@ def digits_jsonl(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def save_png(path: Path, width: int, height: int, seed: int = 0) -> Path:
-    """Write a random RGB PNG of width x height."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    Image.fromarray(pixels).save(path)
-    return path
-
-
 @pytest.fixture
 def make_jsonl(tmp_path: Path) -> Callable[..., Path]:
     """Factory: make_jsonl(lines, images={"img/a.png": (w, h)}, name="data.jsonl") -> path.
@@ -94,3 +92,29 @@ def make_jsonl(tmp_path: Path) -> Callable[..., Path]:
         return path
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def _processes_only_in_e2e_tests(request: pytest.FixtureRequest,
+                                 monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Fail a test that starts a process (subprocess or multiprocessing) without the e2e mark."""
+    if request.node.get_closest_marker("e2e") is not None:
+        yield
+        return
+    started: list[str] = []
+    popen_init = subprocess.Popen.__init__
+    process_start = multiprocessing.process.BaseProcess.start
+
+    def recording_popen_init(self, args, *rest, **kwargs):
+        started.append(f"subprocess {args!r:.80}")
+        popen_init(self, args, *rest, **kwargs)
+
+    def recording_start(self):
+        started.append(f"process {self.name}")
+        process_start(self)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", recording_popen_init)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", recording_start)
+    yield
+    if started:
+        pytest.fail(f"this test starts processes ({started[0]}) but is not marked e2e")

@@ -5,8 +5,12 @@ per-step losses equal to those of the same job written in JSON (torchrun).
 
 from __future__ import annotations
 
-from accelerate_yamls import TRL_ZERO3_SP2
-from launching import assert_ok, run_vlmcp, tiny_job, train_losses, write_job
+import pytest
+
+from tests.helpers.accelerate_yamls import TRL_ZERO3_SP2
+from tests.helpers.launching import assert_ok, run_vlmcp, tiny_job, train_losses, write_job
+
+pytestmark = pytest.mark.e2e
 
 STEPS = 20
 

@@ -4,9 +4,12 @@ backward hands every row's gradient back to the rank that sent it."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from tests.distributed import run_ranks
+from tests.helpers.distributed import run_ranks
+
+pytestmark = pytest.mark.e2e
 
 # COUNTS[s][d]: rows rank s sends to rank d. Rank 1 sends and receives nothing.
 COUNTS = [[2, 0, 1], [0, 0, 0], [3, 0, 2]]

@@ -9,8 +9,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.parity import rel_err
-from tests.references import causal_attention_f64
+from tests.helpers.parity import rel_err
+from tests.helpers.references import causal_attention_f64
 from vlmcp.model.attention import flash_kernels_apply, varlen_causal_attention
 
 CU = (0, 5, 6, 23, 40)  # segments of 5, 1, 17 and 17 tokens

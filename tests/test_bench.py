@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
-from vlmcp.bench import search_max_len
-from vlmcp.bench_inputs import image_grids, synthetic_pack
+from vlmcp.bench.run import search_max_len
+from vlmcp.bench.inputs import image_grids, synthetic_pack
 from vlmcp.cli import build_parser, main
 from vlmcp.data.batch import IGNORE_INDEX
 from vlmcp.model.loss import CE_BYTES_PER_LOGIT
@@ -56,6 +57,7 @@ def test_max_len_search_finds_the_boundary_within_its_probe_limit():
     assert search_max_len(lambda n: probed.append(n) or True, 1024, 3) == 4096 and len(probed) == 3
 
 
+@pytest.mark.e2e
 def test_loss_only_reports_the_loss_transient_from_fresh_processes(tmp_path):
     out = tmp_path / "loss.json"
     assert main(["bench", "--loss-only", "--vocab-size", "2000", "--hidden-size", "16",
@@ -68,6 +70,7 @@ def test_loss_only_reports_the_loss_transient_from_fresh_processes(tmp_path):
     assert row["loss_peak_transient_mb"] >= 0 and row["loss_time_s"] > 0
 
 
+@pytest.mark.e2e
 def test_step_bench_writes_every_field_from_a_fresh_process(tmp_path):
     out = tmp_path / "bench.json"
     assert main(["bench", "--seq-lens", "256", "--samples-per-pack", "1", "--images", "1",

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.parity import rel_err
+from tests.helpers.parity import rel_err
 from vlmcp.model.deltanet import causal_conv_segments
 
 TOL = 1e-6

@@ -4,13 +4,15 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
-from distributed import run_ranks
-from launching import REPO, assert_ok, run_vlmcp, tiny_job, write_job
+from tests.helpers.distributed import run_ranks
+from tests.helpers.launching import REPO, assert_ok, run_vlmcp, tiny_job, write_job
 from vlmcp.cli import build_parser, main
-from vlmcp.training.preflight import PreflightError
+from vlmcp.errors import PreflightError
 
 COMMANDS = ["train", "validate", "inspect", "export", "score", "bench", "demo"]
 USER = {"role": "user", "content": "<image>What digit is this?"}
@@ -33,6 +35,30 @@ def test_help_answers_on_every_command(command, capsys):
     assert info.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: vlmcp") and len(out.splitlines()) > 5
+
+
+#: Run in a fresh interpreter where the demo extra's packages cannot be imported.
+_WITHOUT_DEMO_EXTRA = """
+import sys
+sys.modules["sklearn"] = sys.modules["matplotlib"] = None  # import fails, find_spec gives None
+import vlmcp
+from vlmcp.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.e2e
+def test_import_and_help_need_no_demo_extra_and_demo_names_it():
+    for command in (["--help"], ["train", "--help"], ["bench", "--help"]):
+        result = subprocess.run([sys.executable, "-c", _WITHOUT_DEMO_EXTRA, *command],
+                                capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.startswith("usage: vlmcp")
+    result = subprocess.run([sys.executable, "-c", _WITHOUT_DEMO_EXTRA, "demo"],
+                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 1
+    assert "error: vlmcp demo needs scikit-learn and matplotlib (the demo extra): " \
+           "pip install 'vlmcp[demo]'" in result.stderr
 
 
 def test_train_help_documents_every_job_key_and_launcher():
@@ -81,6 +107,41 @@ def test_validate_reports_each_bad_input_on_its_own_line(tiny_checkpoint, bad_da
                                                          capsys):
     assert main(["validate", str(_bad_job(tiny_checkpoint, bad_data, tmp_path))]) == 1
     _check_one_line_per_bad_input(capsys.readouterr().err, bad_data)
+
+
+#: Nested deeper than Python's JSON parser (json.loads raises RecursionError on it).
+_DEEP = 5000
+
+
+@pytest.mark.parametrize("where", ["data_jsonl", "data_json_array", "job", "deepspeed_json"])
+def test_deeply_nested_json_is_one_error_line_naming_the_file(where, tiny_checkpoint, digits_jsonl,
+                                                              tmp_path, capsys):
+    deep = "[" * _DEEP + "]" * _DEEP
+    data = digits_jsonl / "train.jsonl"
+    job = tiny_job(tiny_checkpoint, data, tmp_path / "out")
+    if where == "data_jsonl":
+        good = json.loads((digits_jsonl / "train.jsonl").read_text().splitlines()[0])
+        good["images"] = [str(digits_jsonl / image) for image in good["images"]]
+        data = tmp_path / "deep.jsonl"
+        data.write_text(json.dumps(good) + "\n" + '{"messages": ' + deep + "}\n")
+        job["data"]["train"] = str(data)
+    elif where == "data_json_array":
+        data = tmp_path / "deep.json"
+        data.write_text("[" + deep + "]")
+        job["data"]["train"] = str(data)
+    elif where == "deepspeed_json":
+        data = tmp_path / "ds.json"
+        data.write_text('{"zero_optimization": ' + deep + "}")
+        job["deepspeed"] = str(data)
+    path = write_job(tmp_path / "job.json", job)
+    if where == "job":
+        data = path
+        path.write_text('{"model": ' + deep + "}")
+    assert main(["validate", str(path)]) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, errors
+    assert str(data) in errors[0], errors[0]
+    assert "levels deep, deeper than the JSON parser can read" in errors[0], errors[0]
 
 
 def test_validate_accepts_a_clean_job_and_names_the_world(tiny_checkpoint, digits_jsonl,
@@ -137,6 +198,7 @@ def test_deepspeed_config_problems_name_the_deepspeed_key(tiny_checkpoint, digit
     assert "deepspeed.gradient_accumulation_steps" in err and "train.grad_accum" in err
 
 
+@pytest.mark.e2e
 def test_train_under_torchrun_fails_on_every_rank_with_the_validate_lines(
         tiny_checkpoint, bad_data, tmp_path):
     result = run_vlmcp(["train", str(_bad_job(tiny_checkpoint, bad_data, tmp_path))],
@@ -148,19 +210,22 @@ def test_train_under_torchrun_fails_on_every_rank_with_the_validate_lines(
 
 def _problems_on_rank_one_only():
     from vlmcp.parallel import comm
-    from vlmcp.training.preflight import agree_on_problems
+    from vlmcp.parallel.agree import fail_together
 
     try:
-        agree_on_problems(["data.train: only rank 1 sees this"] if comm.rank() == 1 else [])
+        fail_together(["data.train: only rank 1 sees this"] if comm.rank() == 1 else [],
+                      PreflightError)
     except PreflightError as exc:
         return exc.problems
     return None
 
 
+@pytest.mark.e2e
 def test_a_problem_on_one_rank_stops_every_rank_and_is_reported_once():
     assert run_ranks(_problems_on_rank_one_only, 2) == [[], ["data.train: only rank 1 sees this"]]
 
 
+@pytest.mark.e2e
 def test_console_script_and_module_share_the_cli():
     result = run_vlmcp(["--help"])
     assert_ok(result)
@@ -169,6 +234,7 @@ def test_console_script_and_module_share_the_cli():
     assert 'vlmcp = "vlmcp.cli:main"' in pyproject
 
 
+@pytest.mark.e2e
 def test_bench_reports_throughput_and_memory_per_length_under_sp2(tmp_path):
     out = tmp_path / "bench.json"
     result = run_vlmcp(["bench", "--seq-lens", "64,128", "--steps", "1", "--warmup", "0",

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from vlmcp.config import ConfigError, job_from_dict, load_job, parse_override
-from vlmcp.training.ds_config import fill_deepspeed_config, load_deepspeed_config
+from vlmcp.config import job_from_dict, load_job, parse_override
+from vlmcp.errors import ConfigError
+from vlmcp.training.ds.config import fill_deepspeed_config, load_deepspeed_config
 from vlmcp.training.optim import lr_multiplier
 
 REPO = Path(__file__).resolve().parents[1]

@@ -9,16 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from vlmcp.config import ConfigError, job_from_dict
-from vlmcp.data.dataset import load_samples
-from vlmcp.data.formats import DataError
-from vlmcp.data.mixture import draws_per_epoch, epoch_draws
-from vlmcp.data.sources import DataFile, DataSpecError, data_files, iter_records
-from vlmcp.data.validate import validate_data
-
-from conftest import save_png
-from launching import assert_ok, run_vlmcp, tiny_job, train_losses, write_job
+from tests.helpers.images import save_png
+from tests.helpers.launching import assert_ok, run_vlmcp, tiny_job, train_losses, write_job
 from vlmcp.cli import main
+from vlmcp.config import job_from_dict
+from vlmcp.data.dataset import load_samples, validate_data
+from vlmcp.data.mixture import draws_per_epoch, epoch_draws
+from vlmcp.data.sources import DataFile, data_files, iter_records
+from vlmcp.errors import ConfigError, DataError, DataSpecError
 
 QUESTION = "What digit is this?"
 
@@ -289,6 +287,7 @@ def test_a_missing_image_root_is_one_problem(mixture_job, tmp_path, capsys):
                       f"(looked in {tmp_path} and in {Path.cwd()})"]
 
 
+@pytest.mark.e2e
 def test_a_json_array_mixture_job_trains(mixture_job, tmp_path):
     result = run_vlmcp(["train", str(mixture_job)])
     assert_ok(result)

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from vlmcp.data.batch import IGNORE_INDEX
-from vlmcp.data.dataset import load_samples
-from vlmcp.data.formats import DataError, Sample
-from vlmcp.data.validate import validate_data
+from vlmcp.data.dataset import load_samples, validate_data
+from vlmcp.data.formats import Sample
+from vlmcp.errors import DataError
 
 QUESTION = "What digit is this?"
 

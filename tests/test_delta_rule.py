@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
-from tests.parity import rel_err
-from tests.references import delta_rule_inputs, gated_delta_rule_f64
+from tests.helpers.parity import rel_err
+from tests.helpers.references import delta_rule_inputs, gated_delta_rule_f64
 from vlmcp.model.delta_rule import chunked_delta_rule, delta_rule_segments
 
 LENGTHS = [70, 5, 130, 64]

@@ -12,9 +12,11 @@ import functools
 import pytest
 import torch
 
-from tests.deltanet_cases import sharded_layer_grads
-from tests.distributed import run_ranks
-from tests.parity import build_model, rel_err
+from tests.helpers.deltanet_cases import sharded_layer_grads
+from tests.helpers.distributed import run_ranks
+from tests.helpers.parity import build_model, rel_err
+
+pytestmark = pytest.mark.e2e
 
 TOL = 1e-5
 LOCAL = 8  # tokens per rank in these packs; the conv halo is 3 tokens

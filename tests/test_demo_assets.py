@@ -16,8 +16,8 @@ from transformers.models.qwen3_5.tokenization_qwen3_5 import Qwen3_5Tokenizer
 
 from vlmcp.data.dataset import load_samples
 from vlmcp.data.pack import pack_samples
-from vlmcp.demo_assets import DIGIT_QUESTION, SPECIAL_TOKENS, write_digits_dataset
-from vlmcp.model.tiny import TINY_SPECIAL_IDS, tiny_qwen3_5_config
+from vlmcp.demo.assets import DIGIT_QUESTION, write_digits_dataset
+from vlmcp.model.tiny import SPECIAL_TOKENS, TINY_SPECIAL_IDS, tiny_qwen3_5_config
 
 
 @pytest.mark.parametrize(("fixture", "model_class"), [

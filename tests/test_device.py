@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from vlmcp import device, gpu_check
+from tests.helpers.launching import REPO
+from vlmcp import device
+from vlmcp.errors import DeviceError
 from vlmcp.parallel import comm
 
 
@@ -49,7 +53,7 @@ def test_unset_accelerator_follows_torch(monkeypatch, gpu_visible):
 def test_unusable_device_settings_are_one_clear_error(monkeypatch, env, message):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    with pytest.raises(device.DeviceError) as exc:
+    with pytest.raises(DeviceError) as exc:
         comm.dist_backend()
     assert exc.value.problems[0].startswith(message)
 
@@ -61,13 +65,16 @@ def test_cpu_suite_hides_gpus():
     assert not device.use_cuda()
 
 
-def test_gpu_check_without_cuda_stops_with_no_cuda_device(monkeypatch, tmp_path, capsys):
+@pytest.mark.e2e
+def test_gpu_check_without_cuda_stops_with_no_cuda_device(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible")
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # restored afterwards; gpu_check sets "cuda"
     out = tmp_path / "gpu-check.json"
-    assert gpu_check.main(["--out", str(out)]) == 2
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--out", str(out)],
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2, done.stderr
     report = json.loads(out.read_text())
     assert not report["passed"] and report["error"].startswith("no CUDA device")
     assert report["checks"] == {}
-    assert "no CUDA device" in capsys.readouterr().err
+    assert "no CUDA device" in done.stderr

@@ -1,5 +1,5 @@
 """DeepSpeed configs as users have them (accelerate's templates, LLaMA-Factory's, ms-swift's,
-written in their shape in tests/data/deepspeed/) run with HF Trainer's semantics: every "auto"
+written in their shape in tests/fixtures/deepspeed/) run with HF Trainer's semantics: every "auto"
 gets a value from the job, optimizer/scheduler blocks are built by DeepSpeed, every change is
 logged, and what cannot run is one error naming its key.
 """
@@ -12,15 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from vlmcp.config import ConfigError, job_from_dict
-from vlmcp.training.ds_config import fill_deepspeed_config, load_deepspeed_config
-from vlmcp.training.ds_engine import engine_optim_args
+from vlmcp.config import job_from_dict
+from vlmcp.errors import ConfigError
+from vlmcp.training.ds.config import fill_deepspeed_config, load_deepspeed_config
+from vlmcp.training.ds.engine import engine_optim_args
 from vlmcp.training.optim import can_veto
 
-from distributed import run_ranks
-from launching import REPO, run_vlmcp, tiny_job, write_job
+from tests.helpers.distributed import run_ranks
+from tests.helpers.launching import REPO, run_vlmcp, tiny_job, write_job
 
-DATA = Path(__file__).parent / "data" / "deepspeed"
+DATA = Path(__file__).parent / "fixtures" / "deepspeed"
 SHAPES = sorted(p.name for p in DATA.glob("*.json"))
 JOB = {"model": {"path": "ckpt"}, "data": {"train": "train.jsonl"},
        "optimizer": {"lr": 3e-4, "betas": [0.8, 0.9], "eps": 1e-7, "weight_decay": 0.01},
@@ -143,7 +144,7 @@ def _build_offload_engine(raw: dict) -> dict:
     import deepspeed
     import torch
 
-    from vlmcp.training.ds_engine import describe_engine
+    from vlmcp.training.ds.engine import describe_engine
 
     job = job_from_dict({**JOB, "deepspeed": raw})
     config = fill_deepspeed_config(load_deepspeed_config(job), job, dp_size=1, hidden_size=8)
@@ -162,6 +163,7 @@ def _build_offload_engine(raw: dict) -> dict:
             "summary": describe_engine(engine, config)}
 
 
+@pytest.mark.e2e
 def test_optimizer_block_with_offload_builds_deepspeeds_cpu_adam():
     """The one test that pays DeepSpeed's CPU Adam JIT build (~100 s cold on 2 cores; cached in
     TORCH_EXTENSIONS_DIR after)."""
@@ -179,6 +181,7 @@ def test_optimizer_block_with_offload_builds_deepspeeds_cpu_adam():
         "clipping 0.5" in summary
 
 
+@pytest.mark.e2e
 def test_validate_names_fp16_on_cpu_and_tensor_parallelism(tiny_checkpoint, digits_jsonl, tmp_path):
     job = write_job(tmp_path / "job.json", tiny_job(
         tiny_checkpoint, digits_jsonl / "train.jsonl", tmp_path / "out",

@@ -20,7 +20,7 @@ import psutil
 import pytest
 from safetensors.torch import load_file
 
-from launching import REPO, assert_ok, launcher_prefix, run_vlmcp, tiny_job, train_losses, write_job
+from tests.helpers.launching import REPO, assert_ok, launcher_prefix, run_vlmcp, tiny_job, train_losses, write_job
 from vlmcp.cli import main
 from vlmcp.training.checkpoint import MANIFEST, incomplete_reason, newest_complete
 
@@ -76,6 +76,7 @@ def reference(tiny_checkpoint, digits_jsonl, tmp_path_factory):
     return out
 
 
+@pytest.mark.e2e
 def test_checkpoints_are_published_with_a_manifest_and_only_the_newest_are_kept(reference):
     checkpoints = reference / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir() if p.is_dir()) == ["step6", "step8"]
@@ -88,6 +89,7 @@ def test_checkpoints_are_published_with_a_manifest_and_only_the_newest_are_kept(
     assert not list(reference.glob(".tmp-*")) and not list(checkpoints.glob(".tmp-*"))
 
 
+@pytest.mark.e2e
 def test_resume_skips_an_incomplete_newest_checkpoint_and_is_exact_from_the_previous(
         reference, tiny_checkpoint, digits_jsonl, tmp_path, caplog):
     out = tmp_path / "out"
@@ -114,6 +116,7 @@ def test_resume_skips_an_incomplete_newest_checkpoint_and_is_exact_from_the_prev
     assert main(["validate", str(job), "--world-size", "2"]) == 1
 
 
+@pytest.mark.e2e
 def test_sigterm_mid_run_saves_a_checkpoint_and_resume_is_exact(
         reference, tiny_checkpoint, digits_jsonl, tmp_path):
     out = tmp_path / "out"
@@ -141,6 +144,7 @@ def test_sigterm_mid_run_saves_a_checkpoint_and_resume_is_exact(
     assert train_losses(out) == train_losses(reference)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("zero,mode", [(0, "abort"), (3, "skip")])
 def test_a_huge_lr_stops_the_run_without_nan_weights_and_metrics_stay_strict_json(
         zero, mode, tiny_checkpoint, digits_jsonl, tmp_path):
@@ -165,6 +169,7 @@ def test_a_huge_lr_stops_the_run_without_nan_weights_and_metrics_stay_strict_jso
             assert value.float().isfinite().all(), key
 
 
+@pytest.mark.e2e
 def test_a_frozen_rank_ends_the_whole_job_naming_the_collective(tiny_checkpoint, digits_jsonl,
                                                                 tmp_path):
     out = tmp_path / "out"
@@ -216,6 +221,7 @@ def _small_tmpfs(path: Path, size: str) -> Iterator[Path]:
         subprocess.run(["umount", str(path)], check=False)
 
 
+@pytest.mark.e2e
 def test_a_full_disk_is_named_and_the_previous_checkpoint_stays_intact(
         tiny_checkpoint, digits_jsonl, tmp_path):
     # One checkpoint of this job takes about 3.7 MB: the first fits, the second does not.
@@ -231,6 +237,7 @@ def test_a_full_disk_is_named_and_the_previous_checkpoint_stays_intact(
         assert not list((out / "checkpoints").glob(".tmp-*"))
 
 
+@pytest.mark.e2e
 def test_an_export_to_a_full_disk_leaves_no_half_written_model_and_names_the_disk(
         reference, tiny_checkpoint, digits_jsonl, tmp_path, capsys):
     # The exported tiny model takes about 1 MB.
@@ -270,6 +277,7 @@ with StopSignals() as stop:
 """
 
 
+@pytest.mark.e2e
 def test_a_second_signal_stops_at_once_with_128_plus_its_number():
     result = subprocess.run([sys.executable, "-c", _SIGNAL_SCRIPT], env=_env(), cwd=REPO,
                             capture_output=True, text=True, timeout=60, check=False)

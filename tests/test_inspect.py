@@ -16,13 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from launching import tiny_job, write_job
+from tests.helpers.launching import tiny_job, write_job
 from vlmcp.cli import main
-from vlmcp.config import ConfigError, job_from_dict
+from vlmcp.config import job_from_dict
 from vlmcp.data.batch import IGNORE_INDEX
 from vlmcp.data.dataset import load_samples
 from vlmcp.data.formats import EMPTY_THINK
 from vlmcp.data.processor import load_processor
+from vlmcp.errors import ConfigError
 
 QWEN35_SHAPED_TEMPLATE = """\
 {%- macro render(content) -%}

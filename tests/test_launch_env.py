@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from vlmcp.config import ConfigError, load_job
-from vlmcp.training.ds_config import fill_deepspeed_config, load_deepspeed_config
+from vlmcp.config import load_job
+from vlmcp.errors import ConfigError
+from vlmcp.training.ds.config import fill_deepspeed_config, load_deepspeed_config
 
-from accelerate_yamls import ACCELERATE_PLUGIN_KEYS, BASE_YAML, TRL_ZERO3_SP2, accelerate_env
+from tests.helpers.accelerate_yamls import ACCELERATE_PLUGIN_KEYS, BASE_YAML, TRL_ZERO3_SP2, accelerate_env
 
 
 def _job(tmp_path: Path, **sections) -> Path:

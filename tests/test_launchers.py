@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from launching import REPO, assert_ok, run_vlmcp, tiny_job, train_losses, write_job
+from tests.helpers.launching import REPO, assert_ok, run_vlmcp, tiny_job, train_losses, write_job
+
+pytestmark = pytest.mark.e2e
 
 #: launcher -> the stock DeepSpeed config its run uses.
 LAUNCHER_ZERO = {"torchrun": "zero2", "deepspeed": "zero3", "accelerate": "zero1"}

@@ -8,8 +8,9 @@ import torch
 from peft import PeftModel
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForConditionalGeneration
 
-from tests.parity import build_model, rel_err, seed_adapter_weights
-from vlmcp.config import ConfigError, LoraSection, job_from_dict
+from tests.helpers.parity import build_model, rel_err, seed_adapter_weights
+from vlmcp.config import LoraSection, job_from_dict
+from vlmcp.errors import ConfigError
 from vlmcp.model.lora import (apply_lora, lora_config, lora_problems, resolve_lora_modules,
                               resolve_lora_parameters)
 from vlmcp.model.tiny import tiny_qwen3_5_config

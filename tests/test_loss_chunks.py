@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.parity import random_lm_head
+from tests.helpers.parity import random_lm_head
 from vlmcp.config import TrainSection
 from vlmcp.data.batch import IGNORE_INDEX
 from vlmcp.model.loss import (
@@ -139,7 +139,7 @@ def test_loss_without_autograd_equals_unchunked_cross_entropy():
 
 
 def test_packed_module_hands_its_budget_to_the_loss(tiny_checkpoint):
-    from vlmcp.bench_inputs import synthetic_pack
+    from vlmcp.bench.inputs import synthetic_pack
     from vlmcp.model.load import load_model
     from vlmcp.model.packed import PackedVLM
 

@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from launching import REPO, _tool, assert_ok, free_port, run_nodes, run_vlmcp, tiny_job, \
+from tests.helpers.launching import REPO, _tool, assert_ok, free_port, run_nodes, run_vlmcp, tiny_job, \
     train_losses, write_job
+
+pytestmark = pytest.mark.e2e
 
 NODES = 2
 

@@ -10,12 +10,12 @@ import math
 
 import pytest
 
-from launching import assert_ok, run_vlmcp, tiny_job, write_job
+from tests.helpers.launching import assert_ok, run_vlmcp, tiny_job, write_job
 from vlmcp.cli import main
-from vlmcp.config import ConfigError, job_from_dict
+from vlmcp.config import job_from_dict
 from vlmcp.data.dataset import load_samples
-from vlmcp.data.formats import DataError
 from vlmcp.data.pack import build_batch
+from vlmcp.errors import ConfigError, DataError
 
 IDS = [1, 10, 11, 12, 13, 2]
 LABELS = [-100, -100, 11, 12, 13, 2]
@@ -87,6 +87,7 @@ def test_kl_penalty_outside_ppo_clip_is_a_config_error(tiny_checkpoint, tmp_path
         job_from_dict(raw)
 
 
+@pytest.mark.e2e
 def test_score_writes_one_line_per_sample_in_data_order(tiny_checkpoint, digits_jsonl, tmp_path):
     samples_file = digits_jsonl / "train.jsonl"
     lines = samples_file.read_text().splitlines()[:5]

@@ -16,14 +16,16 @@ import functools
 import pytest
 import torch
 
-from tests.distributed import run_ranks
-from tests.parity import build_model, make_sample, mm_token_type_ids, pack, rel_err
-from tests.sp_cases import engine_step
+from tests.helpers.distributed import run_ranks
+from tests.helpers.parity import build_model, make_sample, mm_token_type_ids, pack, rel_err
+from tests.helpers.sp_cases import engine_step
 from vlmcp.data.batch import IGNORE_INDEX
 from vlmcp.data.formats import Sample
 from vlmcp.data.pack import shifted_array
 from vlmcp.model.loss import CHECKPOINTED_CE_BYTES_PER_LOGIT, DEFAULT_LOSS_CHUNK_MB
 from vlmcp.model.objectives import Objective
+
+pytestmark = pytest.mark.e2e
 
 TOL = 1e-5
 CLIP_LOW, CLIP_HIGH, KL_COEF = 0.2, 0.25, 0.1

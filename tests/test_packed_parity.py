@@ -12,7 +12,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from tests.parity import build_model, make_sample, pack, reference_loss_and_grads, rel_err
+from tests.helpers.parity import build_model, make_sample, pack, reference_loss_and_grads, rel_err
 from vlmcp.model.attention import ATTENTION_KEY
 from vlmcp.model.packed import PackedVLM
 

@@ -11,7 +11,8 @@ import pytest
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from vlmcp.data.processor import ProcessorError, image_processor_kwargs, load_processor
+from vlmcp.data.processor import image_processor_kwargs, load_processor
+from vlmcp.errors import ProcessorError
 
 
 def test_processor_loads_without_torchvision(tiny_checkpoint):

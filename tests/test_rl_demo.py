@@ -10,7 +10,7 @@ import json
 import pytest
 
 from vlmcp.data.dataset import load_samples
-from vlmcp.rl_demo import choice_accuracy, group_advantages, write_rl_dataset
+from vlmcp.demo.rl import choice_accuracy, group_advantages, write_rl_dataset
 
 
 def test_group_advantages_are_standardised_rewards():

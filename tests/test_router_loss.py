@@ -15,9 +15,9 @@ import logging
 import pytest
 import torch
 
-from launching import assert_ok, run_vlmcp, tiny_job, write_job
-from tests.parity import build_model, make_sample, pack, reference_loss_and_grads, rel_err
-from tests.router_reference import add_grads, reference_router_aux_and_grads
+from tests.helpers.launching import assert_ok, run_vlmcp, tiny_job, write_job
+from tests.helpers.parity import build_model, make_sample, pack, reference_loss_and_grads, rel_err
+from tests.helpers.router_reference import add_grads, reference_router_aux_and_grads
 from vlmcp.cli import main
 from vlmcp.model.packed import PackedVLM
 from vlmcp.model.router_loss import router_config_problem
@@ -88,6 +88,7 @@ def _first_train_row(checkpoint, data, out, router_aux_loss: bool) -> dict:
     return [row for row in rows if "loss" in row][0]
 
 
+@pytest.mark.e2e
 def test_train_rows_report_the_router_loss_beside_an_unchanged_lm_loss(tiny_moe_checkpoint, digits_jsonl, tmp_path):
     """The first step's `loss` (before any update) is the same CE with and without the router loss."""
     data = digits_jsonl / "train.jsonl"

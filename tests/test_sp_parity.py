@@ -18,12 +18,14 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from tests.distributed import run_ranks
-from tests.parity import (build_model, make_sample, pack, reference_loss_and_grads, rel_err,
+from tests.helpers.distributed import run_ranks
+from tests.helpers.parity import (build_model, make_sample, pack, reference_loss_and_grads, rel_err,
                           seed_adapter_weights)
-from tests.router_reference import add_grads, reference_router_aux_and_grads
-from tests.sp_cases import engine_step
+from tests.helpers.router_reference import add_grads, reference_router_aux_and_grads
+from tests.helpers.sp_cases import engine_step
 from vlmcp.model.loss import DEFAULT_LOSS_CHUNK_MB
+
+pytestmark = pytest.mark.e2e
 
 TOL = 1e-5
 LORA_R, LORA_ALPHA = 4, 8.0

@@ -16,9 +16,9 @@ import torch
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from launching import run_vlmcp, tiny_job, write_job
-from vlmcp.bench_data import write_synthetic_dataset
-from vlmcp.data.formats import DataError
+from tests.helpers.images import save_png
+from tests.helpers.launching import run_vlmcp, tiny_job, write_job
+from vlmcp.bench.data_scale import write_synthetic_dataset
 from vlmcp.data.image_size import grid_for_size, header_grid
 from vlmcp.data.index import build_index
 from vlmcp.data.index_cache import obtain_index
@@ -26,8 +26,7 @@ from vlmcp.data.pack import PackedDataset
 from vlmcp.data.processor import image_processor_kwargs
 from vlmcp.data.sources import iter_records
 from vlmcp.data.stream import SampleReader, load_packs
-
-from conftest import save_png
+from vlmcp.errors import DataError
 
 SETTINGS = {"max_seq_len": 160, "truncate": True}
 
@@ -186,6 +185,7 @@ def _assert_same_batches(a, b) -> None:
             assert (u is None and v is None) or torch.equal(u, v), name
 
 
+@pytest.mark.e2e
 def test_loader_workers_give_the_batches_of_in_process_loading(dataset, tiny_processor):
     index, _ = build_index([dataset], tiny_processor, 160, truncate=True)
     reader = SampleReader(index, tiny_processor, 160, True)
@@ -198,6 +198,7 @@ def test_loader_workers_give_the_batches_of_in_process_loading(dataset, tiny_pro
         [sum(int(index.tokens[i]) for i in pack) for pack in packs]
 
 
+@pytest.mark.e2e
 def test_a_sample_that_changed_since_the_index_fails_by_name_in_a_worker(dataset, tiny_processor):
     index, _ = build_index([dataset], tiny_processor, 160, truncate=True)
     reader = SampleReader(index, tiny_processor, 160, True, cache_path="/cache/index-x.npz")
@@ -220,6 +221,7 @@ def test_synthetic_scale_dataset_has_distinct_512px_images_and_indexes(tmp_path,
     assert problems == [] and len(index) == 70 and set(index.images.tolist()) == {1}
 
 
+@pytest.mark.e2e
 def test_a_pack_that_fails_to_load_stops_both_ranks_with_its_sample(
         tiny_checkpoint, make_jsonl, tmp_path):
     """The image's header is intact (the index passes) but its pixels are cut off, so loading
@@ -241,6 +243,7 @@ def test_a_pack_that_fails_to_load_stops_both_ranks_with_its_sample(
     assert f"{data}:3: cannot decode image {cut}" in errors[0]
 
 
+@pytest.mark.e2e
 def test_a_held_out_sample_that_fails_to_load_stops_both_ranks_at_the_evaluation(
         tiny_checkpoint, make_jsonl, tmp_path):
     """data.eval is indexed from image headers, not decoded up front: the run starts with an

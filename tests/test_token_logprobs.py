@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.parity import random_lm_head
+from tests.helpers.parity import random_lm_head
 from vlmcp.data.batch import IGNORE_INDEX
 from vlmcp.model.loss import CE_BYTES_PER_LOGIT, CHECKPOINTED_CE_BYTES_PER_LOGIT, shard_ce_and_entropy
 from vlmcp.model.token_logprobs import shard_token_logprobs

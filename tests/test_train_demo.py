@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from launching import assert_ok, run_vlmcp, train_losses, write_job
-from vlmcp.demo import DEMO_MODEL, demo_job, plot_metrics
-from vlmcp.demo_assets import build_tiny_checkpoint, write_digits_dataset
+from tests.helpers.launching import assert_ok, run_vlmcp, train_losses, write_job
+from vlmcp.demo.assets import write_digits_dataset
+from vlmcp.demo.image import DEMO_MODEL, demo_job, plot_metrics
+from vlmcp.model.tiny import build_tiny_checkpoint
 
 STEPS = 50
 
@@ -31,6 +32,7 @@ def _run(assets, out, sp_size, nproc):
     return train_losses(out)
 
 
+@pytest.mark.e2e
 def test_demo_loss_curve_with_sp2_matches_sp1_over_50_steps(demo_assets, tmp_path):
     sp2 = _run(demo_assets, tmp_path / "sp2", sp_size=2, nproc=2)
     sp1 = _run(demo_assets, tmp_path / "sp1", sp_size=1, nproc=1)
@@ -39,6 +41,7 @@ def test_demo_loss_curve_with_sp2_matches_sp1_over_50_steps(demo_assets, tmp_pat
     assert sp1[-1] < 0.5 * sp1[0]
 
 
+@pytest.mark.e2e
 def test_demo_plot_is_written_from_metrics_rows(tmp_path):
     rows = [{"step": s, "loss": 3.0 / s} for s in range(1, 11)]
     rows += [{"step": 5, "eval_loss": 1.0, "eval_accuracy": 0.5},

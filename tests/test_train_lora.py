@@ -20,8 +20,8 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import Qwen3_5ForConditionalGeneration
 
-from launching import assert_ok, run_vlmcp, tiny_job, train_losses, write_job
-from parity import plain_sample_loss
+from tests.helpers.launching import assert_ok, run_vlmcp, tiny_job, train_losses, write_job
+from tests.helpers.parity import plain_sample_loss
 from vlmcp.cli import main
 from vlmcp.data.dataset import load_samples
 from vlmcp.data.processor import load_processor
@@ -61,6 +61,7 @@ def _eval_row(out):
     return [row for row in rows if "eval_loss" in row][-1]
 
 
+@pytest.mark.e2e
 def test_lora_final_adapter_loads_in_peft_resumes_exactly_and_exports_merged(
         tiny_checkpoint, digits_jsonl, tmp_path):
     straight = tmp_path / "straight"

@@ -14,12 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from launching import assert_ok, run_vlmcp, tiny_job, train_losses, write_job
+from tests.helpers.launching import assert_ok, run_vlmcp, tiny_job, train_losses, write_job
 from vlmcp.cli import main
 from vlmcp.data.index import build_index
 from vlmcp.data.pack import PackedDataset
 from vlmcp.data.stream import SampleReader
-from vlmcp.training.schedule import StepSchedule
+from vlmcp.training.step_packs import StepPacks
 
 
 def _job(checkpoint, digits, out, **train):
@@ -32,6 +32,7 @@ def _job(checkpoint, digits, out, **train):
                     train={"seed": 3, "grad_accum": 2, **train})
 
 
+@pytest.mark.e2e
 def test_two_steps_plus_resume_equal_four_straight_steps_and_export_matches_final(
         tiny_checkpoint, digits_jsonl, tmp_path):
     straight = tmp_path / "straight"
@@ -75,19 +76,19 @@ def test_resume_without_a_checkpoint_is_a_clear_error(tiny_checkpoint, digits_js
     assert "config key 'train.resume' is true but" in capsys.readouterr().err
 
 
-def test_step_schedule_is_a_pure_function_of_the_step(tiny_processor, digits_jsonl):
+def test_step_packs_are_a_pure_function_of_the_step(tiny_processor, digits_jsonl):
     index, problems = build_index([digits_jsonl / "train.jsonl"], tiny_processor, max_seq_len=64)
     assert problems == []
     reader = SampleReader(index, tiny_processor, max_seq_len=64, truncate=False)
 
-    def schedule():
-        return StepSchedule(PackedDataset(index.tokens, 64, dp_rank=1, dp_size=2, shuffle=True,
-                                          seed=5, multiple_of=2), grad_accum=2, reader=reader)
+    def step_packs():
+        return StepPacks(PackedDataset(index.tokens, 64, dp_rank=1, dp_size=2, shuffle=True,
+                                       seed=5, multiple_of=2), grad_accum=2, reader=reader)
 
-    walked = schedule()
+    walked = step_packs()
     steps_per_epoch = walked.steps_in_epoch(0)
     sequence = [[b.sample_ids for b in walked.batches(step)] for step in range(3 * steps_per_epoch)]
     for step in (0, steps_per_epoch - 1, steps_per_epoch, 2 * steps_per_epoch + 1):
-        assert [b.sample_ids for b in schedule().batches(step)] == sequence[step]
+        assert [b.sample_ids for b in step_packs().batches(step)] == sequence[step]
     assert walked.locate(steps_per_epoch) == (1, 0)
     assert sequence[0] != sequence[steps_per_epoch]

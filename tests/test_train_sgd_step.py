@@ -20,13 +20,15 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen3_5ForConditionalGeneration
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForConditionalGeneration
 
-from launching import assert_ok, run_vlmcp, tiny_job, train_losses, write_job
-from parity import RawSample, plain_sample_loss
-from router_reference import reference_router_aux_and_grads
+from tests.helpers.launching import assert_ok, run_vlmcp, tiny_job, train_losses, write_job
+from tests.helpers.parity import RawSample, plain_sample_loss
+from tests.helpers.router_reference import reference_router_aux_and_grads
 from vlmcp.data.dataset import load_samples
 from vlmcp.data.pack import PackedDataset, first_fit
 from vlmcp.data.processor import load_processor
-from vlmcp.demo_assets import build_tiny_checkpoint
+from vlmcp.model.tiny import build_tiny_checkpoint
+
+pytestmark = pytest.mark.e2e
 
 LR = 1000.0
 WORLD = 2

@@ -15,7 +15,9 @@ import os
 import sys
 from collections.abc import Sequence
 
-from vlmcp.config import ConfigError, JobError, load_job, schema_fields
+from vlmcp.config import load_job, schema_fields
+from vlmcp.errors import ConfigError, JobError, ProcessorError
+from vlmcp.parallel.modes import DELTANET_MODES, VISION_MODES
 
 EXIT_PROBLEMS = 1
 
@@ -142,8 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="images of mixed sizes in each pack; reports per-rank vision_s")
     bench.add_argument("--sp-size", type=int, default=None,
                        help="sequence-parallel size (default: 1, or the launcher's world size)")
-    bench.add_argument("--deltanet-cp", choices=["state", "heads"], default="state")
-    bench.add_argument("--vision", choices=["split", "replicated"], default="split",
+    bench.add_argument("--deltanet-cp", choices=DELTANET_MODES, default=DELTANET_MODES[0])
+    bench.add_argument("--vision", choices=VISION_MODES, default=VISION_MODES[0],
                        help="parallel.vision: split the image encoding over the SP group, or run "
                             "it on the whole pack on every rank")
     bench.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -189,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--rl", action="store_true",
                       help="policy-gradient variant: candidate answers per digit prompt with "
                            "group-relative advantages from their correctness, loss.type "
-                           "policy_gradient, output in OUT/rl (vlmcp/rl_demo.py)")
+                           "policy_gradient, output in OUT/rl (vlmcp/demo/rl.py)")
     return parser
 
 
@@ -224,7 +226,7 @@ def _settle_device() -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    # os.environ: the settings `accelerate launch --config_file X.yaml` exports (launch_env.py).
+    # os.environ: the settings `accelerate launch --config_file X.yaml` exports (config/launch_env.py).
     job = load_job(args.job, args.overrides, environ=os.environ)
     from vlmcp.parallel import comm
     from vlmcp.training.loop import train
@@ -233,16 +235,17 @@ def _cmd_train(args: argparse.Namespace) -> int:
     # The process group is torn down before the interpreter exits: gloo work objects still alive
     # during interpreter finalization end the process with SIGABRT ("terminate called without an
     # active exception"). Only where every rank stops together (success, a stop signal, and the
-    # JobErrors, which ranks agree on): a rank that fails alone may have pending work, on which
-    # destroy_process_group would wait.
+    # errors every rank raises together, `JobError.on_every_rank`): a rank that fails alone may
+    # have pending work, on which destroy_process_group would wait.
     try:
         train(job)
     except StopRequested as exc:
         comm.shutdown()
         logging.getLogger("vlmcp").warning("%s (exit %d)", exc, exc.exit_code)
         return exc.exit_code
-    except JobError:
-        comm.shutdown()
+    except JobError as exc:
+        if exc.on_every_rank:
+            comm.shutdown()
         raise
     comm.shutdown()
     return 0
@@ -269,9 +272,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     job = load_job(args.job, args.overrides)
     from vlmcp.data.dataset import nth_sample
-    from vlmcp.data.formats import DataError
     from vlmcp.data.inspection import format_report, inspect_sample
-    from vlmcp.data.processor import ProcessorError, load_processor
+    from vlmcp.data.processor import load_processor
     from vlmcp.data.sources import data_files
 
     if args.sample < 0:
@@ -281,14 +283,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
                                    job.data.chat_template_kwargs, job.data.empty_think)
     except (ProcessorError, OSError, ValueError) as exc:
         return _report([f"config key 'model.path': {exc}"])
-    try:
-        paths = [job.resolve_input(f.path) for f in data_files(job.data.train)]
-        image_root = (job.resolve_input(job.data.image_root)
-                      if job.data.image_root is not None else None)
-        sample = nth_sample(paths, args.sample, processor, job.data.max_seq_len,
-                            job.data.truncate, image_root)
-    except DataError as exc:
-        return _report([str(exc)])
+    paths = [job.resolve_input(f.path) for f in data_files(job.data.train)]
+    image_root = job.resolve_input(job.data.image_root) if job.data.image_root is not None else None
+    sample = nth_sample(paths, args.sample, processor, job.data.max_seq_len, job.data.truncate,
+                        image_root)
     report = inspect_sample(sample, processor)
     if args.json:
         print(json.dumps(report, indent=1))
@@ -315,8 +313,9 @@ def _cmd_score(args: argparse.Namespace) -> int:
 
     try:
         path = score(job, out=args.out, entropy=args.entropy)
-    except JobError:
-        comm.shutdown()
+    except JobError as exc:
+        if exc.on_every_rank:
+            comm.shutdown()
         raise
     writer = comm.rank() == 0
     comm.shutdown()
@@ -336,12 +335,19 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    missing = [name for name, module in (("scikit-learn", "sklearn"), ("matplotlib", "matplotlib"))
+               if importlib.util.find_spec(module) is None]
+    if missing:
+        return _report([f"vlmcp demo needs {' and '.join(missing)} (the demo extra): "
+                        "pip install 'vlmcp[demo]'"])
     if args.rl:
-        from vlmcp.rl_demo import run_rl_demo
+        from vlmcp.demo.rl import run_rl_demo
 
         return run_rl_demo(out_dir=args.out, nproc=args.nproc, sp_size=args.sp_size,
                            steps=args.steps, overrides=args.overrides)
-    from vlmcp.demo import run_demo
+    from vlmcp.demo.image import run_demo
 
     return run_demo(out_dir=args.out, nproc=args.nproc, sp_size=args.sp_size, steps=args.steps,
                     overrides=args.overrides)
@@ -362,4 +368,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Every rank parses the same job file; one copy of the message is enough.
         return _report(exc.problems if os.environ.get("RANK", "0") == "0" else [])
     except JobError as exc:
+        # The base of every user-facing error (vlmcp.errors): one line per problem, exit 1.
         return _report(exc.problems)

@@ -11,16 +11,9 @@ import os
 
 import torch
 
-from vlmcp.config import JobError
+from vlmcp.errors import DeviceError
 
 ACCELERATOR_ENV = "DS_ACCELERATOR"
-
-
-class DeviceError(JobError):
-    """The environment asks for a device or backend this machine or vlmcp cannot use."""
-
-    def __init__(self, problem: str):
-        super().__init__([problem])
 
 
 def use_cuda() -> bool:

@@ -1,8 +1,10 @@
-"""A data file -> samples in memory, for held-out evaluation and tests.
+"""A data file -> samples in memory: one sample for `vlmcp inspect`, whole files for tests.
 
 Records are read by `vlmcp.data.sources` (JSON Lines or a JSON array, by content). Images are
-decoded and patchified up front, when the file is read. Training data does not come through here:
-it is indexed (`vlmcp.data.index`) and its packs are loaded when needed (`vlmcp.data.stream`).
+decoded and patchified up front, when the file is read. Training and held-out data do not come
+through here: they are indexed (`vlmcp.data.index`) and their packs are loaded when needed
+(`vlmcp.data.stream`); `vlmcp validate` checks every record through that same index pass
+(`vlmcp.training.preflight`).
 """
 
 from __future__ import annotations
@@ -10,9 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from vlmcp.data.formats import DataError, Sample, parse_record
+from vlmcp.data.formats import Sample, parse_record
 from vlmcp.data.processor import VLProcessor
 from vlmcp.data.sources import iter_records
+from vlmcp.errors import DataError
 
 
 def iter_samples(
@@ -68,3 +71,14 @@ def load_samples(
             raise item
         samples.append(item)
     return samples
+
+
+def validate_data(
+    data_path: str | Path, processor: VLProcessor, max_seq_len: int, truncate: bool = False,
+    image_root: str | Path | None = None,
+) -> list[str]:
+    """One "source: problem" string per bad record of a data file (all of them); empty when the
+    file is clean. The same parsing as training, which raises the first of these as a `DataError`."""
+    return [str(item) for item in iter_samples(data_path, processor, max_seq_len, truncate,
+                                               image_root)
+            if isinstance(item, DataError)]

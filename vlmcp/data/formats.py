@@ -65,7 +65,7 @@ from PIL import Image
 from vlmcp.data.batch import IGNORE_INDEX, TOKEN_ARRAYS
 from vlmcp.data.positions import mrope_positions
 from vlmcp.data.processor import IMAGE_PAD, VLProcessor
-from vlmcp.data.sources import DataError
+from vlmcp.errors import DataError
 
 IMAGE_MARKER = "<image>"
 AUDIO_MARKER = "<audio>"

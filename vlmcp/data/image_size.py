@@ -19,7 +19,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
     smart_resize,
 )
 
-from vlmcp.data.formats import DataError
+from vlmcp.errors import DataError
 
 
 def header_size(path: Path, source: str) -> tuple[int, int]:

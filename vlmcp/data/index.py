@@ -22,11 +22,12 @@ from pathlib import Path
 import numpy as np
 
 from vlmcp.data.batch import IGNORE_INDEX, TOKEN_ARRAYS
-from vlmcp.data.formats import DataError, parse_record, record_image_paths, tokenize_record
+from vlmcp.data.formats import parse_record, record_image_paths, tokenize_record
 from vlmcp.data.image_size import header_grid
 from vlmcp.data.processor import VLProcessor
 from vlmcp.data.records import Span, locate_records, record_label
 from vlmcp.data.sources import is_json_array
+from vlmcp.errors import DataError
 
 #: Columns of the index: (name, numpy dtype).
 COLUMNS = (("file_id", np.int32), ("record", np.int32), ("line", np.int32), ("offset", np.int64),

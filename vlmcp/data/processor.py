@@ -25,6 +25,9 @@ from PIL import Image
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+from vlmcp.data import json_text
+from vlmcp.errors import ProcessorError
+
 IMAGE_PAD = "<|image_pad|>"
 VISION_START = "<|vision_start|>"
 VISION_END = "<|vision_end|>"
@@ -44,10 +47,6 @@ _PASSTHROUGH_FIELDS = (
     "resample",
 )
 _REQUIRED_FIELDS = ("patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std")
-
-
-class ProcessorError(ValueError):
-    """A checkpoint directory that cannot give a tokenizer and image processor."""
 
 
 @dataclass
@@ -84,7 +83,7 @@ class VLProcessor:
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text())
+        return json_text.loads(path.read_text())
     except FileNotFoundError as e:
         raise ProcessorError(f"{path}: missing (expected a Qwen3.5 checkpoint layout)") from e
     except json.JSONDecodeError as e:

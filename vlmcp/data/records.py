@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vlmcp.data.sources import DataError, iter_located_records
+from vlmcp.data import json_text
+from vlmcp.data.sources import iter_located_records
+from vlmcp.errors import DataError
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ def read_record(path: Path, span: Span, label: str) -> dict[str, Any]:
     except OSError as e:
         raise DataError(f"{label}: cannot read ({e.strerror})") from e
     try:
-        record = json.loads(raw.decode("utf-8-sig"))
+        record = json_text.loads(raw.decode("utf-8-sig"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DataError(f"{label}: the data file changed since the length index was built "
                         f"({e})") from e

@@ -28,23 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vlmcp.data import json_text
+from vlmcp.errors import DataError, DataSpecError
+
 _ENCODING = "utf-8-sig"
 _BOM = b"\xef\xbb\xbf"
 _WHITESPACE = " \t\r\n"
-
-
-class DataError(ValueError):
-    """A training sample or file that cannot be used; the message starts with its source label
-    ("file:line", "file[index] (line N)", or the file alone)."""
-
-
-class DataSpecError(ValueError):
-    """A `data.train` / `data.eval` value that does not describe files; one line per problem,
-    each naming its config key (e.g. ``data.train[1].weight``)."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = list(problems)
-        super().__init__("\n".join(self.problems))
 
 
 @dataclass(frozen=True)
@@ -162,7 +151,6 @@ def _array_records(path: Path) -> list[tuple[str, Any, Position]]:
     raw = path.read_bytes()
     bom = len(_BOM) if raw.startswith(_BOM) else 0
     text = raw[bom:].decode("utf-8")
-    decoder = json.JSONDecoder()
 
     def malformed(pos: int, message: str) -> DataError:
         line, col = _line_col(text, pos)
@@ -176,7 +164,7 @@ def _array_records(path: Path) -> list[tuple[str, Any, Position]]:
     else:
         while True:
             try:
-                value, end = decoder.raw_decode(text, pos)
+                value, end = json_text.decode_at(text, pos)
             except json.JSONDecodeError as e:
                 raise malformed(e.pos, e.msg) from e
             line += text.count("\n", counted, pos)
@@ -211,12 +199,12 @@ def _multiline_document(path: Path) -> DataError | None:
     lines = [line for line in text.splitlines() if line.strip(_WHITESPACE)]
     if len(lines) > 1:
         try:
-            if isinstance(json.loads(lines[1]), dict):
+            if isinstance(json_text.loads(lines[1]), dict):
                 return None
         except json.JSONDecodeError:
             pass
     try:
-        value = json.loads(text)
+        value = json_text.loads(text)
     except json.JSONDecodeError as e:
         return DataError(f"{path}:{e.lineno}:{e.colno}: malformed JSON: {e.msg} (the file is "
                          "neither JSON Lines, one record per line, nor a JSON array)")
@@ -238,7 +226,7 @@ def _jsonl_records(path: Path) -> Iterator[tuple[str, Any | DataError, Position]
                 continue
             label = f"{path}:{number}"
             try:
-                value = json.loads(line)
+                value = json_text.loads(line)
             except json.JSONDecodeError as e:
                 document_error = _multiline_document(path) if first and _breaks_off(line, e) \
                     else None

@@ -24,11 +24,12 @@ from dataclasses import dataclass
 import torch
 
 from vlmcp.data.batch import PackedBatch
-from vlmcp.data.formats import DataError, Sample, parse_record
+from vlmcp.data.formats import Sample, parse_record
 from vlmcp.data.index import LengthIndex
 from vlmcp.data.pack import build_batch
 from vlmcp.data.processor import VLProcessor
 from vlmcp.data.records import read_record
+from vlmcp.errors import DataError
 
 
 @dataclass

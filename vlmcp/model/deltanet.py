@@ -38,9 +38,8 @@ from transformers.activations import ACT2FN
 
 from vlmcp.model.delta_rule import delta_rule_segments
 from vlmcp.parallel import comm
+from vlmcp.parallel.modes import DELTANET_MODES
 from vlmcp.parallel.shard import ShardPlan
-
-DELTANET_MODES = ("state", "heads")
 
 
 def is_gated_deltanet(module: nn.Module) -> bool:

@@ -21,6 +21,9 @@ from transformers import (
     Qwen3_5MoeForConditionalGeneration,
 )
 
+from vlmcp.data import json_text
+from vlmcp.errors import ModelLoadError
+
 MODEL_CLASSES: dict[str, type[PreTrainedModel]] = {
     "qwen3_5": Qwen3_5ForConditionalGeneration,
     "qwen3_5_moe": Qwen3_5MoeForConditionalGeneration,
@@ -29,15 +32,11 @@ MODEL_CLASSES: dict[str, type[PreTrainedModel]] = {
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class ModelLoadError(ValueError):
-    """A checkpoint directory that vlmcp cannot train."""
-
-
 def read_model_config(path: str | Path) -> dict[str, Any]:
     """config.json of a checkpoint as a dict; raises ModelLoadError naming the file."""
     config_file = Path(path) / "config.json"
     try:
-        raw = json.loads(config_file.read_text())
+        raw = json_text.loads(config_file.read_text())
     except FileNotFoundError as exc:
         raise ModelLoadError(f"model.path: {config_file} not found") from exc
     except json.JSONDecodeError as exc:

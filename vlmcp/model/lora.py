@@ -44,6 +44,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from vlmcp.config import LoraSection
+from vlmcp.errors import LoraError
 from vlmcp.model.load import MODEL_CLASSES
 
 logger = logging.getLogger(__name__)
@@ -56,14 +57,6 @@ _FUSED_EXPERTS = ("the routed experts hold fused 3-D weights, not Linear layers:
                   "lora.target_parameters (e.g. [\"mlp.experts.gate_up_proj\", "
                   "\"mlp.experts.down_proj\"]); in lora.target_modules, gate_proj, up_proj and "
                   "down_proj adapt the shared expert")
-
-
-class LoraError(ValueError):
-    """LoRA settings that cannot apply to the model; `problems` holds one line per problem."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = list(problems)
-        super().__init__("\n".join(self.problems))
 
 
 def _matches(name: str, entry: str) -> bool:

@@ -21,9 +21,6 @@ from vlmcp.model.image_routing import ImageRouting
 from vlmcp.parallel import comm
 from vlmcp.parallel.shard import ShardPlan
 
-#: Values of `parallel.vision` (the first is the default).
-VISION_MODES = ("split", "replicated")
-
 
 def image_features(vision: nn.Module, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
     """Merged vision features of every image in the pack, in placeholder order.

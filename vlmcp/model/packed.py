@@ -31,11 +31,12 @@ from vlmcp.data.batch import IGNORE_INDEX, PackedBatch
 from vlmcp.model.attention import ATTENTION_KEY, register_attention
 from vlmcp.model.deltanet import install_deltanet_hooks
 from vlmcp.model.loss import DEFAULT_LOSS_CHUNK_MB, shard_ce_and_entropy
-from vlmcp.model.merge import VISION_MODES, merge_embeddings, shard_first_embeddings
+from vlmcp.model.merge import merge_embeddings, shard_first_embeddings
 from vlmcp.model.objectives import STAT_KEYS, Objective, sequence_weights
 from vlmcp.model.token_logprobs import shard_token_logprobs
 from vlmcp.model.router_loss import RouterAuxLoss
 from vlmcp.parallel.groups import SequenceParallel
+from vlmcp.parallel.modes import VISION_MODES
 from vlmcp.parallel.shard import ShardPlan
 from vlmcp.model.vision import replicated_copy
 

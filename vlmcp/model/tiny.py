@@ -1,15 +1,23 @@
-"""Tiny Qwen3.5 configurations for tests, the demo and benchmarks.
+"""Tiny Qwen3.5 configurations and checkpoints for tests, the demo and benchmarks.
 
 The sizes keep every constraint of the real architecture (head_dim, MRoPE sections, vision
 out_hidden_size == text hidden_size, special ids below vocab_size), so code that works on a tiny
-model exercises the same paths as a published checkpoint.
+model exercises the same paths as a published checkpoint. `build_tiny_checkpoint` writes one to
+disk laid out like a published checkpoint: random-init weights, a byte-level BPE tokenizer trained
+on a built-in corpus (Qwen's pre-tokenizer) with a ChatML template, and the processor configs.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
-from transformers import PretrainedConfig
+import torch
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
+from transformers import (PretrainedConfig, Qwen3_5ForConditionalGeneration,
+                          Qwen3_5MoeForConditionalGeneration)
+from transformers.models.qwen3_5.tokenization_qwen3_5 import PRETOKENIZE_REGEX, Qwen3_5Tokenizer
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config
 from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeConfig
 
@@ -107,3 +115,137 @@ def tiny_qwen3_5_config(
         tie_word_embeddings=False,
         **TINY_SPECIAL_IDS,
     )
+
+
+#: Special tokens by id; ids 3-6 match `TINY_SPECIAL_IDS`, `<|im_end|>` (2) is the tiny eos.
+SPECIAL_TOKENS = {
+    0: "<|endoftext|>",
+    1: "<|im_start|>",
+    2: "<|im_end|>",
+    TINY_SPECIAL_IDS["vision_start_token_id"]: "<|vision_start|>",
+    TINY_SPECIAL_IDS["vision_end_token_id"]: "<|vision_end|>",
+    TINY_SPECIAL_IDS["image_token_id"]: "<|image_pad|>",
+    TINY_SPECIAL_IDS["video_token_id"]: "<|video_pad|>",
+}
+
+#: Qwen-style ChatML template; string or typed content, an image entry renders one image pad.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}"
+    "{{- message['content'] -}}"
+    "{%- else -%}"
+    "{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' -%}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] == 'text' -%}"
+    "{{- part['text'] -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- endif -%}"
+)
+
+#: Like a published Qwen3.5 preprocessor_config.json, with pixel bounds that keep a 32x32 digit
+#: at 32x32 (2x2 patches, one image token after the 2x2 merge).
+TINY_PREPROCESSOR_CONFIG: dict[str, Any] = {
+    "image_processor_type": "Qwen2VLImageProcessorFast",
+    "processor_class": "Qwen3VLProcessor",
+    "do_convert_rgb": True,
+    "do_normalize": True,
+    "do_rescale": True,
+    "do_resize": True,
+    "rescale_factor": 1 / 255,
+    "resample": 3,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "size": {"shortest_edge": 32 * 32, "longest_edge": 256 * 256},
+}
+
+#: What the tiny BPE is trained on.
+_CORPUS = [
+    "What digit is this?",
+    "Which digit is shown in the image?",
+    "You are a helpful assistant.",
+    "system",
+    "user",
+    "assistant",
+    "The answer is 0 1 2 3 4 5 6 7 8 9.",
+    "Describe the picture. It shows a handwritten number on a dark background.",
+    "This is a small gray image of a digit written by hand.",
+    "Count the objects, read the text, and answer the question in one word.",
+]
+
+
+def build_tiny_tokenizer(out_dir: str | Path, vocab_size: int = 512) -> Qwen3_5Tokenizer:
+    """Train a byte-level BPE (Qwen's pre-tokenizer) and save it as a `Qwen3_5Tokenizer`.
+
+    Specials sit at `SPECIAL_TOKENS` ids: pad `<|endoftext|>` 0, `<|im_start|>` 1, eos
+    `<|im_end|>` 2, vision start/end 3/4, image/video pad 5/6. Total vocab <= vocab_size.
+    """
+    specials = [SPECIAL_TOKENS[i] for i in range(len(SPECIAL_TOKENS))]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(_CORPUS, trainer)
+    model = json.loads(bpe.to_str())["model"]
+    tokenizer = Qwen3_5Tokenizer(
+        vocab=model["vocab"],
+        merges=[tuple(m) for m in model["merges"]],
+        unk_token=None,
+        eos_token=SPECIAL_TOKENS[2],
+        pad_token=SPECIAL_TOKENS[0],
+        extra_special_tokens=[SPECIAL_TOKENS[1], *specials[3:]],
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    for token_id, token in SPECIAL_TOKENS.items():
+        if tokenizer.convert_tokens_to_ids(token) != token_id:
+            raise RuntimeError(f"{token} got id {tokenizer.convert_tokens_to_ids(token)}")
+    tokenizer.save_pretrained(str(out_dir))
+    return tokenizer
+
+
+def build_tiny_checkpoint(
+    out_dir: str | Path, moe: bool = False, seed: int = 0, tokenizer: bool = True, **config_overrides: Any
+) -> Path:
+    """Write a random-init tiny Qwen3.5 (MoE when `moe`) laid out like a published checkpoint.
+
+    config.json + model.safetensors (save_pretrained), tokenizer files with chat_template.jinja,
+    preprocessor_config.json naming Qwen2VLImageProcessorFast, and video_preprocessor_config.json.
+    Without `tokenizer`, only config.json + model.safetensors (all a model load needs; the bench
+    uses that). `config_overrides` go to `tiny_qwen3_5_config` (e.g. vocab_size: any size, the
+    tokenizer then holds at most that many tokens). Global RNG state is left untouched.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = tiny_qwen3_5_config(moe=moe, **config_overrides)
+    model_class = Qwen3_5MoeForConditionalGeneration if moe else Qwen3_5ForConditionalGeneration
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_class(config)
+    model.save_pretrained(str(out_dir))
+    if not tokenizer:
+        return out_dir
+    build_tiny_tokenizer(out_dir, vocab_size=config.text_config.vocab_size)
+    (out_dir / "preprocessor_config.json").write_text(
+        json.dumps(TINY_PREPROCESSOR_CONFIG, indent=2) + "\n"
+    )
+    video = {**TINY_PREPROCESSOR_CONFIG, "video_processor_type": "Qwen3VLVideoProcessor"}
+    video.pop("image_processor_type")
+    (out_dir / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2) + "\n")
+    return out_dir

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vlmcp.model.deltanet import DELTANET_MODES
+from vlmcp.parallel.modes import DELTANET_MODES
 
 
 def check_sp_constraints(text_config: Any, sp_size: int, world_size: int, deltanet_cp: str = "state") -> list[str]:

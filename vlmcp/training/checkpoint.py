@@ -19,7 +19,7 @@ and raises CheckpointError on every rank (a full disk says "no space left on ...
 A checkpoint is complete when manifest.json exists and every file it lists exists with its size.
 Resume loads the newest complete one and logs each newer incomplete one it skips.
 
-The client state records the completed step (the data position: the step schedule is a pure
+The client state records the completed step (the data position: the step packs are a pure
 function of it) and how the training module's keys map to Hugging Face names (for
 `vlmcp export`). Model, optimizer, LR scheduler and RNG-free data order restore exactly.
 A LoRA run (`lora.r` > 0) leaves its frozen base weights out (they come from `model.path` again
@@ -34,8 +34,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from vlmcp.config import JobConfig, JobError
+from vlmcp.config import JobConfig
+from vlmcp.errors import CheckpointError
 from vlmcp.parallel import comm
+from vlmcp.parallel.agree import fail_together
 from vlmcp.training.atomic import (dir_size, remove_quietly, replace_dir, write_error,
                                    write_text_atomic)
 
@@ -43,11 +45,6 @@ logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 _TAG = re.compile(r"^step(\d+)$")
-
-
-class CheckpointError(JobError):
-    """A checkpoint could not be written or found; one line per problem (empty on ranks that
-    only learned that another rank failed, so each problem is printed once)."""
 
 
 def checkpoint_dir(job: JobConfig) -> Path:
@@ -104,15 +101,8 @@ def _manifest_bytes(tag_dir: Path) -> int:
     return sum(json.loads((tag_dir / MANIFEST).read_text())["files"].values())
 
 
-def _agree(failed: bool, own_problem: str | None, what: str) -> None:
-    """Raise CheckpointError on every rank when any rank failed `what`."""
-    failing = [r for r, flag in enumerate(comm.rank_flags(failed)) if flag]
-    if not failing:
-        return
-    if own_problem:
-        raise CheckpointError([own_problem])
-    raise CheckpointError([] if comm.rank() != 0 else
-                          [f"{what} failed on rank(s) {failing} (see their error line)"])
+def _lines(problem: str | None) -> list[str]:
+    return [problem] if problem else []
 
 
 def _prepare(tmp: Path) -> None:
@@ -124,7 +114,7 @@ def _prepare(tmp: Path) -> None:
             tmp.mkdir(parents=True)
         except OSError as exc:
             problem = write_error(exc, tmp)
-    _agree(problem is not None, problem, f"creating {tmp}")
+    fail_together(_lines(problem), CheckpointError, what=f"creating {tmp}")
 
 
 def _publish(tmp: Path, directory: Path, tag: str, step: int, keep: int) -> None:
@@ -170,7 +160,8 @@ def save_checkpoint(engine: Any, job: JobConfig, step: int, hf_key_prefixes: dic
         # The others wait in the barrier that closes DeepSpeed's save; join it before agreeing.
         comm.barrier()
     try:
-        _agree(problem is not None, problem, f"saving checkpoint {directory / tag}")
+        fail_together(_lines(problem), CheckpointError,
+                      what=f"saving checkpoint {directory / tag}")
     except CheckpointError:
         if comm.rank() == 0:
             remove_quietly(tmp)
@@ -182,7 +173,7 @@ def save_checkpoint(engine: Any, job: JobConfig, step: int, hf_key_prefixes: dic
         except OSError as exc:
             problem = f"saving checkpoint {directory / tag}: {write_error(exc, tmp, needed)}"
             remove_quietly(tmp)
-    _agree(problem is not None, problem, f"publishing checkpoint {directory / tag}")
+    fail_together(_lines(problem), CheckpointError, what=f"publishing checkpoint {directory / tag}")
     if comm.rank() == 0:
         logger.info("saved checkpoint %s (%d bytes)", directory / tag, dir_size(directory / tag))
     return directory / tag

@@ -28,13 +28,14 @@ import torch
 from torch import nn
 
 from vlmcp.data.batch import IGNORE_INDEX
-from vlmcp.data.formats import DataError, Sample
+from vlmcp.data.formats import Sample
 from vlmcp.data.pack import first_fit
 from vlmcp.data.stream import SampleReader
+from vlmcp.errors import DataError, PreflightError
 from vlmcp.model.objectives import Objective
 from vlmcp.parallel import comm
+from vlmcp.parallel.agree import fail_together
 from vlmcp.parallel.groups import SequenceParallel
-from vlmcp.training.preflight import agree_on_problems
 
 T = TypeVar("T")
 
@@ -91,7 +92,7 @@ def _load_agreed(load: Callable[[], T]) -> T | None:
         item, problems = load(), []
     except DataError as exc:
         item, problems = None, [f"evaluation: {exc}"]
-    agree_on_problems(problems)
+    fail_together(problems, PreflightError)
     return item
 
 
@@ -157,6 +158,6 @@ def generation_accuracy(hf_model: nn.Module, reader: SampleReader, count: int,
         if index < count:
             totals += torch.tensor([float(generated == prompt.reference), 1.0], dtype=torch.float64)
     hf_model.train(was_training)
-    agree_on_problems(problems)
+    fail_together(problems, PreflightError)
     comm.all_reduce_sum(totals)
     return float(totals[0] / max(totals[1], 1.0)), int(totals[1])

@@ -18,43 +18,39 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import random
 import time
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from vlmcp.config import JobConfig
 from vlmcp.data.batch import PackedBatch
-from vlmcp.data.formats import DataError
 from vlmcp.data.mixture import draws_per_epoch
 from vlmcp.data.pack import PackedDataset
 from vlmcp.data.stream import SampleReader
-from vlmcp.model.load import load_model
-from vlmcp.model.lora import apply_lora
+from vlmcp.errors import DataError, NonFiniteError, PreflightError
 from vlmcp.model.loss import scale_for_deepspeed
 from vlmcp.model.objectives import STAT_KEYS
 from vlmcp.model.packed import PackedVLM
 from vlmcp.model.router_loss import router_objective
 from vlmcp.parallel import comm
+from vlmcp.parallel.agree import fail_together
 from vlmcp.parallel.groups import SequenceParallel
 from vlmcp.training.checkpoint import checkpoint_dir, load_latest, save_checkpoint
-from vlmcp.training.ds_config import zero_stage
+from vlmcp.training.ds.config import zero_stage
 from vlmcp.training.evaluate import eval_loss, generation_accuracy
-from vlmcp.training.export import hf_key_prefixes, save_final
+from vlmcp.training.export import save_final
+from vlmcp.training.hf_format import hf_key_prefixes
 from vlmcp.training.lora_export import save_final_adapter
 from vlmcp.training.metrics import MetricsWriter
-from vlmcp.training.nonfinite import NonFiniteError, NonFiniteGuard
-from vlmcp.training.ds_engine import describe_engine, engine_optim_args
-from vlmcp.training.objective_step import objective_metrics, objective_of, step_counts
+from vlmcp.training.nonfinite import NonFiniteGuard
+from vlmcp.training.objective_step import objective_metrics, step_counts
 from vlmcp.training.optim import can_veto
-from vlmcp.training.preflight import (Preflight, agree_on_problems,
-                                      load_eval_index, load_train_index, run_preflight)
-from vlmcp.training.schedule import StepSchedule
+from vlmcp.training.preflight import Preflight
+from vlmcp.training.setup import build_engine, seed_everything, start_checked
 from vlmcp.training.signals import StopRequested, StopSignals
+from vlmcp.training.step_packs import StepPacks
 from vlmcp.training.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
@@ -69,73 +65,15 @@ class Run:
     sp: SequenceParallel
     engine: Any
     module: PackedVLM
-    schedule: StepSchedule
+    step_packs: StepPacks
     metrics: MetricsWriter
     start_step: int
     #: The PeftModel around `module.hf_model` when the job trains LoRA adapters (lora.r > 0).
     adapter: Any = None
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def _build_engine(job: JobConfig, preflight: Preflight,
-                  sp: SequenceParallel) -> tuple[Any, PackedVLM, Any]:
-    """(DeepSpeed engine, training module, the PeftModel when lora.r > 0 else None).
-
-    With LoRA the adapters are injected into the loaded model before PackedVLM wraps it, so
-    only adapter weights (and modules_to_save copies) enter the optimizer; under ZeRO-3 the new
-    adapter weights are partitioned by deepspeed.initialize next to the frozen base weights.
-    """
-    import deepspeed
-    from transformers.integrations import HfDeepSpeedConfig
-
-    ds_config = preflight.ds_config
-    # Kept alive while the model loads, so that from_pretrained partitions under ZeRO-3
-    # (unless accelerate's zero3_init_flag says false: DeepSpeed then partitions it afterwards).
-    partitioned = zero_stage(ds_config) == 3 and job.zero3_init is not False
-    hf_ds_config = HfDeepSpeedConfig(ds_config) if partitioned else None
-    model_dir = job.resolve_input(job.model.path)
-    hf_model = load_model(model_dir, job.model.dtype,
-                          freeze_vision=job.model.freeze_vision,
-                          attn_implementation=job.model.attn_implementation)
-    adapter = apply_lora(hf_model, job.lora, model_dir) if job.lora.r else None
-    module = PackedVLM(hf_model, sp=sp, deltanet_cp=job.parallel.deltanet_cp,
-                       gradient_checkpointing=job.train.gradient_checkpointing,
-                       vision_mode=job.parallel.vision,
-                       loss_chunk_mb=job.train.loss_chunk_mb,
-                       router_aux_loss=job.model.router_aux_loss,
-                       objective=objective_of(job))
-    trainable = [p for p in module.parameters() if p.requires_grad]
-    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=trainable,
-                                           config=ds_config, mpu=sp.mpu,
-                                           **engine_optim_args(job, ds_config, trainable))
-    del hf_ds_config
-    logger.info("%s", describe_engine(engine, ds_config))
-    return engine, module, adapter
-
-
-def _index_builder() -> bool:
-    """Whether this rank builds a missing length index: local rank 0 of each node."""
-    return int(os.environ.get("LOCAL_RANK", comm.rank())) == 0
-
-
-def _load_data(job: JobConfig, preflight: Preflight, training: bool = True) -> None:
-    """The length index on every rank: its builders made it during the preflight (the others
-    waited in `agree_on_problems`); the others load it now, and all agree on the outcome.
-    `training` False (`vlmcp score`): no check of the per-token arrays `loss.type` needs."""
-    if not _index_builder():
-        load_train_index(job, preflight, may_build=False, training=training)
-        if training:
-            load_eval_index(job, preflight, may_build=False)
-    agree_on_problems(preflight.problems)
-
-
-def _schedule(job: JobConfig, preflight: Preflight, sp: SequenceParallel) -> StepSchedule:
-    """This rank's step schedule over the length index, loading packs with DataLoader workers."""
+def _step_packs(job: JobConfig, preflight: Preflight, sp: SequenceParallel) -> StepPacks:
+    """This rank's packs of each step, over the length index, loading packs with DataLoader workers."""
     index = preflight.train_index
     if len(preflight.train_file_sizes) > 1 or any(w != 1 for w in preflight.train_weights):
         draws = draws_per_epoch(preflight.train_file_sizes, preflight.train_weights)
@@ -149,28 +87,22 @@ def _schedule(job: JobConfig, preflight: Preflight, sp: SequenceParallel) -> Ste
                             weights=preflight.train_weights)
     reader = SampleReader(index, preflight.processor, job.data.max_seq_len, job.data.truncate,
                           cache_path=str(preflight.train_index_result.path))
-    return StepSchedule(dataset, job.train.grad_accum, reader, num_workers=job.data.num_workers,
-                        prefetch_factor=job.data.prefetch_factor)
+    return StepPacks(dataset, job.train.grad_accum, reader, num_workers=job.data.num_workers,
+                     prefetch_factor=job.data.prefetch_factor)
 
 
 def start_run(job: JobConfig) -> Run:
     """Start the process group, check the job on every rank, build the engine and the data."""
-    # The default group's own timeout is a backstop 60 s behind the watchdog, which fires first
-    # and names the step and the collective (training/watchdog.py).
-    comm.init_distributed(job.train.collective_timeout_s + 60)
-    preflight = run_preflight(job, comm.world_size(),
-                              index_role="build" if _index_builder() else "skip")
-    agree_on_problems(preflight.problems)
-    _load_data(job, preflight)
+    preflight = start_checked(job)
     seed_everything(job.train.seed)
     sp = SequenceParallel.initialize(job.parallel.sp_size)
     logger.info("world %d = sp %d x dp %d, ZeRO stage %d, %d train / %d eval samples",
                 comm.world_size(), sp.size, sp.dp_size, zero_stage(preflight.ds_config),
                 len(preflight.train_index), len(preflight.eval_index or ()))
-    engine, module, adapter = _build_engine(job, preflight, sp)
+    engine, module, adapter = build_engine(job, preflight, sp)
     start_step = load_latest(engine, job) if job.train.resume else 0
     return Run(job=job, preflight=preflight, sp=sp, engine=engine, module=module,
-               schedule=_schedule(job, preflight, sp),
+               step_packs=_step_packs(job, preflight, sp),
                metrics=MetricsWriter(job.output_dir, enabled=comm.rank() == 0,
                                      start_step=start_step),
                start_step=start_step, adapter=adapter)
@@ -180,10 +112,10 @@ def _step_batches(run: Run, step: int) -> list[PackedBatch]:
     """This rank's micro-batches of `step`; every rank stops together when any rank cannot load
     its packs (a DataLoader worker that died, a sample that fails to load)."""
     try:
-        batches, problems = run.schedule.batches(step), []
+        batches, problems = run.step_packs.batches(step), []
     except (DataError, RuntimeError) as exc:
         batches, problems = [], [f"loading the packs of step {step + 1}: {exc}"]
-    agree_on_problems(problems)
+    fail_together(problems, PreflightError)
     return batches
 
 
@@ -243,7 +175,7 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         "targets": n_global,
         "tokens_per_s": float(sums[1]) / elapsed,
         "step_time_s": elapsed,
-        "epoch": run.schedule.locate(step)[0],
+        "epoch": run.step_packs.locate(step)[0],
         **objective_metrics(sums[4:], n_global, run.module.objective),
     }
     if run.module.router_loss is not None:
@@ -298,7 +230,7 @@ def train(job: JobConfig) -> Run:
     with StopSignals() as stop, Watchdog(timeout, rank=comm.rank()) as watchdog, \
             logging_redirect_tqdm():
         _train_loop(run, stop, watchdog)
-        run.schedule.close()
+        run.step_packs.close()
         with watchdog.watch("the final export"):
             if run.adapter is not None:
                 save_final_adapter(run.module, run.adapter, job.resolve_input(job.model.path),
@@ -328,7 +260,7 @@ class _Saver:
 
 def _abort_nonfinite(run: Run, step: int, row: dict[str, Any], problem: str, saver: _Saver) -> None:
     """Log the step's packs, keep a checkpoint of the last finite state, raise NonFiniteError."""
-    ids = [sid for batch in run.schedule.batches(step) for sid in batch.sample_ids]
+    ids = [sid for batch in run.step_packs.batches(step) for sid in batch.sample_ids]
     logger.error("rank %d: %s; its packs on this rank hold samples %s", comm.rank(), problem, ids)
     if row.get("skipped_step"):
         saver.save(step)

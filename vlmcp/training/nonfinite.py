@@ -17,12 +17,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from vlmcp.config import JobError
-
-
-class NonFiniteError(JobError):
-    """The run stopped on a non-finite step."""
-
 
 def nonfinite_keys(row: dict[str, Any]) -> list[str]:
     """The keys of a training row that make its step non-finite."""

@@ -1,6 +1,6 @@
 """The job's torch optimizer and LR schedule (handed to `deepspeed.initialize`).
 
-Used where the DeepSpeed config has no optimizer / scheduler block (training/ds_engine.py);
+Used where the DeepSpeed config has no optimizer / scheduler block (training/ds/engine.py);
 DeepSpeed's own optimizers JIT-compile ops on CPU (FusedAdam, CPUAdam), a torch optimizer never
 does. The schedule is a `LambdaLR`: linear warmup from 0 over `warmup_steps`, then constant
 or cosine decay to `min_lr_ratio * lr` at `train.max_steps`. DeepSpeed steps it once per optimizer

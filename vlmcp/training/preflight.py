@@ -27,28 +27,25 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-from vlmcp.config import ConfigError, JobConfig, JobError
+from vlmcp.config import JobConfig
 from vlmcp.data.index import LengthIndex
 from vlmcp.data.index_cache import IndexResult, default_cache_dir, obtain_index
 from vlmcp.data.mixture import draws_per_epoch
-from vlmcp.data.processor import ProcessorError, VLProcessor, load_processor
+from vlmcp.data.processor import VLProcessor, load_processor
 from vlmcp.data.sources import DataFile, data_files
-from vlmcp.model.load import ModelLoadError, load_config, text_hidden_size
+from vlmcp.errors import ConfigError, ModelLoadError, PreflightError, ProcessorError
+from vlmcp.model.load import load_config, text_hidden_size
 from vlmcp.model.lora import lora_problems
 from vlmcp.model.router_loss import router_config_problem
 from vlmcp.parallel import comm
 from vlmcp.parallel.constraints import check_sp_constraints
-from vlmcp.parallel.zero3_sp import largest_tensor_numel, sp_exact_zero_settings
+from vlmcp.training.ds.zero3_sp import largest_tensor_numel, sp_exact_zero_settings
 from vlmcp.training.checkpoint import checkpoint_dir, checkpoint_tags, latest_tag, newest_complete
-from vlmcp.training.ds_config import fill_deepspeed_config, load_deepspeed_config, zero_stage
+from vlmcp.training.ds.config import fill_deepspeed_config, load_deepspeed_config, zero_stage
 from vlmcp.training.objective_step import objective_problems
 
 
 logger = logging.getLogger(__name__)
-
-
-class PreflightError(JobError):
-    """The job, its model or its data cannot train; one line per problem."""
 
 
 @dataclass
@@ -194,21 +191,6 @@ def _check_output_dir(job: JobConfig, report: Preflight) -> None:
     except OSError as exc:
         report.problems.append(f"config key 'output_dir': cannot write to {out}: "
                                f"{exc.strerror or exc}")
-
-
-def agree_on_problems(problems: list[str]) -> None:
-    """Fail on every rank when any rank found a problem, before any other collective.
-
-    The lowest failing rank raises its problems (the CLI prints them); every other rank raises
-    an empty PreflightError and exits quietly, so no rank is left waiting in a collective and
-    each problem is printed once.
-    """
-    failing = [r for r, flag in enumerate(comm.rank_flags(bool(problems))) if flag]
-    if not failing:
-        return
-    if comm.rank() == failing[0]:
-        raise PreflightError(problems)
-    raise PreflightError([])
 
 
 def index_settings(job: JobConfig) -> dict[str, Any]:

@@ -24,12 +24,14 @@ from typing import Any
 
 import torch
 
-from vlmcp.config import ConfigError, JobConfig
+from vlmcp.config import JobConfig
 from vlmcp.data.batch import IGNORE_INDEX, PackedBatch
 from vlmcp.data.pack import first_fit
 from vlmcp.data.stream import SampleReader
+from vlmcp.errors import ConfigError
 from vlmcp.parallel import comm
 from vlmcp.parallel.groups import SequenceParallel
+from vlmcp.training.setup import build_engine, start_checked
 
 logger = logging.getLogger(__name__)
 
@@ -100,20 +102,13 @@ def score(job: JobConfig, out: str | None = None, entropy: bool = False) -> Path
     """Score data.train with the job's model on every rank of the launcher's world; returns the
     output path (default OUTPUT_DIR/scores.jsonl), written by global rank 0. A LoRA job
     (lora.r > 0) is a ConfigError: its adapters are not at model.path."""
-    from vlmcp.training.loop import _build_engine, _index_builder, _load_data
-    from vlmcp.training.preflight import agree_on_problems, run_preflight
-
     if job.lora.r:
         raise ConfigError(["config key 'lora.r': vlmcp score runs the model at model.path without "
                            "trained adapters; score the merged model of `vlmcp export --merge` "
                            "with lora.r 0"])
-    comm.init_distributed(job.train.collective_timeout_s + 60)
-    preflight = run_preflight(job, comm.world_size(), training=False,
-                              index_role="build" if _index_builder() else "skip")
-    agree_on_problems(preflight.problems)
-    _load_data(job, preflight, training=False)
+    preflight = start_checked(job, training=False)
     sp = SequenceParallel.initialize(job.parallel.sp_size)
-    engine, _, _ = _build_engine(job, preflight, sp)
+    engine, _, _ = build_engine(job, preflight, sp)
     engine.eval()
     if any(w != 1 for w in preflight.train_weights):
         logger.warning("data.train weights are not used by vlmcp score: it scores every record of "

@@ -13,7 +13,7 @@ import copy
 
 import torch
 
-from tests.parity import RawSample, mm_token_type_ids
+from tests.helpers.parity import RawSample, mm_token_type_ids
 
 
 def batched_padded_inputs(samples: list[RawSample], config) -> dict[str, torch.Tensor]:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from vlmcp.bench_procs import Memory, run_fresh
+from vlmcp.bench.procs import Memory, run_fresh
 from vlmcp.parallel import comm
 
 #: Distinct pixel contents of the synthetic images.
@@ -116,7 +116,7 @@ def _job(model_dir: Path, data: Path, out: Path, cache: Path, args: argparse.Nam
 
 def run_data_scale(args: argparse.Namespace) -> dict[str, Any]:
     """The `--data-scale` report: two runs per dataset size, in fresh processes."""
-    from vlmcp.demo_assets import build_tiny_checkpoint
+    from vlmcp.model.tiny import build_tiny_checkpoint
 
     sizes = [int(n) for n in args.data_scale.split(",")]
     args.sp_size = args.sp_size or 2

@@ -19,8 +19,8 @@ per length where Linux allows it (`/proc/self/clear_refs`), and the row says whe
 be (the max RSS is then cumulative). On CUDA one process runs every length and resets the peak
 statistics per length.
 
-The synthetic packs come from `vlmcp.bench_inputs`; memory readings and the fresh rank processes
-from `vlmcp.bench_procs`.
+The synthetic packs come from `vlmcp.bench.inputs`; memory readings and the fresh rank processes
+from `vlmcp.bench.procs`.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlmcp.bench_inputs import synthetic_pack
-from vlmcp.bench_procs import Memory, MemoryLimitExceeded, run_fresh
+from vlmcp.bench.inputs import synthetic_pack
+from vlmcp.bench.procs import Memory, MemoryLimitExceeded, run_fresh
 from vlmcp.data.batch import PackedBatch
 from vlmcp.device import compute_device
 from vlmcp.model.loss import CE_BYTES_PER_LOGIT, DEFAULT_LOSS_CHUNK_MB, shard_loss_sum, vocab_chunk_rows
@@ -226,7 +226,7 @@ def _model_dir(args: argparse.Namespace, scratch: str) -> str:
     """`--model`, else a tiny random checkpoint written under `scratch`."""
     if args.model:
         return args.model
-    from vlmcp.demo_assets import build_tiny_checkpoint
+    from vlmcp.model.tiny import build_tiny_checkpoint
 
     return str(build_tiny_checkpoint(Path(scratch, "model"), moe=args.moe, tokenizer=False,
                                      vocab_size=args.vocab_size, hidden_size=args.hidden_size))
@@ -404,7 +404,7 @@ def _resolve_args(args: argparse.Namespace, device: torch.device) -> None:
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark described by the `vlmcp bench` arguments; rank 0 writes the JSON."""
     if args.data_scale:
-        from vlmcp.bench_data import run_data_scale
+        from vlmcp.bench.data_scale import run_data_scale
 
         return _write_report(args, run_data_scale(args))
     device = compute_device()

@@ -6,7 +6,7 @@ import copy
 
 import torch
 
-from tests.deltanet_cases import sharded_layer_grads
+from tests.helpers.deltanet_cases import sharded_layer_grads
 
 
 def _to_cpu(tree):

@@ -19,12 +19,12 @@ from vlmcp.model.objectives import STAT_KEYS
 from vlmcp.model.packed import PackedVLM
 from vlmcp.model.router_loss import router_objective
 from vlmcp.parallel import comm
-from vlmcp.parallel.zero3_sp import largest_tensor_numel, sp_exact_zero_settings
+from vlmcp.training.ds.zero3_sp import largest_tensor_numel, sp_exact_zero_settings
 from vlmcp.parallel.groups import SequenceParallel
 from vlmcp.training.objective_step import step_counts
 from vlmcp.data.pack import build_batch
 from vlmcp.training.score import score_samples
-from tests.parity import seed_adapter_weights
+from tests.helpers.parity import seed_adapter_weights
 
 
 def ds_config(stage: int, grad_accum: int, dp_size: int, bf16: bool = False) -> dict:

@@ -20,7 +20,6 @@ IMAGE_GRIDS = [(16, 16), (32, 24), (8, 8), (24, 32), (16, 48), (8, 24), (32, 32)
 _TEXT_BEFORE_IMAGES = 4
 
 
-
 def image_grids(count: int) -> list[tuple[int, int, int]]:
     """(t, h, w) patch grids of `count` images of mixed sizes, the same for every run."""
     return [(1, *IMAGE_GRIDS[i % len(IMAGE_GRIDS)]) for i in range(count)]

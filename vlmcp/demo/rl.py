@@ -32,8 +32,9 @@ from typing import Any
 
 from vlmcp.data.formats import parse_record
 from vlmcp.data.processor import load_processor
-from vlmcp.demo import DEMO_MODEL, demo_job
-from vlmcp.demo_assets import build_tiny_checkpoint, write_digits_dataset
+from vlmcp.demo.assets import write_digits_dataset
+from vlmcp.demo.image import DEMO_MODEL, demo_job
+from vlmcp.model.tiny import build_tiny_checkpoint
 from vlmcp.parallel import comm
 from vlmcp.training.metrics import read_metrics
 

@@ -32,7 +32,7 @@ import logging
 from typing import Any
 
 from vlmcp.config import JobConfig
-from vlmcp.training.ds_edits import ABSENT, DeepSpeedEdits, get_path, shown
+from vlmcp.training.ds.edits import ABSENT, DeepSpeedEdits, get_path, shown
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ACCELERATE_YAML = REPO / "launch" / "accelerate" / "deepspeed_2proc.yaml"
 
 

@@ -19,7 +19,7 @@ for `train` or `validate`:
 
 A job-level value fills the job's default; where the job itself sets the key (file or `--set`)
 to another value, that is one error naming both. The DeepSpeed-level values fill the DeepSpeed
-config's missing or "auto" keys (training/ds_config.py), and a number there that disagrees is
+config's missing or "auto" keys (training/ds/config.py), and a number there that disagrees is
 an error naming both. `mixed_precision: 'no'` counts only when the YAML says it (accelerate
 exports 'no' by default; ACCELERATE_CONFIG_DS_FIELDS names the keys the YAML gave).
 
@@ -37,7 +37,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from vlmcp.config import ConfigError, JobConfig
+from vlmcp.config.schema import JobConfig
+from vlmcp.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

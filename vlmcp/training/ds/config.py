@@ -2,7 +2,7 @@
 
 A stock DeepSpeed JSON works unchanged (HF Trainer's semantics). Where a value comes from:
 
-- the launcher's settings first (accelerate's YAML, vlmcp/launch_env.py): `zero_optimization.stage`,
+- the launcher's settings first (accelerate's YAML, vlmcp/config/launch_env.py): `zero_optimization.stage`,
   the offload devices, `stage3_gather_16bit_weights_on_model_save`; they fill a missing or
   "auto" key, and a number that disagrees is an error naming both;
 - `train_micro_batch_size_per_gpu`: 1 (a micro-batch is one packed sequence);
@@ -18,11 +18,11 @@ A stock DeepSpeed JSON works unchanged (HF Trainer's semantics). Where a value c
 - `zero_optimization.stage3_gather_16bit_weights_on_model_save`: "auto" is true at stage 3
   (vlmcp's final export gathers the full weights anyway);
 - an `optimizer` / `scheduler` block: DeepSpeed builds it, the job fills its "auto" params
-  (training/ds_blocks.py).
+  (training/ds/blocks.py).
 
 Any other number that disagrees with the job (say `gradient_accumulation_steps: 4` with
 `train.grad_accum: 1`) is an error naming both keys. Every key vlmcp changes is logged with its old
-and new value (training/ds_edits.py). fp16 on a device that cannot run it (the CPU) and tensor
+and new value (training/ds/edits.py). fp16 on a device that cannot run it (the CPU) and tensor
 parallelism (`tensor_parallel.autotp_size` > 1) are errors naming the key.
 """
 
@@ -33,9 +33,11 @@ import json
 import logging
 from typing import Any
 
-from vlmcp.config import ConfigError, JobConfig
-from vlmcp.training.ds_blocks import fill_optimizer_block, fill_scheduler_block, offloads_optimizer
-from vlmcp.training.ds_edits import ABSENT, DeepSpeedEdits, get_path, shown
+from vlmcp.config import JobConfig
+from vlmcp.data import json_text
+from vlmcp.errors import ConfigError
+from vlmcp.training.ds.blocks import fill_optimizer_block, fill_scheduler_block, offloads_optimizer
+from vlmcp.training.ds.edits import ABSENT, DeepSpeedEdits, get_path, shown
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +55,7 @@ def load_deepspeed_config(job: JobConfig) -> dict[str, Any]:
     else:
         path = job.resolve_input(job.deepspeed)
         try:
-            config = json.loads(path.read_text())
+            config = json_text.loads(path.read_text())
         except OSError as exc:
             raise ConfigError([f"config key 'deepspeed': cannot read {path}: {exc.strerror}"]) from exc
         except json.JSONDecodeError as exc:

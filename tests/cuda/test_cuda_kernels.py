@@ -21,8 +21,8 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tests.parity import rel_err
-from tests.references import causal_attention_f64, delta_rule_inputs, gated_delta_rule_f64
+from tests.helpers.parity import rel_err
+from tests.helpers.references import causal_attention_f64, delta_rule_inputs, gated_delta_rule_f64
 from vlmcp.model import attention
 from vlmcp.model.attention import flash_kernels_apply, varlen_causal_attention
 from vlmcp.model.delta_rule import delta_rule_segments

@@ -1,6 +1,6 @@
 """`make demo` / `vlmcp demo`: the whole pipeline offline, on 2 CPU ranks, in a few minutes.
 
-1. Build the assets (`vlmcp.demo_assets`): scikit-learn's bundled digits as 32x32 PNGs with a
+1. Build the assets (`vlmcp.demo.assets`): scikit-learn's bundled digits as 32x32 PNGs with a
    messages-format JSONL ("<image>What digit is this?" -> "7") and a held-out split, a tiny
    byte-level BPE tokenizer, and a tiny random-init Qwen3.5 checkpoint in the published layout.
 2. Write OUT/job.json and train it with `torchrun --nproc_per_node 2 -m vlmcp train` (sequence
@@ -24,7 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vlmcp.demo_assets import build_tiny_checkpoint, write_digits_dataset
+from vlmcp.demo.assets import write_digits_dataset
+from vlmcp.model.tiny import build_tiny_checkpoint
 from vlmcp.parallel import comm
 from vlmcp.training.metrics import read_metrics
 

@@ -1,12 +1,12 @@
-"""`make gpu-check` (= `python -m vlmcp.gpu_check`, from a checkout): every CUDA check of vlmcp on
+"""`make gpu-check` (= `python scripts/gpu_check.py`, from a checkout, with the checkout on PYTHONPATH): every CUDA check of vlmcp on
 one GPU, one JSON report.
 
 Parts, each in its own process with DS_ACCELERATOR=cuda, each recorded with pass/fail, errors and
 numbers:
-  cuda_kernels       pytest tests/test_cuda_kernels.py: fla's varlen delta rule with per-segment
+  cuda_kernels       pytest tests/cuda/test_cuda_kernels.py: fla's varlen delta rule with per-segment
                      initial states, the attention kernels (varlen_attn bf16, fused sdpa fp32,
                      flash-attn bf16 when installed), the DeltaNet conv; all against the CPU path
-  deltanet_sp2_gloo  pytest tests/test_cuda_deltanet_sp.py: the DeltaNet hook at SP 2, two ranks on
+  deltanet_sp2_gloo  pytest tests/cuda/test_cuda_deltanet_sp.py: the DeltaNet hook at SP 2, two ranks on
                      cuda:0 over gloo (VLMCP_DIST_BACKEND=gloo), against the same hook on CPU
   bench_bf16         vlmcp bench --dtype bfloat16 at 16k, 64k and 128k tokens
 
@@ -34,8 +34,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTEST_PARTS = {
-    "cuda_kernels": "tests/test_cuda_kernels.py",
-    "deltanet_sp2_gloo": "tests/test_cuda_deltanet_sp.py",
+    "cuda_kernels": "tests/cuda/test_cuda_kernels.py",
+    "deltanet_sp2_gloo": "tests/cuda/test_cuda_deltanet_sp.py",
 }
 PACKAGES = ["torch", "triton", "flash-linear-attention", "flash-attn", "transformers", "deepspeed"]
 #: pyproject's floors for the CUDA path: below them fla's DeltaNet backward raises or is wrong
@@ -136,14 +136,15 @@ def _write(report: dict[str, Any], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vlmcp.gpu_check", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python scripts/gpu_check.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/gpu-check.json", help="the JSON report")
     parser.add_argument("--seq-lens", default="16384,65536,131072", help="bench pack lengths")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="limit per part, seconds")
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
     os.environ["DS_ACCELERATOR"] = "cuda"
-    from vlmcp.device import DeviceError, use_cuda
+    from vlmcp.device import use_cuda
+    from vlmcp.errors import DeviceError
 
     report: dict[str, Any] = {"passed": False, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                               "environment": _environment(), "checks": {}}

@@ -16,9 +16,9 @@ import os
 import pytest
 import torch
 
-from tests.cuda_cases import sharded_layer_grads_cpu_and_cuda
-from tests.distributed import run_ranks
-from tests.parity import build_model, rel_err
+from tests.cuda.cases import sharded_layer_grads_cpu_and_cuda
+from tests.helpers.distributed import run_ranks
+from tests.helpers.parity import build_model, rel_err
 
 pytestmark = [
     pytest.mark.cuda,

@@ -1,4 +1,4 @@
-"""Which packed micro-batches each optimizer step runs: a pure function of the step number.
+"""Which packed micro-batches each optimizer step runs (`StepPacks`): a pure function of the step number.
 
 An epoch of `PackedDataset` gives every data-parallel rank the same number of micro-batches, a
 multiple of `train.grad_accum`, so optimizer steps never straddle epochs. Step k of a run is
@@ -19,7 +19,7 @@ from vlmcp.data.pack import PackedDataset
 from vlmcp.data.stream import SampleReader, load_packs
 
 
-class StepSchedule:
+class StepPacks:
     """Optimizer step -> this rank's `grad_accum` packed micro-batches."""
 
     def __init__(self, dataset: PackedDataset, grad_accum: int, reader: SampleReader,

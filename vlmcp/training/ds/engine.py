@@ -1,6 +1,6 @@
 """What `deepspeed.initialize` gets for the optimizer and LR schedule, and what it then runs.
 
-HF Trainer's split (training/ds_blocks.py): a DeepSpeed config block is built by DeepSpeed, the
+HF Trainer's split (training/ds/blocks.py): a DeepSpeed config block is built by DeepSpeed, the
 job's section by vlmcp:
 
     optimizer block   scheduler block   deepspeed.initialize gets
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from vlmcp.config import JobConfig
-from vlmcp.training.ds_edits import ABSENT, get_path
+from vlmcp.training.ds.edits import ABSENT, get_path
 from vlmcp.training.optim import build_optimizer, build_scheduler
 
 

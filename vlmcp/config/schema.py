@@ -1,42 +1,24 @@
-"""The job schema: one JSON file describes a whole training run.
+"""The job schema: the sections of a job file, their keys, defaults, help texts and checks.
 
 A job is a JSON object with the sections below. Every key has a default except `model.path` and
-`data.train`. An unknown key, a value of the wrong type or a value out of range is an error that
-names the full key path (for example ``unknown config key 'train.max_stepz'``).
+`data.train`. Each key's metadata holds its help text and the checks `vlmcp.config.checks` applies
+(`choices`, `min`, `max`, `length`, `required`, `files`). `schema_fields` lists every leaf key for
+the docs and `vlmcp train --help`.
 
 Relative input paths (`model.path`, the files of `data.train` and `data.eval`, `data.image_root`, a
-`deepspeed` JSON path) are looked up next to the job file first and then in the current directory.
-`output_dir` is relative to the current directory.
-
-Overrides given as ``--set key.path=value`` are parsed as JSON when they parse (``4``, ``true``,
-``[0.9, 0.99]``, ``null``) and taken as a plain string otherwise. Keys under ``deepspeed.`` edit the
-DeepSpeed config after it is loaded, whether it is a path or an inline dict.
+`deepspeed` JSON path) are looked up next to the job file first and then in the current directory
+(`JobConfig.resolve_input`). `output_dir` is relative to the current directory.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from vlmcp.data.sources import DataSpecError, data_files
-
-
-class JobError(ValueError):
-    """A job that cannot run; `problems` holds one line per problem, each naming what to fix."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = list(problems)
-        super().__init__("\n".join(self.problems))
-
-
-class ConfigError(JobError):
-    """Problems in the job's keys and values; each line names its key."""
+from vlmcp.parallel.modes import DELTANET_MODES, VISION_MODES
 
 
 def _key(help_text: str, **checks: Any) -> dict[str, Any]:
@@ -107,12 +89,12 @@ class ParallelSection:
         "sequence-parallel group size P; the world size must be a multiple of P", min=1))
     deltanet_cp: str = field(default="state", metadata=_key(
         "how Gated DeltaNet layers run under SP: pass the recurrent state between ranks, or "
-        "all-to-all to head groups", choices=["state", "heads"]))
+        "all-to-all to head groups", choices=list(DELTANET_MODES)))
     vision: str = field(default="split", metadata=_key(
         "where image features are computed under SP: split (each rank embeds only its shard and "
         "encodes a patch-balanced share of the images, features are routed to the ranks holding "
         "their placeholders) or replicated (every rank embeds the whole pack and encodes every "
-        "image)", choices=["split", "replicated"]))
+        "image)", choices=list(VISION_MODES)))
 
 
 @dataclass
@@ -251,9 +233,9 @@ class JobConfig:
     deepspeed_overrides: dict[str, Any] = field(default_factory=dict, metadata={"internal": True})
     #: Leaf key paths the job file or `--set` gave a value (the rest are defaults). Not a job key.
     explicit_keys: frozenset[str] = field(default_factory=frozenset, metadata={"internal": True})
-    #: Job key path -> where a launcher-given value came from (vlmcp/launch_env.py). Not a job key.
+    #: Job key path -> where a launcher-given value came from (vlmcp/config/launch_env.py). Not a job key.
     key_sources: dict[str, str] = field(default_factory=dict, metadata={"internal": True})
-    #: DeepSpeed key path -> (value, source) the launcher sets (vlmcp/launch_env.py). Not a job key.
+    #: DeepSpeed key path -> (value, source) the launcher sets (vlmcp/config/launch_env.py). Not a job key.
     launcher_deepspeed: dict[str, tuple[Any, str]] = field(default_factory=dict,
                                                            metadata={"internal": True})
     #: Build the model under ZeRO-3 partitioned (deepspeed.zero.Init); None: the default (yes).
@@ -302,271 +284,3 @@ def schema_fields(cls: type = JobConfig, prefix: str = "") -> list[tuple[str, An
             default = f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
             rows.append((key, default, f.metadata.get("help", "")))
     return rows
-
-
-# --------------------------------------------------------------------------- parsing
-
-
-def _type_name(tp: Any) -> str:
-    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
-             dict: "an object", type(None): "null"}
-    if tp in names:
-        return names[tp]
-    origin = typing.get_origin(tp)
-    if origin is list:
-        return f"a list of {_type_name(typing.get_args(tp)[0]).split(' ', 1)[-1]}s"
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp))
-    return str(tp)
-
-
-def _matches(value: Any, tp: Any) -> tuple[bool, Any]:
-    """Whether `value` fits type `tp`; returns (ok, the value converted, e.g. int -> float)."""
-    if tp is type(None):
-        return value is None, value
-    if tp is bool:
-        return isinstance(value, bool), value
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool), value
-    if tp is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        return ok, float(value) if ok else value
-    if tp is str or tp is dict:
-        return isinstance(value, tp), value
-    origin = typing.get_origin(tp)
-    if origin is list:
-        if not isinstance(value, list):
-            return False, value
-        item_type = typing.get_args(tp)[0]
-        converted = []
-        for item in value:
-            ok, item = _matches(item, item_type)
-            if not ok:
-                return False, value
-            converted.append(item)
-        return True, converted
-    if origin in (typing.Union, types.UnionType):
-        for option in typing.get_args(tp):
-            ok, converted = _matches(value, option)
-            if ok:
-                return True, converted
-        return False, value
-    raise TypeError(f"unsupported schema type {tp!r}")
-
-
-def _check_range(value: Any, meta: dict[str, Any], key: str) -> str | None:
-    choices = meta.get("choices")
-    if choices is not None and value not in choices:
-        shown = ", ".join(json.dumps(c) for c in choices)
-        return f"config key '{key}': {json.dumps(value)} is not one of {shown}"
-    if value is None or isinstance(value, (bool, str, dict)):
-        return None
-    if isinstance(value, float) and not math.isfinite(value):
-        return f"config key '{key}': must be a finite number, got {value}"
-    if isinstance(value, list) and any(isinstance(v, float) and not math.isfinite(v)
-                                       for v in value):
-        return f"config key '{key}': every value must be a finite number, got {value}"
-    if "length" in meta and len(value) != meta["length"]:
-        return f"config key '{key}': expected {meta['length']} values, got {len(value)}"
-    if "min" in meta and value < meta["min"]:
-        return f"config key '{key}': must be >= {meta['min']}, got {json.dumps(value)}"
-    if "max" in meta and value > meta["max"]:
-        return f"config key '{key}': must be <= {meta['max']}, got {json.dumps(value)}"
-    return None
-
-
-def _build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
-    """Build dataclass `cls` from `raw`, appending one line per problem to `problems`."""
-    section = prefix.rstrip(".") or "the job"
-    if not isinstance(raw, dict):
-        problems.append(f"config key '{section}': expected an object, got {json.dumps(raw)}")
-        return cls()
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in fields(cls) if not f.metadata.get("internal")}
-    for name in raw:
-        if name not in known:
-            problems.append(f"unknown config key '{prefix}{name}'")
-    values: dict[str, Any] = {}
-    for f in fields(cls):
-        if f.metadata.get("internal"):
-            continue
-        key = f"{prefix}{f.name}"
-        tp = hints[f.name]
-        if is_dataclass(tp):
-            values[f.name] = _build(tp, raw.get(f.name, {}), key + ".", problems)
-            continue
-        if f.name not in raw:
-            if f.metadata.get("required"):
-                problems.append(f"missing required config key '{key}'")
-            continue
-        if f.metadata.get("files") and raw[f.name] is not None:
-            problems.extend(_file_list_problems(raw[f.name], key, f.metadata["files"]))
-            values[f.name] = raw[f.name]
-            continue
-        ok, value = _matches(raw[f.name], tp)
-        if not ok:
-            problems.append(f"config key '{key}': expected {_type_name(tp)}, "
-                            f"got {json.dumps(raw[f.name])}")
-            continue
-        if f.metadata.get("required") and value == "":
-            problems.append(f"config key '{key}': must not be empty")
-            continue
-        problem = _check_range(value, f.metadata, key)
-        if problem:
-            problems.append(problem)
-            continue
-        values[f.name] = value
-    return cls(**values)
-
-
-def _file_list_problems(value: Any, key: str, kind: str) -> list[str]:
-    """Problems of a data file key: a path, or a list of paths / {"path", "weight"} objects."""
-    try:
-        data_files(value, key, weighted=kind == "weighted")
-    except DataSpecError as exc:
-        return exc.problems
-    return []
-
-
-#: apply_chat_template arguments vlmcp sets itself, or that only act when it tokenizes (it renders
-#: text): not accepted in data.chat_template_kwargs.
-_RENDERING_ARGUMENTS = ("conversation", "tokenize", "add_generation_prompt",
-                        "continue_final_message", "return_dict", "return_tensors",
-                        "return_assistant_tokens_mask", "padding", "truncation", "max_length",
-                        "tokenizer_kwargs")
-
-
-def _cross_checks(job: JobConfig) -> list[str]:
-    """Rules that involve more than one key."""
-    problems = [f"config key 'data.chat_template_kwargs': '{name}' is set by vlmcp when it "
-                "renders a sample and cannot be given"
-                for name in _RENDERING_ARGUMENTS if name in job.data.chat_template_kwargs]
-    if job.train.eval_every and not job.data.eval:
-        problems.append("config key 'train.eval_every' is set but 'data.eval' is not")
-    if job.eval.generate and not job.data.eval:
-        problems.append("config key 'eval.generate' is true but 'data.eval' is not set")
-    if job.eval.generate and not job.train.eval_every:
-        problems.append("config key 'eval.generate' is true but 'train.eval_every' is 0, so no "
-                        "evaluation runs")
-    if job.loss.kl_coef > 0 and job.loss.type != "ppo_clip":
-        problems.append(f"config key 'loss.kl_coef' is {job.loss.kl_coef} but 'loss.type' is "
-                        f"{job.loss.type!r}; the KL penalty applies to ppo_clip only")
-    problems.extend(_lora_checks(job.lora, job.model))
-    return problems
-
-
-def _lora_checks(lora: LoraSection, model: ModelSection) -> list[str]:
-    """The `lora` section's own rules (the module names are checked against the model later)."""
-    if not lora.r:
-        changed = [f.name for f in fields(LoraSection)
-                   if f.name != "r" and getattr(lora, f.name) != getattr(LoraSection(), f.name)]
-        return [f"config key 'lora.{name}' is set but 'lora.r' is 0 (LoRA off)" for name in changed]
-    problems = []
-    if isinstance(lora.target_modules, str) and lora.target_modules != "all-linear":
-        problems.append(f"config key 'lora.target_modules': expected a list of module names or "
-                        f"\"all-linear\", got {json.dumps(lora.target_modules)}")
-    if (isinstance(lora.target_modules, list) and not lora.target_modules
-            and not lora.target_parameters):
-        problems.append("config key 'lora.target_modules': must name at least one module (or "
-                        "set lora.target_parameters)")
-    if lora.target_parameters and lora.dropout:
-        problems.append(f"config key 'lora.dropout' is {lora.dropout} but 'lora.target_parameters' "
-                        "is set: PEFT's parameter LoRA has no dropout (set lora.dropout to 0)")
-    if not model.freeze_vision:
-        problems.append("config key 'model.freeze_vision' is false but LoRA (lora.r > 0) keeps "
-                        "the vision tower frozen")
-    return problems
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """Split ``key.path=value``; the value is JSON when it parses, else a plain string."""
-    if "=" not in text:
-        raise ConfigError([f"--set {text!r}: expected key.path=value"])
-    key, raw_value = text.split("=", 1)
-    key = key.strip()
-    if not key or any(not part for part in key.split(".")):
-        raise ConfigError([f"--set {text!r}: bad key path {key!r}"])
-    try:
-        value = json.loads(raw_value)
-    except json.JSONDecodeError:
-        value = raw_value
-    return key, value
-
-
-def _set_path(raw: dict[str, Any], parts: list[str], value: Any, full_key: str) -> None:
-    node = raw
-    for depth, part in enumerate(parts[:-1]):
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            where = ".".join(parts[:depth + 1])
-            raise ConfigError([f"--set {full_key}: config key '{where}' is not an object"])
-        node = child
-    node[parts[-1]] = value
-
-
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``key.path=value`` overrides to the raw job dict (in place); returns the
-    ``deepspeed.*`` overrides, which apply to the DeepSpeed config once it is loaded."""
-    deepspeed_overrides: dict[str, Any] = {}
-    for text in overrides:
-        key, value = parse_override(text)
-        parts = key.split(".")
-        if parts[0] == "deepspeed" and len(parts) > 1:
-            deepspeed_overrides[".".join(parts[1:])] = value
-        else:
-            _set_path(raw, parts, value, key)
-    return deepspeed_overrides
-
-
-def _leaf_keys(raw: Any, prefix: str = "") -> set[str]:
-    """Dotted paths of the values a raw job dict gives (objects are walked, except the inline
-    `deepspeed` dict, which is one value)."""
-    if not isinstance(raw, dict) or prefix == "deepspeed.":
-        return {prefix.rstrip(".")} if prefix else set()
-    keys: set[str] = set()
-    for name, value in raw.items():
-        keys |= _leaf_keys(value, f"{prefix}{name}.")
-    return keys
-
-
-def job_from_dict(raw: Any, job_dir: str | Path = ".",
-                  deepspeed_overrides: dict[str, Any] | None = None,
-                  environ: Mapping[str, str] | None = None) -> JobConfig:
-    """Validate a raw job dict against the schema; raises ConfigError listing every problem.
-
-    With `environ`, the settings a launcher exported (accelerate's, see vlmcp/launch_env.py)
-    apply on top of the job's defaults; a value the job sets that disagrees is an error.
-    """
-    problems: list[str] = []
-    job = _build(JobConfig, raw, "", problems)
-    if not problems:
-        problems.extend(_cross_checks(job))
-    if problems:
-        raise ConfigError(problems)
-    job.job_dir = str(job_dir)
-    job.deepspeed_overrides = dict(deepspeed_overrides or {})
-    job.explicit_keys = frozenset(_leaf_keys(raw))
-    if environ is not None:
-        from vlmcp.launch_env import apply_launch_env
-
-        apply_launch_env(job, environ)
-    return job
-
-
-def load_job(path: str | Path, overrides: list[str] | None = None,
-             environ: Mapping[str, str] | None = None) -> JobConfig:
-    """Read a job JSON file, apply ``--set`` overrides and validate it (with a launcher's
-    exported settings from `environ`, see `job_from_dict`)."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError([f"cannot read job file {path}: {exc.strerror}"]) from exc
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError([f"{path}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}"]) from exc
-    if not isinstance(raw, dict):
-        raise ConfigError([f"{path}: a job must be a JSON object"])
-    deepspeed_overrides = apply_overrides(raw, overrides or [])
-    return job_from_dict(raw, path.resolve().parent, deepspeed_overrides, environ)

@@ -1,0 +1,1 @@
+"""Helpers of the test suite: reference computations, rank processes, launchers, synthetic data."""

@@ -1,0 +1,190 @@
+"""Checking a raw job dict against the schema: types, ranges, and the rules across keys.
+
+Every problem is one line naming the full key path (``unknown config key 'train.max_stepz'``,
+``config key 'data.max_seq_len': must be >= 2, got 1``); all of them are collected, so one run of
+`vlmcp validate` lists every problem of a job.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import types
+import typing
+from dataclasses import fields, is_dataclass
+from typing import Any
+
+from vlmcp.config.schema import JobConfig, LoraSection, ModelSection
+from vlmcp.data.sources import data_files
+from vlmcp.errors import DataSpecError
+
+
+def _type_name(tp: Any) -> str:
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+             dict: "an object", type(None): "null"}
+    if tp in names:
+        return names[tp]
+    origin = typing.get_origin(tp)
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0]).split(' ', 1)[-1]}s"
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    return str(tp)
+
+
+def _matches(value: Any, tp: Any) -> tuple[bool, Any]:
+    """Whether `value` fits type `tp`; returns (ok, the value converted, e.g. int -> float)."""
+    if tp is type(None):
+        return value is None, value
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return ok, float(value) if ok else value
+    if tp is str or tp is dict:
+        return isinstance(value, tp), value
+    origin = typing.get_origin(tp)
+    if origin is list:
+        if not isinstance(value, list):
+            return False, value
+        item_type = typing.get_args(tp)[0]
+        converted = []
+        for item in value:
+            ok, item = _matches(item, item_type)
+            if not ok:
+                return False, value
+            converted.append(item)
+        return True, converted
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(tp):
+            ok, converted = _matches(value, option)
+            if ok:
+                return True, converted
+        return False, value
+    raise TypeError(f"unsupported schema type {tp!r}")
+
+
+def _check_range(value: Any, meta: dict[str, Any], key: str) -> str | None:
+    choices = meta.get("choices")
+    if choices is not None and value not in choices:
+        shown = ", ".join(json.dumps(c) for c in choices)
+        return f"config key '{key}': {json.dumps(value)} is not one of {shown}"
+    if value is None or isinstance(value, (bool, str, dict)):
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"config key '{key}': must be a finite number, got {value}"
+    if isinstance(value, list) and any(isinstance(v, float) and not math.isfinite(v)
+                                       for v in value):
+        return f"config key '{key}': every value must be a finite number, got {value}"
+    if "length" in meta and len(value) != meta["length"]:
+        return f"config key '{key}': expected {meta['length']} values, got {len(value)}"
+    if "min" in meta and value < meta["min"]:
+        return f"config key '{key}': must be >= {meta['min']}, got {json.dumps(value)}"
+    if "max" in meta and value > meta["max"]:
+        return f"config key '{key}': must be <= {meta['max']}, got {json.dumps(value)}"
+    return None
+
+
+def build_section(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
+    """Build dataclass `cls` from `raw`, appending one line per problem to `problems`."""
+    section = prefix.rstrip(".") or "the job"
+    if not isinstance(raw, dict):
+        problems.append(f"config key '{section}': expected an object, got {json.dumps(raw)}")
+        return cls()
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in fields(cls) if not f.metadata.get("internal")}
+    for name in raw:
+        if name not in known:
+            problems.append(f"unknown config key '{prefix}{name}'")
+    values: dict[str, Any] = {}
+    for f in fields(cls):
+        if f.metadata.get("internal"):
+            continue
+        key = f"{prefix}{f.name}"
+        tp = hints[f.name]
+        if is_dataclass(tp):
+            values[f.name] = build_section(tp, raw.get(f.name, {}), key + ".", problems)
+            continue
+        if f.name not in raw:
+            if f.metadata.get("required"):
+                problems.append(f"missing required config key '{key}'")
+            continue
+        if f.metadata.get("files") and raw[f.name] is not None:
+            problems.extend(_file_list_problems(raw[f.name], key, f.metadata["files"]))
+            values[f.name] = raw[f.name]
+            continue
+        ok, value = _matches(raw[f.name], tp)
+        if not ok:
+            problems.append(f"config key '{key}': expected {_type_name(tp)}, "
+                            f"got {json.dumps(raw[f.name])}")
+            continue
+        if f.metadata.get("required") and value == "":
+            problems.append(f"config key '{key}': must not be empty")
+            continue
+        problem = _check_range(value, f.metadata, key)
+        if problem:
+            problems.append(problem)
+            continue
+        values[f.name] = value
+    return cls(**values)
+
+
+def _file_list_problems(value: Any, key: str, kind: str) -> list[str]:
+    """Problems of a data file key: a path, or a list of paths / {"path", "weight"} objects."""
+    try:
+        data_files(value, key, weighted=kind == "weighted")
+    except DataSpecError as exc:
+        return exc.problems
+    return []
+
+
+#: apply_chat_template arguments vlmcp sets itself, or that only act when it tokenizes (it renders
+#: text): not accepted in data.chat_template_kwargs.
+_RENDERING_ARGUMENTS = ("conversation", "tokenize", "add_generation_prompt",
+                        "continue_final_message", "return_dict", "return_tensors",
+                        "return_assistant_tokens_mask", "padding", "truncation", "max_length",
+                        "tokenizer_kwargs")
+
+
+def cross_key_problems(job: JobConfig) -> list[str]:
+    """Rules that involve more than one key."""
+    problems = [f"config key 'data.chat_template_kwargs': '{name}' is set by vlmcp when it "
+                "renders a sample and cannot be given"
+                for name in _RENDERING_ARGUMENTS if name in job.data.chat_template_kwargs]
+    if job.train.eval_every and not job.data.eval:
+        problems.append("config key 'train.eval_every' is set but 'data.eval' is not")
+    if job.eval.generate and not job.data.eval:
+        problems.append("config key 'eval.generate' is true but 'data.eval' is not set")
+    if job.eval.generate and not job.train.eval_every:
+        problems.append("config key 'eval.generate' is true but 'train.eval_every' is 0, so no "
+                        "evaluation runs")
+    if job.loss.kl_coef > 0 and job.loss.type != "ppo_clip":
+        problems.append(f"config key 'loss.kl_coef' is {job.loss.kl_coef} but 'loss.type' is "
+                        f"{job.loss.type!r}; the KL penalty applies to ppo_clip only")
+    problems.extend(_lora_checks(job.lora, job.model))
+    return problems
+
+
+def _lora_checks(lora: LoraSection, model: ModelSection) -> list[str]:
+    """The `lora` section's own rules (the module names are checked against the model later)."""
+    if not lora.r:
+        changed = [f.name for f in fields(LoraSection)
+                   if f.name != "r" and getattr(lora, f.name) != getattr(LoraSection(), f.name)]
+        return [f"config key 'lora.{name}' is set but 'lora.r' is 0 (LoRA off)" for name in changed]
+    problems = []
+    if isinstance(lora.target_modules, str) and lora.target_modules != "all-linear":
+        problems.append(f"config key 'lora.target_modules': expected a list of module names or "
+                        f"\"all-linear\", got {json.dumps(lora.target_modules)}")
+    if (isinstance(lora.target_modules, list) and not lora.target_modules
+            and not lora.target_parameters):
+        problems.append("config key 'lora.target_modules': must name at least one module (or "
+                        "set lora.target_parameters)")
+    if lora.target_parameters and lora.dropout:
+        problems.append(f"config key 'lora.dropout' is {lora.dropout} but 'lora.target_parameters' "
+                        "is set: PEFT's parameter LoRA has no dropout (set lora.dropout to 0)")
+    if not model.freeze_vision:
+        problems.append("config key 'model.freeze_vision' is false but LoRA (lora.r > 0) keeps "
+                        "the vision tower frozen")
+    return problems

@@ -1,0 +1,80 @@
+"""Offline demo assets: a digits VQA dataset beside a tiny Qwen3.5 checkpoint.
+
+The digits are scikit-learn's bundled set (the `demo` extra), written as 32x32 PNGs with a
+messages-format JSONL; the checkpoint is `vlmcp.model.tiny.build_tiny_checkpoint`'s, laid out like
+a published Qwen3.5 checkpoint so the same loading code serves the demo and real models.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from vlmcp.model.tiny import build_tiny_checkpoint
+
+DIGIT_QUESTION = "What digit is this?"
+DIGIT_IMAGE_SIZE = 32
+
+
+@dataclass
+class DemoAssets:
+    """Paths of a complete offline demo."""
+
+    checkpoint: Path
+    train: Path
+    eval: Path
+
+
+def write_digits_dataset(
+    out_dir: str | Path, n_train: int = 1500, n_eval: int = 297, seed: int = 0
+) -> tuple[Path, Path]:
+    """Write train.jsonl and eval.jsonl (disjoint) of scikit-learn's digits as 32x32 PNGs.
+
+    Each line is the messages format: user "<image>What digit is this?", assistant the digit.
+    Returns (train.jsonl, eval.jsonl).
+    """
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    total = len(digits.target)
+    if n_train + n_eval > total:
+        raise ValueError(f"n_train + n_eval = {n_train + n_eval} exceeds the {total} digits")
+    out_dir = Path(out_dir)
+    (out_dir / "images").mkdir(parents=True, exist_ok=True)
+    order = np.random.default_rng(seed).permutation(total)
+    splits = {"train": order[:n_train], "eval": order[n_train:n_train + n_eval]}
+    paths = []
+    for split, indices in splits.items():
+        path = out_dir / f"{split}.jsonl"
+        with path.open("w") as f:
+            for index in indices.tolist():
+                image_path = f"images/{index:04d}.png"
+                pixels = (digits.images[index] * (255 / 16)).round().astype(np.uint8)
+                image = Image.fromarray(pixels, mode="L").resize(
+                    (DIGIT_IMAGE_SIZE, DIGIT_IMAGE_SIZE), Image.NEAREST
+                )
+                image.save(out_dir / image_path)
+                record = {
+                    "messages": [
+                        {"role": "user", "content": f"<image>{DIGIT_QUESTION}"},
+                        {"role": "assistant", "content": str(int(digits.target[index]))},
+                    ],
+                    "images": [image_path],
+                }
+                f.write(json.dumps(record) + "\n")
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def build_demo_assets(
+    out_dir: str | Path, n_train: int = 1500, n_eval: int = 297, seed: int = 0, moe: bool = False
+) -> DemoAssets:
+    """Tiny checkpoint under out_dir/checkpoint and the digits dataset under out_dir/digits."""
+    out_dir = Path(out_dir)
+    checkpoint = build_tiny_checkpoint(out_dir / "checkpoint", moe=moe, seed=seed)
+    train, eval_ = write_digits_dataset(out_dir / "digits", n_train, n_eval, seed)
+    return DemoAssets(checkpoint=checkpoint, train=train, eval=eval_)

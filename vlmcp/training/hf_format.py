@@ -1,0 +1,138 @@
+"""The Hugging Face format of a trained model: key names and the directories written.
+
+The training module (`PackedVLM`) registers only the trainable parts of the HF model; its
+state-dict keys map back to the HF model's names by module identity (`hf_key_prefixes`,
+`to_hf_keys`). A model directory (config.json, safetensors, the tokenizer and processor files of
+the base checkpoint) and a LoRA adapter directory are both written under a temporary name beside
+their place and renamed into it when complete (`write_dir_atomically`), on rank 0
+(`write_on_rank0`), so no reader ever sees a half-written one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+
+from vlmcp.errors import CheckpointError
+from vlmcp.parallel.agree import fail_together
+from vlmcp.training.atomic import remove_quietly, replace_dir, write_error
+
+logger = logging.getLogger(__name__)
+
+#: Files of a checkpoint directory that save_pretrained writes itself or that hold weights.
+_NOT_COPIED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+_NOT_COPIED_NAMES = {"config.json", "generation_config.json"}
+
+
+def hf_key_prefixes(module: nn.Module, hf_model: nn.Module) -> dict[str, str]:
+    """{top-level child name of `module`: its dotted name inside `hf_model`}."""
+    hf_names = {id(m): name for name, m in hf_model.named_modules()}
+    return {name: hf_names[id(child)] for name, child in module.named_children()
+            if id(child) in hf_names}
+
+
+def to_hf_keys(state_dict: dict[str, torch.Tensor], prefixes: dict[str, str]) -> dict[str, torch.Tensor]:
+    """Rename `module` state-dict keys to HF model keys; keys outside mapped children are dropped."""
+    renamed = {}
+    for key, value in state_dict.items():
+        child, _, rest = key.partition(".")
+        if child in prefixes:
+            hf_prefix = prefixes[child]
+            renamed[f"{hf_prefix}.{rest}" if hf_prefix else rest] = value
+    return renamed
+
+
+def copy_processor_files(source_dir: str | Path, out_dir: str | Path) -> None:
+    """Copy tokenizer, chat template and processor files of a checkpoint directory."""
+    for path in Path(source_dir).iterdir():
+        if (path.is_file() and path.name not in _NOT_COPIED_NAMES
+                and not path.name.endswith(_NOT_COPIED_SUFFIXES)):
+            shutil.copy2(path, Path(out_dir) / path.name)
+
+
+def _restore_use_cache(config: PretrainedConfig,
+                       source_dir: str | Path) -> list[tuple[PretrainedConfig, Any]]:
+    """Put the source checkpoint's `use_cache` back (training turns it off); returns old values."""
+    source = json.loads((Path(source_dir) / "config.json").read_text())
+    changed = []
+    for cfg, raw in ((config, source), (config.get_text_config(), source.get("text_config", {}))):
+        changed.append((cfg, cfg.use_cache))
+        cfg.use_cache = raw.get("use_cache", True)
+    return changed
+
+
+def write_dir_atomically(out_dir: str | Path, marker: str, what: str,
+                         fill: Callable[[Path], None], needed_bytes: int) -> Path:
+    """Fill a fresh directory with `fill(tmp)` and rename it into place as `out_dir`.
+
+    The temporary directory lies beside `out_dir`, so `out_dir` is never half-written. An earlier
+    `what` ("model", "adapter") in `out_dir` (it holds the file `marker`) is replaced; any other
+    non-empty directory is refused. On failure the temporary directory is removed and
+    CheckpointError says why ("no space left on ..." for a full disk, `needed_bytes` of data).
+    """
+    out_dir = Path(out_dir).absolute()
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / marker).is_file():
+        raise CheckpointError([f"exporting the {what}: {out_dir} exists and is not a {what} "
+                               f"directory (no {marker}); it would be replaced, so choose a "
+                               "new or empty directory"])
+    tmp = out_dir.with_name(f".tmp-{out_dir.name}")
+    try:
+        remove_quietly(tmp)
+        tmp.mkdir(parents=True)
+        fill(tmp)
+        replace_dir(tmp, out_dir)
+    except (OSError, RuntimeError, SafetensorError) as exc:
+        message = write_error(exc, tmp, needed_bytes)
+        remove_quietly(tmp)
+        raise CheckpointError([f"exporting the {what} to {out_dir}: {message}"]) from exc
+    return out_dir
+
+
+def state_bytes(state_dict: dict[str, torch.Tensor]) -> int:
+    """Bytes the tensors of `state_dict` take."""
+    return sum(v.numel() * v.element_size() for v in state_dict.values())
+
+
+def save_hf(hf_model: PreTrainedModel, state_dict: dict[str, torch.Tensor],
+            source_dir: str | Path, out_dir: str | Path) -> Path:
+    """save_pretrained(`state_dict`) + the processor files of `source_dir` into `out_dir`, written
+    by `write_dir_atomically` (an earlier model there, one with config.json, is replaced)."""
+    return write_dir_atomically(
+        out_dir, "config.json", "model",
+        lambda tmp: _write_hf(hf_model, state_dict, source_dir, tmp), state_bytes(state_dict))
+
+
+def _write_hf(hf_model: PreTrainedModel, state_dict: dict[str, torch.Tensor],
+              source_dir: str | Path, out_dir: Path) -> None:
+    state_dict = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
+    changed = _restore_use_cache(hf_model.config, source_dir)
+    try:
+        # The keys are already the model's own names. save_original_format would "revert" the
+        # renamings transformers records while loading, and its ZeRO-3 load path records legacy
+        # ones that mangle the keys on the way out.
+        hf_model.save_pretrained(str(out_dir), state_dict=state_dict, save_original_format=False)
+    finally:
+        for cfg, value in changed:
+            cfg.use_cache = value
+    copy_processor_files(source_dir, out_dir)
+
+
+def write_on_rank0(state: dict[str, torch.Tensor] | None, write: Callable[[], None]) -> None:
+    """Run `write` where `state` is not None (rank 0); call on every rank. Every rank raises
+    CheckpointError when rank 0's write failed (the write itself leaves nothing half-written)."""
+    problems: list[str] = []
+    if state is not None:
+        try:
+            write()
+        except CheckpointError as exc:
+            problems = exc.problems
+    fail_together(problems, CheckpointError)
