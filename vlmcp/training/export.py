@@ -27,6 +27,10 @@ from vlmcp.training.lora_export import export_lora
 
 logger = logging.getLogger(__name__)
 
+#: DeepSpeed's model-states file of rank 0: ZeRO 0-2, then ZeRO-3.
+_MODEL_STATES_FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
+
+
 def engine_hf_state_dict(engine, module: nn.Module, hf_model: nn.Module) -> dict[str, torch.Tensor] | None:
     """The full HF state dict of the live model on rank 0 (None elsewhere). Call on every rank.
 

@@ -11,7 +11,6 @@ their place and renamed into it when complete (`write_dir_atomically`), on rank 
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -25,8 +24,6 @@ from transformers import PretrainedConfig, PreTrainedModel
 from vlmcp.errors import CheckpointError
 from vlmcp.parallel.agree import fail_together
 from vlmcp.training.atomic import remove_quietly, replace_dir, write_error
-
-logger = logging.getLogger(__name__)
 
 #: Files of a checkpoint directory that save_pretrained writes itself or that hold weights.
 _NOT_COPIED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")

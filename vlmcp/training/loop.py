@@ -185,7 +185,7 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     return row
 
 
-def evaluate(run: Run, step: int) -> dict[str, Any]:
+def evaluation_row(run: Run, step: int) -> dict[str, Any]:
     """Evaluation row at `step` completed steps (every rank takes part); data.eval's packs and
     prompts are loaded from its length index as they are needed."""
     job, engine = run.job, run.engine
@@ -296,7 +296,7 @@ def _train_loop(run: Run, stop: StopSignals, watchdog: Watchdog) -> None:
             progress.update(1)
         if train_cfg.eval_every and (done % train_cfg.eval_every == 0 or done == train_cfg.max_steps):
             with watchdog.watch(f"evaluation after step {done}"):
-                eval_row = evaluate(run, done)
+                eval_row = evaluation_row(run, done)
             run.metrics.write(eval_row)
             logger.info("step %d: %s", done, ", ".join(
                 f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"

@@ -33,7 +33,7 @@ from vlmcp.data.index_cache import IndexResult, default_cache_dir, obtain_index
 from vlmcp.data.mixture import draws_per_epoch
 from vlmcp.data.processor import VLProcessor, load_processor
 from vlmcp.data.sources import DataFile, data_files
-from vlmcp.errors import ConfigError, ModelLoadError, PreflightError, ProcessorError
+from vlmcp.errors import ConfigError, ModelLoadError, ProcessorError
 from vlmcp.model.load import load_config, text_hidden_size
 from vlmcp.model.lora import lora_problems
 from vlmcp.model.router_loss import router_config_problem
