@@ -70,7 +70,8 @@ def _notes(parts: list[Segment]) -> list[str]:
     notes = []
     if any(p.is_target and p.text.startswith(EMPTY_THINK) for p in parts):
         notes.append("an assistant reply's targets start with the empty think block "
-                     f"{EMPTY_THINK!r} the chat template rendered (see README, Data formats)")
+                     f"{EMPTY_THINK!r} the chat template rendered "
+                     "(see docs/data.md#empty-think-blocks-qwen35)")
     return notes
 
 
