@@ -328,3 +328,29 @@ def test_every_docs_page_is_linked_from_the_readme():
 def test_readme_stays_a_landing_page_of_about_200_lines():
     lines = len(README.read_text(encoding="utf-8").splitlines())
     assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move detail to docs/"
+
+
+def _tour_paths() -> set[str]:
+    """Module paths the README's code tour lists: its text block, indentation as nesting."""
+    text = README.read_text()
+    block = text[text.index("## Code tour"):].split("```text\n", 1)[1].split("```", 1)[0]
+    paths: set[str] = set()
+    parents: list[tuple[int, str]] = []
+    for line in block.splitlines():
+        name = line.strip().split("  ")[0].split(" ")[0]
+        depth = len(line) - len(line.lstrip())
+        while parents and parents[-1][0] >= depth:
+            parents.pop()
+        path = "".join(p for _, p in parents) + name
+        if name.endswith("/"):
+            parents.append((depth, name))
+        paths.add(path)
+    return paths
+
+
+def test_readme_code_tour_lists_every_module_of_the_package():
+    modules = {str(path.relative_to(REPO)) for path in (REPO / "vlmcp").rglob("*.py")
+               if path.name != "__init__.py"}
+    assert sorted(modules - _tour_paths()) == []
+    assert sorted(p for p in _tour_paths() - modules
+                  if p.startswith("vlmcp/") and p.endswith(".py")) == []
