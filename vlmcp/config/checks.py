@@ -160,9 +160,6 @@ def cross_key_problems(job: JobConfig) -> list[str]:
     if job.eval.generate and not job.train.eval_every:
         problems.append("config key 'eval.generate' is true but 'train.eval_every' is 0, so no "
                         "evaluation runs")
-    if job.loss.kl_coef > 0 and job.loss.type != "ppo_clip":
-        problems.append(f"config key 'loss.kl_coef' is {job.loss.kl_coef} but 'loss.type' is "
-                        f"{job.loss.type!r}; the KL penalty applies to ppo_clip only")
     problems.extend(_lora_checks(job.lora, job.model))
     return problems
 
