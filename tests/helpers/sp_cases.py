@@ -61,7 +61,8 @@ def _record_tower_calls(vision: torch.nn.Module, calls: list):
 def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
     """For each case {checkpoint, stage, mode, grad_accum, vision, packs: list per DP rank of lists
     of PackedBatch, optionally lora: LoraSection keys, objective (a LossTerm or model.loss_terms.Loss) and
-    score (Samples to run `score_samples` on after the step, with score_max_len), partition_all
+    score (rows of Samples, one or a pair's two, to run `score_samples` on after the step, with
+    score_max_len), partition_all
     (ZeRO-3 partitions every parameter, however small)}: one DeepSpeed
     step; returns the step loss, the metrics (training/objective_step.objective_metrics), every trainable
     parameter's full gradient (HF names) as DeepSpeed holds them at the accumulation boundary,
@@ -72,7 +73,8 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
 
     A case with "runs" ({run name: (objective, packs)}) instead runs one step per run on the one
     engine it builds (SGD at lr 0 leaves the weights as they were) and returns a result per
-    "case/run" name: many objectives for the price of one engine."""
+    "case/run" name: many objectives for the price of one engine; "scores" ({run name: rows})
+    scores after those runs."""
     sp = SequenceParallel.initialize(sp_size)
     results = {}
     for name, case in cases.items():
@@ -100,7 +102,9 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
         engine.train()
         runs = case.get("runs") or {None: (module.objective, case["packs"])}
         for run, (objective, packs) in runs.items():
-            result = _one_step(engine, module, Loss.of(objective), packs[sp.dp_rank], case, sp)
+            rows = case.get("score") if run is None else case.get("scores", {}).get(run)
+            result = _one_step(engine, module, Loss.of(objective), packs[sp.dp_rank], case, rows,
+                               sp)
             results[name if run is None else f"{name}/{run}"] = result
         del engine, module, model
         if keep_alive is not None:
@@ -111,8 +115,9 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
 
 
 def _one_step(engine, module: PackedVLM, objective: Loss, micro_batches: list, case: dict,
-              sp: SequenceParallel) -> dict:
-    """One optimizer step of `engine` on this rank's `micro_batches` with `objective`."""
+              rows: list | None, sp: SequenceParallel) -> dict:
+    """One optimizer step of `engine` on this rank's `micro_batches` with `objective`, then
+    `score_samples` on `rows` (rows of Samples) when given."""
     calls = []
     mlp = module.language_model.layers[0].mlp
     forward = mlp.forward
@@ -140,11 +145,11 @@ def _one_step(engine, module: PackedVLM, objective: Loss, micro_batches: list, c
     }
     engine.step()
     scores = None
-    if case.get("score"):
-        samples = case["score"]
-        scores = score_samples(engine, [len(s) for s in samples],
-                               lambda pack: build_batch([samples[i] for i in pack]),
-                               case["score_max_len"], sp, entropy=True)
+    if rows:
+        scores = score_samples(engine, [sum(len(s) for s in row) for row in rows],
+                               lambda pack: build_batch([s for i in pack for s in rows[i]]),
+                               case["score_max_len"], sp, entropy=True,
+                               chosen_lengths=[len(row[0]) if len(row) == 2 else 0 for row in rows])
     mlp.forward = forward
     hook.remove()
     return {
