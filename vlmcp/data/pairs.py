@@ -158,6 +158,9 @@ def _chat_halves(record: dict[str, Any], source: str) -> _Halves:
                 raise _fail(source, f"chosen and rejected do not share a prompt: the {name} "
                                     f"completion holds a {role!r} turn (a completion is "
                                     "assistant turns only)")
+            if _image_count(message, sharegpt):
+                raise _fail(source, f"the {name} completion holds an image; a pair's images "
+                                    "belong to its prompt")
     prompt_turns = 0
     for message in prompt:
         if _role(message, sharegpt, source) == "assistant":
