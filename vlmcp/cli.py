@@ -144,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="equal-length samples each pack is split into")
     bench.add_argument("--images", type=int, default=0,
                        help="images of mixed sizes in each pack; reports per-rank vision_s")
+    bench.add_argument("--pairs", action="store_true",
+                       help="the packs hold preference pairs (--samples-per-pack / 2) whose halves "
+                            "show the same prompt --images; each length runs with the images "
+                            "encoded once for both halves (pair_images \"shared\", as vlmcp "
+                            "trains) and once per half (\"twice\"): compare their vision_s")
     bench.add_argument("--sp-size", type=int, default=None,
                        help="sequence-parallel size (default: 1, or the launcher's world size)")
     bench.add_argument("--deltanet-cp", choices=DELTANET_MODES, default=DELTANET_MODES[0])
