@@ -469,7 +469,8 @@ def record_image_paths(record: Any, source: str, base_dir: Path) -> list[Path]:
         raise _fail(source, "a record must be a JSON object")
     if "messages" not in record and "conversations" not in record and "input_ids" not in record:
         raise _fail(source, f"unknown format (keys {sorted(record)}); expected messages, "
-                            "conversations or input_ids")
+                            "conversations or input_ids, or a preference pair (chosen and "
+                            "rejected)")
     return _image_paths(record, base_dir, source)
 
 

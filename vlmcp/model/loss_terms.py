@@ -194,8 +194,8 @@ class Loss:
             mean = sums.pop(0) / samples.counts.to(logp.device).clamp_min(1).float()
             log_ratio = mean.detach()[samples.local]
         losses, stats = token_losses(term, logp, arrays, log_ratio)
+        is_target = batch.targets != IGNORE_INDEX
         if term.mismatch != "none":
-            is_target = batch.targets != IGNORE_INDEX
             weight, mismatch_stats = mismatch_weights(
                 term, arrays["old_logprobs"], arrays["inference_logprobs"],
                 batch.token_arrays["old_logprobs"][is_target],
@@ -208,7 +208,6 @@ class Loss:
             if term.weights is None:
                 per_sample = samples.counts
             else:
-                is_target = batch.targets != IGNORE_INDEX
                 per_sample = samples.whole_sums(
                     (batch.token_arrays[term.weights][is_target] != 0).double())
             n = per_sample.to(logp.device)[samples.local]

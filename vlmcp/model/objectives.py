@@ -113,6 +113,12 @@ def _clip_sides(ratio: torch.Tensor, advantages: torch.Tensor, term: LossTerm
     return clipped, low, high
 
 
+def _clip_stats(low: torch.Tensor, high: torch.Tensor, ratio: torch.Tensor
+                ) -> dict[str, torch.Tensor]:
+    return {"clip_fraction": low | high, "clip_low": low, "clip_high": high,
+            "ratio": ratio.detach()}
+
+
 def token_losses(term: LossTerm, logp: torch.Tensor, arrays: dict[str, torch.Tensor],
                  sequence_log_ratio: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -139,13 +145,13 @@ def token_losses(term: LossTerm, logp: torch.Tensor, arrays: dict[str, torch.Ten
         return _gspo(term, logp, advantages, sequence_log_ratio)
     log_ratio = logp - arrays["old_logprobs"]
     ratio = log_ratio.exp()
-    clipped, low, high = _clip_sides(ratio, advantages, term)
-    stats = {"clip_fraction": low | high, "clip_low": low, "clip_high": high,
-             "ratio": ratio.detach(), "approx_kl": ((ratio - 1.0) - log_ratio).detach()}
+    approx_kl = ((ratio - 1.0) - log_ratio).detach()
     if kind == "cispo":
-        stats.update(clip_fraction=(ratio < 1.0 - term.clip_low) | (ratio > 1.0 + term.clip_high),
-                     clip_low=ratio < 1.0 - term.clip_low, clip_high=ratio > 1.0 + term.clip_high)
-        return -clipped.detach() * advantages * logp, stats
+        clipped = ratio.clamp(1.0 - term.clip_low, 1.0 + term.clip_high)
+        stats = _clip_stats(ratio < 1.0 - term.clip_low, ratio > 1.0 + term.clip_high, ratio)
+        return -clipped.detach() * advantages * logp, {**stats, "approx_kl": approx_kl}
+    clipped, low, high = _clip_sides(ratio, advantages, term)
+    stats = {**_clip_stats(low, high, ratio), "approx_kl": approx_kl}
     losses = -torch.minimum(ratio * advantages, clipped * advantages)
     if term.clip_ratio_c is not None:
         cap = -term.clip_ratio_c * advantages
@@ -165,8 +171,7 @@ def _gspo(term: LossTerm, logp: torch.Tensor, advantages: torch.Tensor,
     ratio = sequence_log_ratio.exp() * (logp - logp.detach()).exp()
     clipped, low, high = _clip_sides(ratio, advantages, term)
     losses = -torch.minimum(ratio * advantages, clipped * advantages)
-    return losses, {"clip_fraction": low | high, "clip_low": low, "clip_high": high,
-                    "ratio": ratio.detach()}
+    return losses, _clip_stats(low, high, ratio)
 
 
 def _dppo(term: LossTerm, logp: torch.Tensor, advantages: torch.Tensor, inference: torch.Tensor
