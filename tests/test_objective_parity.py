@@ -31,7 +31,7 @@ from tests.helpers.objective_reference import (float64_truth, reference_pairs, r
 from tests.helpers.parity import (RawSample, build_model, make_sample, mm_token_type_ids, rel_err,
                                   seed_adapter_weights)
 from tests.helpers.sp_cases import engine_step
-from vlmcp.config import LoraSection, LossTerm
+from vlmcp.config import LossTerm
 from vlmcp.data.batch import IGNORE_INDEX, REF_LOGP
 from vlmcp.data.formats import Sample
 from vlmcp.data.pack import build_batch

@@ -27,7 +27,7 @@ Per-token loss l_t:
     opd              -sg(teacher_logprobs - logp) logp (on-policy distillation: the per-token
                      advantage is the reverse-KL reward, in the policy-gradient form)
 
-The policy objectives (model.mismatch.POLICY_OBJECTIVES) may be multiplied by a train-inference
+The policy objectives (config.loss_checks.POLICY_OBJECTIVES) may be multiplied by a train-inference
 mismatch weight (`loss.mismatch`, model.mismatch). Normalisation and several terms:
 model.loss_terms. Preference objectives (dpo, ipo, simpo): model.pair_objectives.
 
