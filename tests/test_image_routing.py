@@ -1,7 +1,8 @@
 """The shard-first merge plan, without processes: images are balanced over ranks by patch count,
 and routing every rank's encoded rows by the plan's counts (the all-to-all done by hand here)
 puts each image feature row at its own placeholder, on the rank whose shard holds it; an image
-shown twice (a preference pair's prompt image) is encoded once and serves both uses."""
+shown twice (a preference pair's prompt image) is encoded once and serves both uses, and a pack
+that holds it once embeds exactly like one that holds two copies (split and replicated vision)."""
 
 from __future__ import annotations
 
@@ -122,3 +123,27 @@ def test_an_image_shown_twice_is_encoded_once_and_its_rows_reach_both_uses(size)
         arrived = [row for s in range(size) for row in sent[s][r]]
         received = [arrived[k] for k in plan.recv_order.tolist()]
         assert received == [w for w, pos in zip(wanted, positions) if pos // local_len == r]
+
+
+@pytest.mark.parametrize("vision_mode", ["split", "replicated"])
+def test_a_pack_that_holds_a_shown_twice_image_once_embeds_like_one_with_two_copies(vision_mode):
+    from tests.helpers.parity import build_model
+    from vlmcp.bench.inputs import synthetic_pairs
+    from vlmcp.model.merge import merge_embeddings, shard_first_embeddings
+    from vlmcp.parallel.shard import ShardPlan
+
+    model = build_model()
+    config = model.config
+    shared = synthetic_pairs(1024, 2, config, images=3)
+    twice = synthetic_pairs(1024, 2, config, images=3, shared=False)
+    assert shared.image_index is not None and twice.image_index is None
+    embed, vision = model.model.language_model.embed_tokens, model.model.visual
+    with torch.no_grad():
+        if vision_mode == "split":
+            embeds = [shard_first_embeddings(embed, vision, batch, ShardPlan.build(batch.seq_lens),
+                                             config.image_token_id, False)
+                      for batch in (shared, twice)]
+        else:
+            embeds = [merge_embeddings(embed, vision, batch, config.image_token_id, False)
+                      for batch in (shared, twice)]
+    assert torch.allclose(embeds[0], embeds[1], rtol=0, atol=1e-6)
