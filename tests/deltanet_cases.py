@@ -16,21 +16,21 @@ from vlmcp.parallel.shard import ShardPlan
 
 @contextlib.contextmanager
 def counting_recurrence_tokens() -> Iterator[list[int]]:
-    """Count the tokens the hook passes through `delta_rule_segments` (one counter, [tokens]).
+    """Count the tokens the hook passes through `deltanet_core` (one counter, [tokens]).
 
     Wraps the name the hook module calls, in this spawned process only, and restores it."""
-    original = deltanet.delta_rule_segments
+    original = deltanet.deltanet_core
     counter = [0]
 
-    def counted(q, k, v, g, beta, lengths, initial_states):
-        counter[0] += sum(lengths)
-        return original(q, k, v, g, beta, lengths, initial_states)
+    def counted(mixed, *args, **kwargs):
+        counter[0] += mixed.shape[0]
+        return original(mixed, *args, **kwargs)
 
-    deltanet.delta_rule_segments = counted
+    deltanet.deltanet_core = counted
     try:
         yield counter
     finally:
-        deltanet.delta_rule_segments = original
+        deltanet.deltanet_core = original
 
 
 def sharded_layer_grads(cases: dict[str, tuple]) -> dict[str, dict]:

@@ -25,8 +25,8 @@ from tests.parity import rel_err
 from tests.references import causal_attention_f64, delta_rule_inputs, gated_delta_rule_f64
 from vlmcp.model import attention
 from vlmcp.model.attention import flash_kernels_apply, varlen_causal_attention
-from vlmcp.model.delta_rule import delta_rule_segments
-from vlmcp.model.deltanet import causal_conv_segments
+from vlmcp.model.causal_conv import causal_conv_segments
+from vlmcp.model.deltanet_kernel import delta_rule_segments
 
 pytestmark = [
     pytest.mark.cuda,

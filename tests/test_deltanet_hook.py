@@ -97,7 +97,7 @@ STATE_CASES = [name for name, (_, _, mode) in CASES.items() if mode == "state"]
 
 @pytest.mark.parametrize("name", STATE_CASES)
 def test_state_mode_runs_each_token_through_the_recurrence_once(name):
-    """Per rank, the forward passes exactly its shard's tokens through `delta_rule_segments`."""
+    """Per rank, the forward passes exactly its shard's tokens through `deltanet_core`."""
     results = _sharded_results(CASES[name][0])[name]
     counts = [r["recurrence_tokens"] for r in results]
     assert counts == [r["local_len"] for r in results], counts

@@ -1,11 +1,13 @@
 """`vlmcp bench`: step time, tokens/s and memory of the packed training module, per pack length.
 
-Three modes, each writing one JSON report:
+Four modes, each writing one JSON report:
 - step (default): forward+backward of `PackedVLM` on a synthetic pack of each length (optionally
   with `--images` images of mixed sizes); no optimizer step.
 - `--loss-only`: the lm_head + cross-entropy alone (`shard_loss_sum`, forward+backward) on random
   hidden states of each length.
 - `--find-max-len`: the longest single sample whose step's peak memory fits `--memory-budget-gb`.
+- `--saved-bytes`: the bytes autograd saves for backward per token, per module, in one forward
+  (`vlmcp.bench_saved`).
 
 Memory (MiB): on CPU, the process's resident set (current RSS, and its peak VmHWM); on CUDA,
 `memory_allocated` and `max_memory_allocated`. `model_memory_mb` is the memory after the model is
@@ -43,6 +45,7 @@ from torch import nn
 
 from vlmcp.bench_inputs import synthetic_pack
 from vlmcp.bench_procs import Memory, MemoryLimitExceeded, run_fresh
+from vlmcp.bench_saved import SavedBytesTask
 from vlmcp.data.batch import PackedBatch
 from vlmcp.device import compute_device
 from vlmcp.model.loss import CE_BYTES_PER_LOGIT, DEFAULT_LOSS_CHUNK_MB, shard_loss_sum, vocab_chunk_rows
@@ -268,6 +271,25 @@ def _bench_steps(args: argparse.Namespace, model_dir: str, device: torch.device,
     return rows
 
 
+def _bench_saved_bytes(args: argparse.Namespace, model_dir: str, device: torch.device,
+                       sp: Any) -> list[dict[str, Any]]:
+    """Per length: the bytes autograd saves per token, per module (`vlmcp.bench_saved`)."""
+    rows = []
+    for seq_len in _lengths(args.seq_lens):
+        task = SavedBytesTask(model_dir=model_dir, dtype=args.dtype, sp_size=args.sp_size or 1,
+                              deltanet_cp=args.deltanet_cp, seq_len=seq_len,
+                              samples=args.samples_per_pack)
+        if device.type == "cpu" and not _launched():
+            row = run_fresh(task, task.sp_size, distributed=task.sp_size > 1)
+        else:
+            row = task.run(device, sp)
+        rows.append(row)
+        for kind in row["per_layer_kind"][:8]:
+            logger.info("seq_len %d: %-40s %9.1f KB per token", seq_len, kind["module"],
+                        kind["bytes_per_token"] / 1e3)
+    return rows
+
+
 def _check_pack(model_dir: str, seq_len: int, samples: int, images: int) -> None:
     """Raise the ValueError of a pack that cannot be built, before any rank starts."""
     if images:
@@ -390,8 +412,10 @@ def _resolve_args(args: argparse.Namespace, device: torch.device) -> None:
     args.loss_chunk_mb = args.loss_chunk_mb or DEFAULT_LOSS_CHUNK_MB
     if args.find_max_len and args.memory_budget_gb is None:
         problems.append("--find-max-len needs --memory-budget-gb")
-    if args.find_max_len and args.loss_only:
-        problems.append("--find-max-len and --loss-only are separate modes")
+    modes = [flag for flag, on in (("--find-max-len", args.find_max_len), ("--loss-only", args.loss_only),
+                                   ("--saved-bytes", args.saved_bytes)) if on]
+    if len(modes) > 1:
+        problems.append(f"{' and '.join(modes)} are separate modes")
     if device.type == "cpu" and _launched() and (args.find_max_len or args.loss_only):
         problems.append("--find-max-len and --loss-only start their own processes on CPU: run them "
                         "without a launcher")
@@ -448,6 +472,8 @@ def _bench_model(args: argparse.Namespace, model_dir: str, device: torch.device)
     report: dict[str, Any] = {"world_size": world, "sp_size": args.sp_size or 1,
                               "deltanet_cp": args.deltanet_cp, "vision": args.vision, "images": args.images,
                               "threads_per_rank": threads}
+    if args.saved_bytes:
+        return {**report, "mode": "saved_bytes", "results": _bench_saved_bytes(args, model_dir, device, sp)}
     if not args.find_max_len:
         return {**report, "mode": "step", "results": _bench_steps(args, model_dir, device, sp)}
     max_len, probes = find_max_len(args, model_dir, device, sp)

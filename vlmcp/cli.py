@@ -154,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup", type=int, default=1, help="untimed iterations per length")
     bench.add_argument("--loss-only", action="store_true",
                        help="measure the lm_head + cross-entropy alone: loss_peak_transient_mb")
+    bench.add_argument("--saved-bytes", action="store_true",
+                       help="count the bytes autograd saves for backward in one forward, per token "
+                            "and per module (deduplicated by storage, parameters excluded)")
     bench.add_argument("--find-max-len", action="store_true",
                        help="find the longest single sample whose step fits --memory-budget-gb")
     bench.add_argument("--memory-budget-gb", type=float, default=None,
