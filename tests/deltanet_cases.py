@@ -34,17 +34,18 @@ def counting_recurrence_tokens() -> Iterator[list[int]]:
 
 
 def sharded_layer_grads(cases: dict[str, tuple]) -> dict[str, dict]:
-    """On each rank, for every case name -> (layer, x [S, hidden], weight [S, hidden], seq_lens, mode):
+    """On each rank, for every case name -> (layer, x [S, hidden], weight [S, hidden], seq_lens, mode,
+    DeltaNet kernel):
     the sharded layer's output shard, input-gradient shard and the parameter gradients summed
     over ranks, of loss = sum(out * weight) over the whole pack; also the tokens this rank's
     forward ran through the recurrence and its shard length."""
     sp = SequenceParallel.initialize(comm.world_size())
     results = {}
-    for name, (layer, x, weight, seq_lens, mode) in cases.items():
+    for name, (layer, x, weight, seq_lens, mode, kernel) in cases.items():
         plan = ShardPlan.build(seq_lens, sp.size, sp.rank, sp.group, min_local_len=layer.conv_kernel_size - 1)
         x_local = plan.shard(x, dim=0).detach().requires_grad_(True)
         with counting_recurrence_tokens() as recurrence_tokens:
-            out = sharded_deltanet_forward(layer, x_local.unsqueeze(0), plan, mode)[0]
+            out = sharded_deltanet_forward(layer, x_local.unsqueeze(0), plan, mode, kernel)[0]
         (out * plan.shard(weight, dim=0)).sum().backward()
         grads = {}
         for pname, p in layer.named_parameters():

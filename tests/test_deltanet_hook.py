@@ -54,7 +54,7 @@ def _inputs(name: str):
     total = sum(seq_lens)
     x = torch.randn(total, layer.hidden_size, generator=gen)
     weight = torch.randn(total, layer.hidden_size, generator=gen)
-    return layer, x, weight, seq_lens, mode
+    return layer, x, weight, seq_lens, mode, "torch"
 
 
 @functools.cache
@@ -80,7 +80,7 @@ def _reference(layer, x: torch.Tensor, weight: torch.Tensor, seq_lens: list[int]
 @pytest.mark.parametrize("name", list(CASES))
 def test_sharded_deltanet_equals_unsharded_layer_per_sample(name):
     world = CASES[name][0]
-    layer, x, weight, seq_lens, _ = _inputs(name)
+    layer, x, weight, seq_lens, _, _ = _inputs(name)
     ref_out, ref_x_grad, ref_param_grads = _reference(layer, x, weight, seq_lens)
     results = _sharded_results(world)[name]
     total = x.shape[0]

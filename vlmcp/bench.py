@@ -69,6 +69,7 @@ class StepTask:
     dtype: str
     sp_size: int
     deltanet_cp: str
+    deltanet_kernel: str
     vision: str
     loss_chunk_mb: float
     seq_len: int
@@ -88,10 +89,10 @@ class StepTask:
         sp = sp or SequenceParallel.initialize(self.sp_size)
         module = PackedVLM(load_model(self.model_dir, self.dtype).to(device), sp=sp,
                            deltanet_cp=self.deltanet_cp, vision_mode=self.vision,
-                           loss_chunk_mb=self.loss_chunk_mb)
+                           loss_chunk_mb=self.loss_chunk_mb, deltanet_kernel=self.deltanet_kernel)
         module.train()
         batch = synthetic_pack(self.seq_len, self.samples, module.hf_model.config, self.images)
-        return measure_steps(module, batch, self, memory)
+        return {**measure_steps(module, batch, self, memory), "deltanet_kernel_ran": module.deltanet_kernel}
 
 
 def measure_steps(module: nn.Module, batch: PackedBatch, task: StepTask, memory: Memory) -> dict[str, Any]:
@@ -248,7 +249,8 @@ def _model_sizes(args: argparse.Namespace) -> tuple[int, int]:
 def _step_task(args: argparse.Namespace, model_dir: str, seq_len: int, samples: int, steps: int,
                warmup: int) -> StepTask:
     return StepTask(model_dir=model_dir, dtype=args.dtype, sp_size=args.sp_size or 1,
-                    deltanet_cp=args.deltanet_cp, vision=args.vision, loss_chunk_mb=args.loss_chunk_mb,
+                    deltanet_cp=args.deltanet_cp, deltanet_kernel=args.deltanet_kernel,
+                    vision=args.vision, loss_chunk_mb=args.loss_chunk_mb,
                     seq_len=seq_len,
                     samples=samples, images=args.images, steps=steps, warmup=warmup)
 
@@ -278,7 +280,8 @@ def _bench_saved_bytes(args: argparse.Namespace, model_dir: str, device: torch.d
     for seq_len in _lengths(args.seq_lens):
         task = SavedBytesTask(model_dir=model_dir, dtype=args.dtype, sp_size=args.sp_size or 1,
                               deltanet_cp=args.deltanet_cp, seq_len=seq_len,
-                              samples=args.samples_per_pack)
+                              samples=args.samples_per_pack,
+                              module_options={"deltanet_kernel": args.deltanet_kernel})
         if device.type == "cpu" and not _launched():
             row = run_fresh(task, task.sp_size, distributed=task.sp_size > 1)
         else:

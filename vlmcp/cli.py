@@ -143,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--sp-size", type=int, default=None,
                        help="sequence-parallel size (default: 1, or the launcher's world size)")
     bench.add_argument("--deltanet-cp", choices=["state", "heads"], default="state")
+    bench.add_argument("--deltanet-kernel", choices=["auto", "fla", "torch"], default="auto",
+                       help="model.deltanet_kernel: the Gated DeltaNet kernel (default auto: torch on "
+                            "CPU, fla on CUDA where its versions allow)")
     bench.add_argument("--vision", choices=["split", "replicated"], default="split",
                        help="parallel.vision: split the image encoding over the SP group, or run "
                             "it on the whole pack on every rank")

@@ -57,6 +57,11 @@ class ModelSection:
         "attention implementation given to from_pretrained (null: sdpa); in training the "
         "text model's full attention always runs vlmcp's registered Ulysses kernel",
         choices=[None, "sdpa", "eager", "flash_attention_2"]))
+    deltanet_kernel: str = field(default="auto", metadata=_key(
+        "kernel of the Gated DeltaNet layers: torch (vlmcp's pure-torch chunked kernel, any "
+        "device), fla (flash-linear-attention's Triton kernel, CUDA), or auto (torch on CPU; fla "
+        "on CUDA where its versions are known to train correctly, else an error naming them)",
+        choices=["auto", "fla", "torch"]))
     router_aux_loss: bool = field(default=False, metadata=_key(
         "MoE checkpoints only: add router_aux_loss_coef (from the checkpoint's config) x the "
         "router load-balancing loss of each micro-batch over its real tokens, as transformers "

@@ -33,7 +33,8 @@ MIN_TRITON_HOPPER = (3, 7, 1)
 
 
 class KernelError(ValueError):
-    """`model.deltanet_kernel` asks for a kernel this machine cannot run."""
+    """`model.deltanet_kernel` asks for a kernel this machine cannot run (the message leaves out
+    the key's name)."""
 
 
 def version_tuple(text: str | None) -> tuple[int, ...] | None:
@@ -82,23 +83,31 @@ def installed_fla_problem(device: torch.device) -> str | None:
 
 
 def resolve_kernel(choice: str, device: torch.device) -> str:
-    """The kernel ("fla" or "torch") that `model.deltanet_kernel` = `choice` runs on `device`;
-    raises KernelError naming the key when that cannot run."""
+    """The kernel ("fla" or "torch") that `model.deltanet_kernel` = `choice` runs on `device`
+    (`choose_kernel` with the installed versions); raises KernelError when it cannot run."""
+    on_cuda = device.type == "cuda"
+    problem = _cached_problem(device.index or 0) if on_cuda and choice != "torch" else None
+    return choose_kernel(choice, on_cuda, problem)
+
+
+def choose_kernel(choice: str, on_cuda: bool, fla_problem: str | None) -> str:
+    """"fla" or "torch" for `choice` on a CUDA device or not, given why fla cannot train there
+    (`fla_version_problem`, None: it can). Raises KernelError for "fla" off CUDA and for "auto"
+    where fla is gated; a forced "fla" on gated versions runs with a warning."""
     if choice not in KERNELS:
-        raise KernelError(f"model.deltanet_kernel must be one of {list(KERNELS)}, got {choice!r}")
-    if choice == "torch" or (choice == "auto" and device.type != "cuda"):
+        raise KernelError(f"must be one of {list(KERNELS)}, got {choice!r}")
+    if choice == "torch" or (choice == "auto" and not on_cuda):
         return "torch"
-    if device.type != "cuda":
-        raise KernelError("model.deltanet_kernel 'fla' needs CUDA; this run is on "
-                          f"{device.type} (use 'auto' or 'torch')")
-    problem = _cached_problem(device.index or 0)
-    if problem and choice == "auto":
-        raise KernelError(f"model.deltanet_kernel 'auto' would run fla's GDN kernel, but {problem}. "
-                          "Upgrade torch (and triton, flash-linear-attention) to those versions, or "
-                          "set model.deltanet_kernel: torch (vlmcp's pure-torch kernel, exact on any "
-                          "device)")
-    if problem:
-        logger.warning("model.deltanet_kernel 'fla' forced although %s", problem)
+    if not on_cuda:
+        raise KernelError("'fla' needs CUDA, and this run is not on CUDA (use 'auto' or 'torch')")
+    if fla_problem and choice == "auto":
+        raise KernelError(f"'auto' would run fla's GDN kernel on CUDA, but {fla_problem}. Upgrade "
+                          f"torch to >= {_dotted(MIN_TORCH)} (with flash-linear-attention >= "
+                          f"{_dotted(MIN_FLA)}, and triton >= {_dotted(MIN_TRITON_HOPPER)} on Hopper), "
+                          "or set model.deltanet_kernel: torch (vlmcp's pure-torch kernel, exact on "
+                          "any device)")
+    if fla_problem:
+        logger.warning("model.deltanet_kernel 'fla' forced although %s", fla_problem)
     return "fla"
 
 

@@ -29,7 +29,9 @@ from torch import nn
 
 from vlmcp.data.batch import IGNORE_INDEX, PackedBatch
 from vlmcp.model.attention import ATTENTION_KEY, register_attention
+from vlmcp.device import compute_device
 from vlmcp.model.deltanet import install_deltanet_hooks
+from vlmcp.model.deltanet_kernel import resolve_kernel
 from vlmcp.model.loss import DEFAULT_LOSS_CHUNK_MB, shard_ce_and_entropy
 from vlmcp.model.merge import VISION_MODES, merge_embeddings, shard_first_embeddings
 from vlmcp.model.objectives import STAT_KEYS, Objective, sequence_weights
@@ -58,6 +60,9 @@ class PackedVLM(nn.Module):
     `self.vision`; under "split" each rank calls it at most once per micro-batch (module hooks on
     it time one rank's share).
 
+    `deltanet_kernel` is `model.deltanet_kernel` ("auto", "fla", "torch"); an impossible choice
+    raises KernelError here.
+
     `router_aux_loss` (MoE only, `model.router_aux_loss`): `forward` also returns this rank's
     share of the micro-batch's router load-balancing loss (model.router_loss), and
     `router_aux_coef` is the checkpoint's `router_aux_loss_coef` (0.0 when off).
@@ -77,6 +82,7 @@ class PackedVLM(nn.Module):
         loss_chunk_mb: float = DEFAULT_LOSS_CHUNK_MB,
         objective: Objective | None = None,
         router_aux_loss: bool = False,
+        deltanet_kernel: str = "auto",
     ) -> None:
         super().__init__()
         if vision_mode not in VISION_MODES:
@@ -107,7 +113,9 @@ class PackedVLM(nn.Module):
             vision = replicated_copy(vision)
             hf_model.model.visual = vision
             object.__setattr__(self, "frozen_visual", vision)
-        self.deltanet_layers = install_deltanet_hooks(self.language_model, deltanet_cp)
+        #: The kernel the DeltaNet layers run on this run's device ("fla" or "torch").
+        self.deltanet_kernel = resolve_kernel(deltanet_kernel, compute_device())
+        self.deltanet_layers = install_deltanet_hooks(self.language_model, deltanet_cp, deltanet_kernel)
         self.router_loss = RouterAuxLoss(self.language_model, text_config) if router_aux_loss else None
         self.router_aux_coef = self.router_loss.coef if self.router_loss is not None else 0.0
         if gradient_checkpointing:
