@@ -77,6 +77,8 @@ class StepTask:
     images: int
     steps: int
     warmup: int
+    #: PackedVLM's memory switches: gradient_checkpointing, tiled_mlp, offload_activations.
+    memory_options: tuple[tuple[str, bool], ...] = ()
 
     def run(self, device: torch.device, sp: Any = None) -> dict[str, Any]:
         """This rank's numbers gathered over the world; returns the row (the same on every rank).
@@ -89,7 +91,8 @@ class StepTask:
         sp = sp or SequenceParallel.initialize(self.sp_size)
         module = PackedVLM(load_model(self.model_dir, self.dtype).to(device), sp=sp,
                            deltanet_cp=self.deltanet_cp, vision_mode=self.vision,
-                           loss_chunk_mb=self.loss_chunk_mb, deltanet_kernel=self.deltanet_kernel)
+                           loss_chunk_mb=self.loss_chunk_mb, deltanet_kernel=self.deltanet_kernel,
+                           **dict(self.memory_options))
         module.train()
         batch = synthetic_pack(self.seq_len, self.samples, module.hf_model.config, self.images)
         return {**measure_steps(module, batch, self, memory), "deltanet_kernel_ran": module.deltanet_kernel}
@@ -107,8 +110,9 @@ def measure_steps(module: nn.Module, batch: PackedBatch, task: StepTask, memory:
     for step in range(task.warmup + task.steps):
         vision_timer.total = 0.0
         started = time.perf_counter()
-        loss, _, _ = module(batch)
-        loss.backward()
+        with module.micro_batch():
+            loss, _, _ = module(batch)
+            loss.backward()
         module.zero_grad(set_to_none=True)
         _synchronize(memory.device)
         if step >= task.warmup:
@@ -133,6 +137,7 @@ def measure_steps(module: nn.Module, batch: PackedBatch, task: StepTask, memory:
             "peak_memory_mb": max(r["peak_memory_mb"] for r in per_rank),
             "activation_memory_mb": max(r["activation_memory_mb"] for r in per_rank),
             "vision_s": max(r["vision_s"] for r in per_rank), "per_rank": per_rank,
+            "fragmentation_mb": memory.fragmentation_mb(),
             "memory_kind": memory.kind, "peak_is_cumulative": not peak_reset}
 
 
@@ -232,8 +237,9 @@ def _model_dir(args: argparse.Namespace, scratch: str) -> str:
         return args.model
     from vlmcp.demo_assets import build_tiny_checkpoint
 
+    sizes = {"intermediate_size": args.intermediate_size} if args.intermediate_size else {}
     return str(build_tiny_checkpoint(Path(scratch, "model"), moe=args.moe, tokenizer=False,
-                                     vocab_size=args.vocab_size, hidden_size=args.hidden_size))
+                                     vocab_size=args.vocab_size, hidden_size=args.hidden_size, **sizes))
 
 
 def _model_sizes(args: argparse.Namespace) -> tuple[int, int]:
@@ -252,7 +258,14 @@ def _step_task(args: argparse.Namespace, model_dir: str, seq_len: int, samples: 
                     deltanet_cp=args.deltanet_cp, deltanet_kernel=args.deltanet_kernel,
                     vision=args.vision, loss_chunk_mb=args.loss_chunk_mb,
                     seq_len=seq_len,
-                    samples=samples, images=args.images, steps=steps, warmup=warmup)
+                    samples=samples, images=args.images, steps=steps, warmup=warmup,
+                    memory_options=_memory_options(args))
+
+
+def _memory_options(args: argparse.Namespace) -> tuple[tuple[str, bool], ...]:
+    """PackedVLM's memory switches from the bench flags."""
+    return (("gradient_checkpointing", args.gradient_checkpointing), ("tiled_mlp", args.tiled_mlp),
+            ("offload_activations", args.offload_activations))
 
 
 def _bench_steps(args: argparse.Namespace, model_dir: str, device: torch.device, sp: Any) -> list[dict[str, Any]]:
@@ -281,7 +294,8 @@ def _bench_saved_bytes(args: argparse.Namespace, model_dir: str, device: torch.d
         task = SavedBytesTask(model_dir=model_dir, dtype=args.dtype, sp_size=args.sp_size or 1,
                               deltanet_cp=args.deltanet_cp, seq_len=seq_len,
                               samples=args.samples_per_pack,
-                              module_options={"deltanet_kernel": args.deltanet_kernel})
+                              module_options={"deltanet_kernel": args.deltanet_kernel,
+                                              **dict(_memory_options(args))})
         if device.type == "cpu" and not _launched():
             row = run_fresh(task, task.sp_size, distributed=task.sp_size > 1)
         else:
@@ -408,8 +422,13 @@ def search_max_len(fits: Callable[[int], bool], unit: int, max_probes: int) -> i
 def _resolve_args(args: argparse.Namespace, device: torch.device) -> None:
     """Fill the defaults that live in the model code; raise ValueError naming bad flag mixes."""
     problems = []
-    if args.model and (args.vocab_size is not None or args.hidden_size is not None):
-        problems.append("--vocab-size and --hidden-size shape the built-in tiny model; --model has its own")
+    if args.model and (args.vocab_size is not None or args.hidden_size is not None
+                       or args.intermediate_size is not None):
+        problems.append("--vocab-size, --hidden-size and --intermediate-size shape the built-in tiny "
+                        "model; --model has its own")
+    if args.offload_activations and not args.gradient_checkpointing:
+        problems.append("--offload-activations moves the checkpointed layer inputs: it needs "
+                        "--gradient-checkpointing")
     args.vocab_size = args.vocab_size or DEFAULT_VOCAB
     args.hidden_size = args.hidden_size or DEFAULT_HIDDEN
     args.loss_chunk_mb = args.loss_chunk_mb or DEFAULT_LOSS_CHUNK_MB
@@ -473,8 +492,9 @@ def _bench_model(args: argparse.Namespace, model_dir: str, device: torch.device)
     world = comm.world_size() if _launched() else args.sp_size or 1
     threads = torch.get_num_threads() if _launched() else max(1, torch.get_num_threads() // world)
     report: dict[str, Any] = {"world_size": world, "sp_size": args.sp_size or 1,
-                              "deltanet_cp": args.deltanet_cp, "vision": args.vision, "images": args.images,
-                              "threads_per_rank": threads}
+                              "deltanet_cp": args.deltanet_cp, "deltanet_kernel": args.deltanet_kernel,
+                              "vision": args.vision, "images": args.images,
+                              "threads_per_rank": threads, **dict(_memory_options(args))}
     if args.saved_bytes:
         return {**report, "mode": "saved_bytes", "results": _bench_saved_bytes(args, model_dir, device, sp)}
     if not args.find_max_len:

@@ -42,6 +42,14 @@ class Memory:
             return False
         return True
 
+    def fragmentation_mb(self) -> float | None:
+        """CUDA: reserved - allocated at their peaks (what the caching allocator holds beyond the
+        tensors); None on CPU."""
+        if self.device.type != "cuda":
+            return None
+        return (torch.cuda.max_memory_reserved(self.device)
+                - torch.cuda.max_memory_allocated(self.device)) / 2**20
+
     def peak_mb(self) -> float:
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device) / 2**20

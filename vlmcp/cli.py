@@ -135,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="vocabulary of the tiny model (default 512; Qwen3.5's is 248320)")
     bench.add_argument("--hidden-size", type=int, default=None,
                        help="hidden size of the tiny model and of --loss-only (default 64)")
+    bench.add_argument("--intermediate-size", type=int, default=None,
+                       help="MLP intermediate size of the tiny model (default 2 x hidden; Qwen3.5-9B's "
+                            "proportion is 3 x)")
     bench.add_argument("--seq-lens", default="1024,4096", help="comma-separated pack lengths")
     bench.add_argument("--samples-per-pack", type=int, default=4,
                        help="equal-length samples each pack is split into")
@@ -150,6 +153,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="parallel.vision: split the image encoding over the SP group, or run "
                             "it on the whole pack on every rank")
     bench.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    bench.add_argument("--gradient-checkpointing", action="store_true",
+                       help="train.gradient_checkpointing: recompute each decoder layer in backward")
+    bench.add_argument("--tiled-mlp", action="store_true",
+                       help="train.tiled_mlp: the MLPs through DeepSpeed's TiledMLP")
+    bench.add_argument("--offload-activations", action="store_true",
+                       help="train.offload_activations: DeepSpeed's CheckpointHiddenStatesOffload on the "
+                            "checkpointed layer inputs (needs --gradient-checkpointing)")
     bench.add_argument("--loss-chunk-mb", type=float, default=None,
                        help="memory budget (MiB) of one lm_head + cross-entropy chunk (default: "
                             "train.loss_chunk_mb's default)")

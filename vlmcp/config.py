@@ -160,6 +160,14 @@ class TrainSection:
     gradient_checkpointing: bool = field(default=False, metadata=_key(
         "recompute each decoder layer in backward (its SP collectives too) instead of keeping "
         "its activations"))
+    tiled_mlp: bool = field(default=False, metadata=_key(
+        "run every decoder layer's MLP (a MoE layer's whole sparse block) through DeepSpeed's "
+        "TiledMLP: shards of the sequence, recomputed in backward, so the MLP keeps only its "
+        "input for backward (shard count ceil(S_local / hidden), agreed over the ranks)"))
+    offload_activations: bool = field(default=False, metadata=_key(
+        "move the decoder layers' checkpointed inputs to pinned host memory on a side stream "
+        "(DeepSpeed's CheckpointHiddenStatesOffload); needs train.gradient_checkpointing; "
+        "nothing moves on CPU"))
     keep_checkpoints: int = field(default=0, metadata=_key(
         "keep only the newest N complete checkpoints in output_dir/checkpoints; 0 keeps all",
         min=0))
@@ -457,6 +465,25 @@ def _cross_checks(job: JobConfig) -> list[str]:
         problems.append(f"config key 'loss.kl_coef' is {job.loss.kl_coef} but 'loss.type' is "
                         f"{job.loss.type!r}; the KL penalty applies to ppo_clip only")
     problems.extend(_lora_checks(job.lora, job.model))
+    problems.extend(_memory_feature_checks(job))
+    return problems
+
+
+def _memory_feature_checks(job: JobConfig) -> list[str]:
+    """train.tiled_mlp and train.offload_activations against the keys they cannot run with."""
+    problems = []
+    if job.train.offload_activations and not job.train.gradient_checkpointing:
+        problems.append("config key 'train.offload_activations' is true but "
+                        "'train.gradient_checkpointing' is false; it moves the checkpointed "
+                        "layer inputs, so it needs checkpointing")
+    if job.train.tiled_mlp and job.model.router_aux_loss:
+        problems.append("config key 'train.tiled_mlp' is true with 'model.router_aux_loss': TiledMLP "
+                        "runs the MoE router without autograd in forward, so the aux loss would "
+                        "get no gradient; turn one of them off")
+    if job.train.tiled_mlp and job.lora.r and job.lora.dropout:
+        problems.append(f"config key 'train.tiled_mlp' is true with 'lora.dropout' {job.lora.dropout}: "
+                        "TiledMLP recomputes the MLP in backward without replaying its dropout "
+                        "masks; set lora.dropout to 0 or train.tiled_mlp to false")
     return problems
 
 

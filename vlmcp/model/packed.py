@@ -21,6 +21,7 @@ With P == 1 the same code is the exact packed single-rank path.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -60,6 +61,12 @@ class PackedVLM(nn.Module):
     `self.vision`; under "split" each rank calls it at most once per micro-batch (module hooks on
     it time one rank's share).
 
+    `tiled_mlp` (`train.tiled_mlp`): every decoder layer's MLP (a MoE layer's sparse block) runs
+    through DeepSpeed's TiledMLP (model.tiled_mlp). `offload_activations`
+    (`train.offload_activations`, with `gradient_checkpointing`): DeepSpeed's
+    `CheckpointHiddenStatesOffload` moves the checkpointed decoder-layer inputs to pinned host
+    memory on a side stream while `micro_batch()` is entered (a no-op move on CPU).
+
     `deltanet_kernel` is `model.deltanet_kernel` ("auto", "fla", "torch"); an impossible choice
     raises KernelError here.
 
@@ -83,8 +90,13 @@ class PackedVLM(nn.Module):
         objective: Objective | None = None,
         router_aux_loss: bool = False,
         deltanet_kernel: str = "auto",
+        tiled_mlp: bool = False,
+        offload_activations: bool = False,
     ) -> None:
         super().__init__()
+        if offload_activations and not gradient_checkpointing:
+            raise ValueError("train.offload_activations moves the checkpointed layer inputs: it needs "
+                             "train.gradient_checkpointing")
         if vision_mode not in VISION_MODES:
             raise ValueError(f"parallel.vision must be one of {list(VISION_MODES)}, got {vision_mode!r}")
         self.vision_mode = vision_mode
@@ -120,6 +132,22 @@ class PackedVLM(nn.Module):
         self.router_aux_coef = self.router_loss.coef if self.router_loss is not None else 0.0
         if gradient_checkpointing:
             hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.tiled_mlps = self.activation_offload = None
+        if tiled_mlp:
+            from vlmcp.model.tiled_mlp import TiledMLPs
+
+            self.tiled_mlps = TiledMLPs(self.language_model)
+        if offload_activations:
+            from deepspeed.runtime.activation_checkpointing.offload_activations import (
+                CheckpointHiddenStatesOffload)
+
+            self.activation_offload = CheckpointHiddenStatesOffload()
+
+    def micro_batch(self) -> contextlib.AbstractContextManager[Any]:
+        """The context to hold around one training micro-batch's forward *and* backward: DeepSpeed's
+        activation offload with `offload_activations` (leaving it drops what it moved), else
+        nothing."""
+        return self.activation_offload or contextlib.nullcontext()
 
     @property
     def vision(self) -> nn.Module:
@@ -239,6 +267,8 @@ class PackedVLM(nn.Module):
         positions: [3, 1, S_local] MRoPE (t, h, w) positions of the shard's tokens.
         """
         lm = self.language_model
+        if self.tiled_mlps is not None and torch.is_grad_enabled():
+            self.tiled_mlps.plan(plan.local_len)
         position_embeddings = lm.rotary_emb(hidden, positions)
         for layer in lm.layers[: lm.config.num_hidden_layers]:
             hidden = layer(

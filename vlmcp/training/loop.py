@@ -109,7 +109,9 @@ def _build_engine(job: JobConfig, preflight: Preflight,
                        loss_chunk_mb=job.train.loss_chunk_mb,
                        router_aux_loss=job.model.router_aux_loss,
                        objective=objective_of(job),
-                       deltanet_kernel=job.model.deltanet_kernel)
+                       deltanet_kernel=job.model.deltanet_kernel,
+                       tiled_mlp=job.train.tiled_mlp,
+                       offload_activations=job.train.offload_activations)
     trainable = [p for p in module.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=trainable,
                                            config=ds_config, mpu=sp.mpu,
@@ -214,11 +216,12 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     grad_norm = None
     skipped_before = engine.skipped_steps
     for index, batch in enumerate(batches):
-        loss_sum, _, router_share, stat_sums = engine(batch, stats=True)
-        sums[4:] += stat_sums
-        engine.backward(scale_for_deepspeed(loss_sum, counts.denominator, dp_size=sp.dp_size,
-                                            grad_accum=grad_accum)
-                        + router_objective(router_share, run.module.router_aux_coef))
+        with run.module.micro_batch():
+            loss_sum, _, router_share, stat_sums = engine(batch, stats=True)
+            sums[4:] += stat_sums
+            engine.backward(scale_for_deepspeed(loss_sum, counts.denominator, dp_size=sp.dp_size,
+                                                grad_accum=grad_accum)
+                            + router_objective(router_share, run.module.router_aux_coef))
         if index == len(batches) - 1 and _plain_fp32_engine(engine):
             grad_norm = _grad_norm(engine.module)
             # DeepSpeed checks for NaN/Inf gradients itself everywhere else (training/nonfinite.py).
