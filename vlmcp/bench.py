@@ -1,6 +1,6 @@
 """`vlmcp bench`: step time, tokens/s and memory of the packed training module, per pack length.
 
-Four modes, each writing one JSON report:
+Five modes, each writing one JSON report:
 - step (default): forward+backward of `PackedVLM` on a synthetic pack of each length (optionally
   with `--images` images of mixed sizes); no optimizer step.
 - `--loss-only`: the lm_head + cross-entropy alone (`shard_loss_sum`, forward+backward) on random
@@ -8,6 +8,8 @@ Four modes, each writing one JSON report:
 - `--find-max-len`: the longest single sample whose step's peak memory fits `--memory-budget-gb`.
 - `--saved-bytes`: the bytes autograd saves for backward per token, per module, in one forward
   (`vlmcp.bench_saved`).
+- `--compare-alst`: vlmcp's training step beside stock DeepSpeed ALST's on an all-attention tiny
+  model, interleaved fresh processes (`vlmcp.bench_alst`).
 
 Memory (MiB): on CPU, the process's resident set (current RSS, and its peak VmHWM); on CUDA,
 `memory_allocated` and `max_memory_allocated`. `model_memory_mb` is the memory after the model is
@@ -435,12 +437,15 @@ def _resolve_args(args: argparse.Namespace, device: torch.device) -> None:
     if args.find_max_len and args.memory_budget_gb is None:
         problems.append("--find-max-len needs --memory-budget-gb")
     modes = [flag for flag, on in (("--find-max-len", args.find_max_len), ("--loss-only", args.loss_only),
-                                   ("--saved-bytes", args.saved_bytes)) if on]
+                                   ("--saved-bytes", args.saved_bytes), ("--compare-alst", args.compare_alst))
+             if on]
     if len(modes) > 1:
         problems.append(f"{' and '.join(modes)} are separate modes")
-    if device.type == "cpu" and _launched() and (args.find_max_len or args.loss_only):
-        problems.append("--find-max-len and --loss-only start their own processes on CPU: run them "
-                        "without a launcher")
+    if device.type == "cpu" and _launched() and (args.find_max_len or args.loss_only or args.compare_alst):
+        problems.append("--find-max-len, --loss-only and --compare-alst start their own processes on "
+                        "CPU: run them without a launcher")
+    if args.compare_alst and device.type == "cuda" and (args.sp_size or 1) > 1:
+        problems.append("--compare-alst on CUDA runs one process (SP 1); SP > 1 runs on CPU over gloo")
     if device.type == "cuda" and not _launched() and (args.sp_size or 1) > 1:
         problems.append("--sp-size > 1 on CUDA: launch one process per GPU with torchrun")
     if problems:
@@ -462,10 +467,30 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         "loss_chunk_mb": args.loss_chunk_mb}
     if args.loss_only:
         report.update(mode="loss_only", results=_bench_loss(args, device))
+    elif args.compare_alst:
+        report.update(_compare_alst(args, device))
     else:
         with tempfile.TemporaryDirectory(prefix="vlmcp-bench-") as scratch:
             report.update(_bench_model(args, _model_dir(args, scratch), device))
     return _write_report(args, report)
+
+
+def _compare_alst(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """The report entries of --compare-alst (`vlmcp.bench_alst`), in fresh processes."""
+    from vlmcp.bench_alst import ALST_MODEL, build_compare_model, compare_alst
+
+    with tempfile.TemporaryDirectory(prefix="vlmcp-bench-") as scratch:
+        model_dir = args.model or build_compare_model(scratch, args.vocab_size)
+        rows = compare_alst(model_dir, _lengths(args.seq_lens), args.sp_size or 1, args.steps,
+                            args.warmup, args.repeats, device.type)
+    for row in rows:
+        logger.info("seq_len %d, SP %d: vlmcp / ALST step time %.3f (min %.3f, max %.3f), activation "
+                    "memory %.3f; losses differ by %.1e", row["seq_len"], row["sp_size"],
+                    row["step_time_ratio"]["median"], row["step_time_ratio"]["min"],
+                    row["step_time_ratio"]["max"], row["activation_memory_ratio"]["median"],
+                    row["loss_rel_diff"])
+    return {"mode": "compare_alst", "alst_model": None if args.model else ALST_MODEL,
+            "sp_size": args.sp_size or 1, "results": rows}
 
 
 def _write_report(args: argparse.Namespace, report: dict[str, Any]) -> dict[str, Any]:

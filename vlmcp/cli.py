@@ -170,6 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--saved-bytes", action="store_true",
                        help="count the bytes autograd saves for backward in one forward, per token "
                             "and per module (deduplicated by storage, parameters excluded)")
+    bench.add_argument("--compare-alst", action="store_true",
+                       help="run stock DeepSpeed ALST's training step (its tutorial loop) beside "
+                            "vlmcp's on an all-attention tiny model and one sample per length, in "
+                            "interleaved fresh processes (--sp-size ranks), and report the step-time "
+                            "and activation-memory ratios and the losses")
+    bench.add_argument("--repeats", type=int, default=3,
+                       help="--compare-alst: interleaved vlmcp/ALST pairs per length")
     bench.add_argument("--find-max-len", action="store_true",
                        help="find the longest single sample whose step fits --memory-budget-gb")
     bench.add_argument("--memory-budget-gb", type=float, default=None,

@@ -15,6 +15,12 @@ example and ArcticTraining derive it, the largest over the world (one max all-re
 lowered until `torch.chunk` splits every rank's rows into exactly that many shards (k(k-1) < rows
 of the shortest shard), so every rank makes the same module calls (ZeRO-3 gathers per call).
 
+DeepSpeed's function is an autograd Function whose parameters come in a list, which autograd does
+not look into: its output needs gradients only when its input does. Where the input needs none
+(the first layers under LoRA, whose base weights are frozen) but the MLP has trainable parameters
+(LoRA adapters on its projections), the input enters as a detached copy that requires gradients,
+so the adapters still get theirs (the copy's own gradient goes nowhere).
+
 The recompute in backward replays the forward exactly only when it draws no random numbers, so
 this does not combine with dropout in the MLP (lora.dropout > 0) (the job checks refuse it).
 
@@ -74,6 +80,8 @@ class TiledMLPs:
         if not torch.is_grad_enabled():
             return type(mlp).forward(mlp, hidden_states)
         params = [p for p in mlp.parameters() if p.requires_grad]
+        if params and not hidden_states.requires_grad:
+            hidden_states = hidden_states.detach().requires_grad_(True)
         return TiledMLP.apply(_class_forward, mlp, hidden_states, self.shards, params)
 
 
