@@ -106,7 +106,7 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
         counts = step_counts(module, micro_batches, module.objective)
         loss_total, router_total = torch.zeros(()), torch.zeros(())
         stat_total = torch.zeros(len(STAT_KEYS), dtype=torch.float64)
-        offloaded = {"marked": 0, "passed_hooks": 0}
+        offloaded = {"passed_hooks": 0}
         for batch in micro_batches:
             with module.micro_batch():
                 loss_sum, _, router_share, stats = engine(batch, stats=True)
@@ -118,7 +118,6 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
                                 + router_objective(router_share, module.router_aux_coef))
             if module.activation_offload is not None:
                 offload_stats = module.activation_offload.stats
-                offloaded["marked"] += offload_stats.marked_tensors
                 # a marked input reaches the offload engine only through the pack hook; on CPU
                 # the engine keeps it in place (skipped) or, on a GPU, moves it (offloaded)
                 offloaded["passed_hooks"] += offload_stats.skipped_marked_tensors + offload_stats.offloaded_tensors

@@ -65,7 +65,8 @@ class PackedVLM(nn.Module):
     through DeepSpeed's TiledMLP (model.tiled_mlp). `offload_activations`
     (`train.offload_activations`, with `gradient_checkpointing`): DeepSpeed's
     `CheckpointHiddenStatesOffload` moves the checkpointed decoder-layer inputs to pinned host
-    memory on a side stream while `micro_batch()` is entered (a no-op move on CPU).
+    memory on a side stream while `micro_batch()` is entered (a no-op move on CPU;
+    model.activation_offload).
 
     `deltanet_kernel` is `model.deltanet_kernel` ("auto", "fla", "torch"); an impossible choice
     raises KernelError here.
@@ -141,7 +142,10 @@ class PackedVLM(nn.Module):
             from deepspeed.runtime.activation_checkpointing.offload_activations import (
                 CheckpointHiddenStatesOffload)
 
+            from vlmcp.model.activation_offload import mark_layer_inputs
+
             self.activation_offload = CheckpointHiddenStatesOffload()
+            mark_layer_inputs(list(self.language_model.layers), self.activation_offload)
 
     def micro_batch(self) -> contextlib.AbstractContextManager[Any]:
         """The context to hold around one training micro-batch's forward *and* backward: DeepSpeed's
