@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers.activations import ACT2FN
 
 from vlmcp.model.delta_rule import HeadLayout
@@ -59,7 +60,9 @@ def install_deltanet_hooks(model: nn.Module, mode: str = "state", kernel: str = 
     """Give every Gated DeltaNet layer of `model` the packed/sharded forward, its core run by
     `kernel` (`model.deltanet_kernel`). Returns the layers.
 
-    The original forward stays in use whenever a call has no `shard_plan`. Under ZeRO-3 the conv
+    The original forward stays in use whenever a call has no `shard_plan`. The layer's gated
+    RMSNorm keeps transformers' forward but runs it under torch's non-reentrant checkpoint
+    (`_recomputed_norm`). Under ZeRO-3 the conv
     weight, which the forward reads directly, is registered as an external parameter of its layer
     so that DeepSpeed gathers it for the layer's forward.
     """
@@ -69,6 +72,7 @@ def install_deltanet_hooks(model: nn.Module, mode: str = "state", kernel: str = 
     for layer in layers:
         original = type(layer).forward.__get__(layer)
         layer.forward = functools.partial(_hooked_forward, layer, original, mode, kernel)
+        layer.norm.forward = functools.partial(_recomputed_norm, layer.norm)
         if hasattr(layer.conv1d.weight, "ds_id"):
             import deepspeed
 
@@ -79,8 +83,9 @@ def install_deltanet_hooks(model: nn.Module, mode: str = "state", kernel: str = 
 def uninstall_deltanet_hooks(layers: list[nn.Module]) -> None:
     """Restore the transformers forward on layers returned by `install_deltanet_hooks`."""
     for layer in layers:
-        if "forward" in layer.__dict__:
-            del layer.forward
+        for module in (layer, layer.norm):
+            if "forward" in module.__dict__:
+                del module.forward
 
 
 def _hooked_forward(layer, original, mode, kernel, hidden_states, *args, shard_plan: ShardPlan | None = None,
@@ -88,6 +93,16 @@ def _hooked_forward(layer, original, mode, kernel, hidden_states, *args, shard_p
     if shard_plan is None:
         return original(hidden_states, *args, **kwargs)
     return sharded_deltanet_forward(layer, hidden_states, shard_plan, mode, kernel)
+
+
+def _recomputed_norm(norm: nn.Module, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The gated RMSNorm ([N, V], [N, V] -> [N, V]): transformers' own forward, under torch's
+    non-reentrant checkpoint when autograd records, so backward keeps its two inputs only and
+    recomputes its four fp32 intermediates (80 -> 32 KiB per token at Qwen3.5-35B-A3B's layout).
+    Called as the module (its hooks, ZeRO-3's gathers, still fire)."""
+    if not torch.is_grad_enabled():
+        return type(norm).forward(norm, hidden_states, gate)
+    return checkpoint(type(norm).forward, norm, hidden_states, gate, use_reentrant=False)
 
 
 def sharded_deltanet_forward(
