@@ -40,7 +40,7 @@ from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMIT_BYTES = 64 * 2**20
-NO_GPU_SECONDS = 30.0
+NO_GPU_SECONDS = 60.0
 PYTHON_VERSION = "3.12"
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64"]

@@ -46,7 +46,7 @@ def test_gpu_check_without_a_gpu_exits_2_at_once_before_installing_anything(tmp_
                            "--wheels", str(tmp_path / "no-wheels")],
                           env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cuda"},
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and time.monotonic() - started < 30
+    assert proc.returncode == 2 and time.monotonic() - started < 60
     report = json.loads(out.read_text())
     assert not report["passed"] and report["error"].startswith("no CUDA device")
     assert report["checks"] == {} and "install" not in report
