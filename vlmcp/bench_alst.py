@@ -179,7 +179,9 @@ def compare_alst(model_dir: str, seq_lens: list[int], sp_size: int, steps: int, 
         for _ in range(repeats):
             for side in ("vlmcp", "alst"):
                 task = CompareTask(side, model_dir, seq_len, sp_size, steps, warmup)
-                runs[side].append(run_fresh(task, sp_size, distributed=sp_size > 1, device=device))
+                # always through vlmcp's process-group start (also at SP 1), which keeps DeepSpeed
+                # from JIT-building its CPU shm comm op in every fresh process
+                runs[side].append(run_fresh(task, sp_size, distributed=True, device=device))
         time_ratios = [v["step_time_s"] / a["step_time_s"] for v, a in zip(runs["vlmcp"], runs["alst"])]
         memory_ratios = [v["activation_memory_mb"] / a["activation_memory_mb"]
                          for v, a in zip(runs["vlmcp"], runs["alst"])]
