@@ -8,9 +8,9 @@ backward, one stretch at a time: the stretch's forward runs again under autograd
 starting state, and its backward hands the state gradient to the stretch before it. The pre-conv
 channels are exactly as large as q, k and v together, so this keeps what fla's kernel keeps
 (q, k, v, g, beta, A), minus A, plus the sparse states: at Qwen3.5-35B-A3B's DeltaNet layout
-(16 key / 32 value heads of 128) 32 KiB per token for `mixed`, 8 KiB for the states (one 2 MiB
-state per 4 x 64 tokens), 0.25 KiB for the gates, against 409 KiB for autograd's own graph of the
-same ops. Backward holds one stretch's graph at a time.
+(16 key / 32 value heads of 128) 32 KiB per token for `mixed`, 2 KiB for the states (one 2 MiB
+state per 16 x 64 tokens), 0.25 KiB for the gates, against 409 KiB for autograd's own graph of the
+same ops. Backward holds one stretch's graph at a time (about 409 MiB at that layout).
 
 The math, per value head and chunk of C tokens (G the cumulative log decay inside the chunk,
 D[i, j] = exp(G_i - G_j) for j <= i and 0 above the diagonal, k_b = beta k, v_b = beta v):
@@ -35,8 +35,11 @@ from torch.autograd.function import once_differentiable
 
 #: Tokens per chunk of the chunked recurrence (fla's and transformers' chunk size).
 CHUNK = 64
-#: Chunks per saved state: backward recomputes this many chunks (256 tokens) at a time.
-STRETCH_CHUNKS = 4
+#: Chunks per saved state: backward recomputes this many chunks (1,024 tokens) at a time. Each
+#: stretch costs a recompute setup and an autograd call: at 16k tokens on the tiny bench layout
+#: (2 key / 4 value heads of 16) the core's forward+backward took 24-28 s with 4-chunk stretches,
+#: 15.5 s with 16, 13.7-17.4 s for the old all-graph kernel (one process, loaded machine).
+STRETCH_CHUNKS = 16
 L2NORM_EPS = 1e-6
 
 
