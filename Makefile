@@ -1,5 +1,7 @@
 # vlmcp: `make demo` trains the offline digits demo on 2 CPU ranks, `make test` runs the suite,
-# `make gpu-check` runs every CUDA check on one GPU and writes runs/gpu-check.json.
+# `make gpu-check` runs every CUDA check on one GPU and writes runs/gpu-check.json (docs/gpu-check.md),
+# `make gpu-wheels` fetches the wheels a bare GPU machine lacks into .whl/, `make gpu-rehearsal`
+# rehearses the check's install without a GPU.
 # Both create .venv when it is missing: torch first (pinned, so that nothing later pulls a
 # different build), then this package. On a CPU machine the torch wheel must be a CPU build
 # without triton (with triton, transformers routes Qwen3.5's DeltaNet to GPU kernels that fail on a
@@ -14,6 +16,9 @@ PYTEST_ARGS ?=
 # (default: .venv when it exists, else $(PYTHON); e.g. `make gpu-check GPU_PYTHON=python3`).
 GPU_PYTHON ?= $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,$(PYTHON))
 GPU_CHECK_OUT ?= runs/gpu-check.json
+# The wheels gpu-check installs first (git-ignored), and the Python that downloads and builds them.
+WHEELS_DIR ?= .whl
+WHEELS_PYTHON ?= $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,$(PYTHON))
 # Versions the suite last passed with (pip -c); `make install CONSTRAINTS=` installs unpinned.
 CONSTRAINTS ?= constraints.txt
 UPGRADE_VENV ?= .venv-upgrade
@@ -28,7 +33,7 @@ export OMP_NUM_THREADS ?= 1
 export DS_ACCELERATOR ?= cpu
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: demo test gpu-check install upgrade-check constraints clean
+.PHONY: demo test gpu-check gpu-wheels gpu-rehearsal install upgrade-check constraints clean
 
 demo: $(STAMP)
 	$(BIN)/python -m vlmcp demo --out runs/demo
@@ -36,10 +41,22 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# On a machine without a CUDA device it stops at once ("no CUDA device", exit 2).
+# On a machine without a CUDA device it stops at once ("no CUDA device", exit 2). Otherwise it
+# installs $(WHEELS_DIR)/*.whl into a temporary --target first (never torch), then runs each part.
 gpu-check: export DS_ACCELERATOR = cuda
 gpu-check:
-	PYTHONPATH=.$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) scripts/gpu_check.py --out $(GPU_CHECK_OUT)
+	$(GPU_PYTHON) scripts/gpu_check.py --out $(GPU_CHECK_OUT) --wheels $(WHEELS_DIR)
+
+# Needs registry access: Python 3.12 / manylinux x86_64 wheels at constraints.txt's versions, a
+# deepspeed wheel built here, vlmcp's own; fails naming the problem when the set is over 64 MiB or
+# incomplete for the lent machine.
+gpu-wheels:
+	$(WHEELS_PYTHON) scripts/gpu_wheels.py download --dir $(WHEELS_DIR)
+
+# The wheel set is complete, installs into a fresh --target, `import vlmcp` works from there, and
+# without a GPU the check exits 2 at once.
+gpu-rehearsal: gpu-wheels
+	$(WHEELS_PYTHON) scripts/gpu_wheels.py rehearse --dir $(WHEELS_DIR)
 
 install: $(STAMP)
 

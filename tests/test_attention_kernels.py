@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.helpers.parity import rel_err
 from tests.helpers.references import causal_attention_f64
-from vlmcp.model.attention import flash_kernels_apply, varlen_causal_attention
+from vlmcp.model.attention import flash_kernels_apply, varlen_attn_usable, varlen_causal_attention
 
 CU = (0, 5, 6, 23, 40)  # segments of 5, 1, 17 and 17 tokens
 
@@ -79,3 +79,15 @@ def test_flash_kernels_are_never_chosen_on_cpu():
     tensors, _ = _inputs(kv_heads=2)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         assert not flash_kernels_apply(*(t.to(dtype) for t in tensors), dropout=0.0)
+
+
+def test_torch_varlen_attn_is_used_only_where_it_takes_window_size_and_enable_gqa():
+    def older(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False):
+        raise AssertionError
+
+    def current(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                enable_gqa=False):
+        raise AssertionError
+
+    assert not varlen_attn_usable(None) and not varlen_attn_usable(older)
+    assert varlen_attn_usable(current)

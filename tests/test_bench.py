@@ -28,11 +28,16 @@ def test_bench_parses_every_flag():
         "--out", "x.json", "--sp-size", "2", "--deltanet-cp", "heads", "--samples-per-pack", "1",
         "--moe", "--vocab-size", "248320", "--hidden-size", "256", "--images", "8",
         "--loss-chunk-mb", "128", "--loss-only", "--find-max-len", "--memory-budget-gb", "4",
-        "--granularity", "2048", "--max-probes", "6", "--pairs"])
+        "--granularity", "2048", "--max-probes", "6", "--pairs", "--deltanet-kernel", "torch",
+        "--intermediate-size", "768", "--gradient-checkpointing", "--tiled-mlp",
+        "--offload-activations", "--saved-bytes", "--compare-alst", "--repeats", "2"])
     assert (args.seq_lens, args.steps, args.warmup, args.dtype, args.sp_size) == ("16384,65536", 2, 1, "bfloat16", 2)
     assert (args.vocab_size, args.hidden_size, args.images, args.loss_chunk_mb) == (248320, 256, 8, 128.0)
     assert args.loss_only and args.find_max_len and args.moe and args.pairs
     assert (args.memory_budget_gb, args.granularity, args.max_probes) == (4.0, 2048, 6)
+    assert (args.deltanet_kernel, args.intermediate_size, args.repeats) == ("torch", 768, 2)
+    assert args.gradient_checkpointing and args.tiled_mlp and args.offload_activations
+    assert args.saved_bytes and args.compare_alst
 
 
 def test_synthetic_pack_places_every_image_and_keeps_targets_off_placeholders():
@@ -96,3 +101,31 @@ def test_step_bench_writes_every_field_from_a_fresh_process(tmp_path):
     assert row["fresh_process"] and not row["peak_is_cumulative"]
     assert row["peak_memory_mb"] >= row["model_memory_mb"] > 0 and row["vision_s"] > 0
     assert row["activation_memory_mb"] == row["peak_memory_mb"] - row["model_memory_mb"]
+
+
+@pytest.mark.e2e
+def test_saved_bytes_mode_reports_bytes_per_token_per_module_and_layer_kind(tmp_path):
+    out = tmp_path / "saved.json"
+    assert main(["bench", "--saved-bytes", "--seq-lens", "128", "--samples-per-pack", "1", "--tiled-mlp",
+                 "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    (row,) = report["results"]
+    assert report["mode"] == "saved_bytes" and report["tiled_mlp"] and row["local_tokens"] == 128
+    kinds = {kind["module"]: kind for kind in row["per_layer_kind"]}
+    assert kinds["language_model.layers.*.linear_attn"]["layers"] == 2
+    # a tiled MLP keeps only its input, [S, hidden] fp32
+    assert kinds["language_model.layers.*.mlp"]["bytes_per_token"] == 64 * 4
+    assert abs(sum(r["bytes_per_token"] for r in row["per_module"]) - row["total_bytes_per_token"]) < 1e-6
+
+
+@pytest.mark.e2e
+def test_compare_alst_runs_both_sides_in_fresh_processes_and_their_losses_agree(tmp_path):
+    out = tmp_path / "alst.json"
+    assert main(["bench", "--compare-alst", "--seq-lens", "128", "--steps", "1", "--warmup", "0",
+                 "--repeats", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    (row,) = report["results"]
+    assert report["mode"] == "compare_alst" and row["sp_size"] == 1
+    assert [run["side"] for run in row["vlmcp"] + row["alst"]] == ["vlmcp", "alst"]
+    assert row["step_time_ratio"]["median"] > 0 and row["activation_memory_ratio"]["each"]
+    assert row["loss_rel_diff"] <= 1e-4

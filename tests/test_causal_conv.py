@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers.parity import rel_err
-from vlmcp.model.deltanet import causal_conv_segments
+from vlmcp.model.causal_conv import causal_conv_segments
 
 TOL = 1e-6
 CHANNELS = 6

@@ -1,7 +1,9 @@
-"""The CPU delta-rule kernel is vlmcp's own pure-torch chunked kernel: over packed segments with
-per-segment initial states it equals a float64 token-by-token recurrence, it matches transformers'
-pure-torch kernel (the unsharded reference) in fp32, forward and backward, and its autograd graph
-splits the chunk axis once instead of indexing or writing one chunk at a time."""
+"""vlmcp's pure-torch DeltaNet core (`conv_delta_rule`): over packed segments with per-segment
+initial states it equals a float64 token-by-token recurrence (after a float64 causal conv when it
+runs the conv), forward and backward, gradients into the initial states and the conv's left
+context included, for chunk and stretch sizes that do not divide the segment lengths; it matches
+transformers' pure-torch kernel (the unsharded reference) in fp32; and it saves for backward only
+its inputs plus one state per stretch of chunks."""
 
 from __future__ import annotations
 
@@ -9,13 +11,18 @@ import inspect
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
 from tests.helpers.parity import rel_err
 from tests.helpers.references import delta_rule_inputs, gated_delta_rule_f64
-from vlmcp.model.delta_rule import chunked_delta_rule, delta_rule_segments
+from vlmcp.model.causal_conv import causal_conv_segments
+from vlmcp.model.delta_rule import HeadLayout, conv_delta_rule
+from vlmcp.model.deltanet_kernel import delta_rule_segments
 
 LENGTHS = [70, 5, 130, 64]
+LAYOUT = HeadLayout(key_heads=2, key_dim=32, value_heads=4, value_dim=32)
+WIDTH = 3  # conv taps - 1
 
 
 def _run(fn, tensors, init, lengths=LENGTHS):
@@ -48,6 +55,10 @@ def _transformers_segments(q, k, v, g, beta, lengths, initial_states):
     return torch.cat(outs, dim=0), finals
 
 
+def _torch_kernel(*args):
+    return delta_rule_segments(*args, kernel="torch")
+
+
 # (seed, segment lengths, reference): float64 token by token is the truth; transformers' own
 # pure-torch kernel is what plain transformers runs, so fp32 agreement with it keeps parity tight.
 REFERENCES = {
@@ -63,34 +74,76 @@ def test_cpu_delta_rule_segments_forward_and_gradients(name):
     gen = torch.Generator().manual_seed(seed)
     tensors = delta_rule_inputs(gen, sum(lengths))
     init = 0.1 * torch.randn(4, 32, 32, generator=gen)
-    values, grads = _run(delta_rule_segments, tensors, init, lengths=lengths)
+    values, grads = _run(_torch_kernel, tensors, init, lengths=lengths)
     ref_values, ref_grads = _run(reference, tensors, init, lengths=lengths)
     for got, expected in zip(values + grads, ref_values + ref_grads):
         assert rel_err(got, expected) <= 1e-5
 
 
-def _graph_node_names(root) -> list[str]:
-    seen, stack, names = set(), [root], []
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.append(type(node).__name__)
-        stack.extend(fn for fn, _ in node.next_functions)
-    return names
+def _conv_inputs(gen: torch.Generator, length: int) -> list[torch.Tensor]:
+    """(mixed [L, C], weight [C, 1, w+1], bias [C], left context [w, C], g, beta) in fp32."""
+    channels = sum(LAYOUT.split)
+    _, _, _, g, beta = delta_rule_inputs(gen, length)
+    return [torch.randn(length, channels, generator=gen), 0.3 * torch.randn(channels, 1, WIDTH + 1, generator=gen),
+            0.1 * torch.randn(channels, generator=gen), torch.randn(WIDTH, channels, generator=gen), g, beta]
 
 
-def _indexing_nodes(chunks: int) -> dict[str, int]:
-    gen = torch.Generator().manual_seed(3)
-    q, k, v, g, beta = (t.requires_grad_(True) for t in delta_rule_inputs(gen, 64 * chunks - 10))
-    out, final = chunked_delta_rule(q, k, v, g, beta, None)
-    names = _graph_node_names((out.sum() + final.sum()).grad_fn)
-    kinds = ("CopySlices", "SelectBackward0", "SliceBackward0", "UnbindBackward0", "StackBackward0")
-    return {kind: names.count(kind) for kind in kinds}
+def _conv_core_f64(mixed, weight, bias, left, g, beta, lengths, inits):
+    """The definition in float64: causal conv per segment (the left context before the first),
+    SiLU, split into q, k, v, then the token-by-token recurrence."""
+    mixed, weight, bias, left = (t.double() for t in (mixed, weight, bias, left))
+    act = F.silu(causal_conv_segments(mixed, weight, bias, lengths, left))
+    q, k, v = act.split(LAYOUT.split, dim=-1)
+    n = act.shape[0]
+    return gated_delta_rule_f64(q.reshape(n, 2, 32), k.reshape(n, 2, 32), v.reshape(n, 4, 32), g, beta, lengths,
+                                [None if s is None else s.double() for s in inits])
 
 
-def test_cpu_kernel_graph_splits_chunks_once_without_per_chunk_indexing():
-    few, many = _indexing_nodes(3), _indexing_nodes(9)
-    assert few == many
-    assert few["CopySlices"] == 0 and few["StackBackward0"] == 1
+# chunk tokens, chunks per saved state: none divides 70, 5 or 130; the last fills no stretch
+CHUNKINGS = {"chunk_16_stretch_3": (16, 3), "chunk_64_stretch_1": (64, 1), "chunk_7_stretch_5": (7, 5)}
+
+
+@pytest.mark.parametrize("chunking", list(CHUNKINGS))
+def test_conv_core_equals_float64_conv_and_recurrence_for_chunkings_that_do_not_divide_lengths(chunking):
+    chunk, stretch = CHUNKINGS[chunking]
+    gen = torch.Generator().manual_seed(chunk)
+    tensors = _conv_inputs(gen, sum(LENGTHS))
+    init = 0.1 * torch.randn(4, 32, 32, generator=gen)
+
+    def core(mixed, weight, bias, left, g, beta, lengths, inits):
+        out, finals = conv_delta_rule(mixed, weight, bias, left, g, beta, lengths, inits, LAYOUT, F.silu,
+                                      chunk=chunk, stretch=stretch)
+        return out, list(finals.unbind(0))
+
+    values, grads = _run(core, tensors, init)
+    ref_values, ref_grads = _run(_conv_core_f64, tensors, init)
+    names = ["out", "final0", "final1", "final2", "final3", "mixed", "weight", "bias", "left", "g", "beta", "state"]
+    for name, got, expected in zip(names, values + grads, ref_values + ref_grads):
+        assert rel_err(got, expected) <= 1e-5, name
+
+
+def _saved_bytes(fn) -> int:
+    """Bytes of the distinct storages autograd saves while `fn` runs."""
+    seen, total = set(), [0]
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total[0] += storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return total[0]
+
+
+def test_conv_core_saves_only_its_inputs_and_one_state_per_stretch():
+    gen = torch.Generator().manual_seed(5)
+    lengths = [300, 40]  # 300 tokens: five stretches of 64, so four saved states
+    mixed, weight, bias, left, g, beta = (t.requires_grad_(True) for t in _conv_inputs(gen, sum(lengths)))
+    init = (0.1 * torch.randn(4, 32, 32, generator=gen)).requires_grad_(True)
+    saved = _saved_bytes(lambda: conv_delta_rule(mixed, weight, bias, left, g, beta, lengths, [init, None],
+                                                 LAYOUT, F.silu, stretch=1))
+    inputs = sum(t.numel() * 4 for t in (mixed, weight, bias, left, g, beta, init))
+    assert saved == inputs + 4 * init.numel() * 4

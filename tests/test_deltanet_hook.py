@@ -56,7 +56,7 @@ def _inputs(name: str):
     total = sum(seq_lens)
     x = torch.randn(total, layer.hidden_size, generator=gen)
     weight = torch.randn(total, layer.hidden_size, generator=gen)
-    return layer, x, weight, seq_lens, mode
+    return layer, x, weight, seq_lens, mode, "torch"
 
 
 @functools.cache
@@ -82,7 +82,7 @@ def _reference(layer, x: torch.Tensor, weight: torch.Tensor, seq_lens: list[int]
 @pytest.mark.parametrize("name", list(CASES))
 def test_sharded_deltanet_equals_unsharded_layer_per_sample(name):
     world = CASES[name][0]
-    layer, x, weight, seq_lens, _ = _inputs(name)
+    layer, x, weight, seq_lens, _, _ = _inputs(name)
     ref_out, ref_x_grad, ref_param_grads = _reference(layer, x, weight, seq_lens)
     results = _sharded_results(world)[name]
     total = x.shape[0]
@@ -99,7 +99,7 @@ STATE_CASES = [name for name, (_, _, mode) in CASES.items() if mode == "state"]
 
 @pytest.mark.parametrize("name", STATE_CASES)
 def test_state_mode_runs_each_token_through_the_recurrence_once(name):
-    """Per rank, the forward passes exactly its shard's tokens through `delta_rule_segments`."""
+    """Per rank, the forward passes exactly its shard's tokens through `deltanet_core`."""
     results = _sharded_results(CASES[name][0])[name]
     counts = [r["recurrence_tokens"] for r in results]
     assert counts == [r["local_len"] for r in results], counts

@@ -106,13 +106,18 @@ class Page:
             if lang not in SHELL_LANGS:
                 continue
             for line in re.sub(r"\\\n", " ", "\n".join(lines)).splitlines():
-                line = re.split(r"(?:^|\s)#", line, maxsplit=1)[0]
-                for part in re.split(r"&&|\|\||;|\|", line):
-                    tokens = shlex.split(part)
+                lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+                lexer.whitespace_split = True
+                tokens: list[str] = []
+                for token in [*lexer, ";"]:
+                    if token not in ("&&", "||", ";", "|", "&"):
+                        tokens.append(token)
+                        continue
                     while tokens and re.match(r"^[A-Za-z_]\w*=", tokens[0]):
                         tokens.pop(0)
                     if tokens:
                         commands.append(tokens)
+                    tokens = []
         return commands
 
 

@@ -7,6 +7,10 @@ LoRA cases (P = 1, 2, 3, 4; ZeRO 0-3; both DeltaNet modes; gradient checkpointin
 attention and MLP projections and on the MoE routed experts' fused weights (target_parameters) against PEFT's on plain transformers, the same adapter weights on
 both sides; the trainable parameters are then exactly the adapters (and modules_to_save).
 
+Memory features (train.tiled_mlp, train.offload_activations; P = 1, 2, 4; ZeRO 2 and 3; alone and
+together; LoRA on the MLP projections; gradient checkpointing) are further cases of the same
+launches.
+
 Each world size runs all its cases in one set of processes."""
 
 from __future__ import annotations
@@ -174,6 +178,32 @@ CASES = {
         stage=2, mode="heads", accum=1, lora=dict(targets="all-linear"),
         packs=[[[(23, [(1, 8, 8)]), (3, []), (17, [(1, 2, 2), (1, 2, 2)])]]],
     ),
+    # Memory features (train.tiled_mlp: DeepSpeed's TiledMLP; train.offload_activations: DeepSpeed's
+    # CheckpointHiddenStatesOffload), alone and together. Hidden size 16, so that a shard of 20+
+    # tokens is tiled into at least two pieces (ceil(S_local / hidden)).
+    # TiledMLP alone, on LoRA adapters of the MLP projections, ZeRO-3
+    "sp1_tiled_mlp_lora_mlp_projections_zero3": dict(
+        world=1, sp=1, model={"hidden_size": 16}, stage=3, mode="state", accum=1, tiled_mlp=True,
+        lora=dict(targets=["gate_proj", "up_proj", "down_proj", "q_proj"]),
+        packs=[[[(19, [(1, 4, 4)]), (26, [])]]],
+    ),
+    # offload alone, ZeRO-3, an image straddling the shard edge
+    "p2_offload_activations_checkpointing_zero3": dict(
+        world=2, sp=2, model={"hidden_size": 16}, stage=3, mode="state", accum=1, checkpointing=True,
+        offload_activations=True, packs=[[[(11, []), (37, [(1, 8, 8)])]]],
+    ),
+    # both, with checkpointing (three forwards of each MLP shard), ZeRO-2
+    "p2_tiled_mlp_offload_activations_checkpointing_zero2": dict(
+        world=2, sp=2, model={"hidden_size": 16}, stage=2, mode="state", accum=1, checkpointing=True,
+        tiled_mlp=True, offload_activations=True, packs=[[[(21, [(1, 4, 4)]), (30, [(1, 4, 8)])]]],
+    ),
+    # both on a MoE model (its whole sparse block tiled), ZeRO-3, the second sample over three ranks
+    # (a seed whose fp32 DeltaNet gate gradients are well conditioned, see the router cases below)
+    "p4_moe_h16_two_samples_tiled_offload_checkpointing_zero3": dict(
+        world=4, sp=4, model={"moe": True, "hidden_size": 16, "num_key_value_heads": 2}, stage=3, mode="state",
+        accum=1, checkpointing=True, tiled_mlp=True, offload_activations=True,
+        packs=[[[(45, [(1, 4, 4)]), (43, [(1, 8, 8)])]]],
+    ),
     # Router aux loss (model.router_loss). A case's data seed is its name's length; these names give
     # samples whose fp32 DeltaNet gate gradients (dt_bias, A_log) are well conditioned (within
     # 3e-6 of the reference at SP = 1; other seeds reach 1e-5 at SP = 1 already, field notes). the router statistics of the shards' real tokens summed
@@ -263,7 +293,9 @@ def _results(world: int, sp: int, tmp_root) -> dict:
                            checkpointing=spec.get("checkpointing", False), vision=spec.get("vision", "split"),
                            loss_chunk_mb=spec.get("loss_chunk_mb", DEFAULT_LOSS_CHUNK_MB),
                            lora=_lora_section(spec) if spec.get("lora") else None,
-                           router_aux=spec.get("router_aux", False), partition_all=spec.get("partition_all", False))
+                           router_aux=spec.get("router_aux", False), partition_all=spec.get("partition_all", False),
+                           tiled_mlp=spec.get("tiled_mlp", False),
+                           offload_activations=spec.get("offload_activations", False))
     per_rank = run_ranks(engine_step, world, sp, cases)
     return {name: (references[name], [r[name] for r in per_rank]) for name in cases}
 
@@ -293,6 +325,24 @@ def test_sp_step_equals_plain_transformers_per_sample(name, tmp_root):
             assert all(".lora_" in n or ".modules_to_save." in n for n in trained), "a base weight trains"
         for pname, grad in trained.items():
             assert rel_err(grad, expected[pname]) <= TOL, pname
+
+
+MEMORY_CASES = [name for name, spec in CASES.items() if spec.get("tiled_mlp") or spec.get("offload_activations")]
+
+
+@pytest.mark.parametrize("name", MEMORY_CASES)
+def test_memory_features_run_tiled_mlps_and_pass_every_checkpointed_input_through_the_offload_hooks(name, tmp_root):
+    """TiledMLP splits the shard into at least two pieces; with offload, every decoder layer's
+    checkpointed input (and a vision block's, where the rank runs the tower) reaches DeepSpeed's
+    offload engine through its pack hook, under ZeRO-3 too."""
+    spec = CASES[name]
+    _, per_rank = _results(spec["world"], spec["sp"], tmp_root)[name]
+    decoder_layers = 4
+    for result in per_rank:
+        if spec.get("tiled_mlp"):
+            assert result["tiled_shards"] >= 2
+        if spec.get("offload_activations"):
+            assert result["offloaded"]["passed_hooks"] >= decoder_layers * spec["accum"]
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from vlmcp.config import load_job, schema_fields
 from vlmcp.errors import ConfigError, JobError, ProcessorError
-from vlmcp.parallel.modes import DELTANET_MODES, VISION_MODES
+from vlmcp.parallel.modes import DELTANET_KERNELS, DELTANET_MODES, VISION_MODES
 
 EXIT_PROBLEMS = 1
 
@@ -139,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="vocabulary of the tiny model (default 512; Qwen3.5's is 248320)")
     bench.add_argument("--hidden-size", type=int, default=None,
                        help="hidden size of the tiny model and of --loss-only (default 64)")
+    bench.add_argument("--intermediate-size", type=int, default=None,
+                       help="MLP intermediate size of the tiny model (default 2 x hidden; Qwen3.5-9B's "
+                            "proportion is 3 x)")
     bench.add_argument("--seq-lens", default="1024,4096", help="comma-separated pack lengths")
     bench.add_argument("--samples-per-pack", type=int, default=4,
                        help="equal-length samples each pack is split into")
@@ -152,10 +155,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--sp-size", type=int, default=None,
                        help="sequence-parallel size (default: 1, or the launcher's world size)")
     bench.add_argument("--deltanet-cp", choices=DELTANET_MODES, default=DELTANET_MODES[0])
+    bench.add_argument("--deltanet-kernel", choices=DELTANET_KERNELS, default=DELTANET_KERNELS[0],
+                       help="model.deltanet_kernel: the Gated DeltaNet kernel (default auto: torch on "
+                            "CPU, fla on CUDA where its versions allow)")
     bench.add_argument("--vision", choices=VISION_MODES, default=VISION_MODES[0],
                        help="parallel.vision: split the image encoding over the SP group, or run "
                             "it on the whole pack on every rank")
     bench.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    bench.add_argument("--gradient-checkpointing", action="store_true",
+                       help="train.gradient_checkpointing: recompute each decoder layer in backward")
+    bench.add_argument("--tiled-mlp", action="store_true",
+                       help="train.tiled_mlp: the MLPs through DeepSpeed's TiledMLP")
+    bench.add_argument("--offload-activations", action="store_true",
+                       help="train.offload_activations: DeepSpeed's CheckpointHiddenStatesOffload on the "
+                            "checkpointed layer inputs (needs --gradient-checkpointing)")
     bench.add_argument("--loss-chunk-mb", type=float, default=None,
                        help="memory budget (MiB) of one lm_head + cross-entropy chunk (default: "
                             "train.loss_chunk_mb's default)")
@@ -163,6 +176,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup", type=int, default=1, help="untimed iterations per length")
     bench.add_argument("--loss-only", action="store_true",
                        help="measure the lm_head + cross-entropy alone: loss_peak_transient_mb")
+    bench.add_argument("--saved-bytes", action="store_true",
+                       help="count the bytes autograd saves for backward in one forward, per token "
+                            "and per module (deduplicated by storage, parameters excluded)")
+    bench.add_argument("--compare-alst", action="store_true",
+                       help="run stock DeepSpeed ALST's training step (its tutorial loop) beside "
+                            "vlmcp's on an all-attention tiny model and one sample per length, in "
+                            "interleaved fresh processes (--sp-size ranks), and report the step-time "
+                            "and activation-memory ratios and the losses")
+    bench.add_argument("--repeats", type=int, default=3,
+                       help="--compare-alst: interleaved vlmcp/ALST pairs per length")
     bench.add_argument("--find-max-len", action="store_true",
                        help="find the longest single sample whose step fits --memory-budget-gb")
     bench.add_argument("--memory-budget-gb", type=float, default=None,

@@ -14,6 +14,9 @@ import torch
 from vlmcp.errors import DeviceError
 
 ACCELERATOR_ENV = "DS_ACCELERATOR"
+#: The CUDA caching allocator setting ALST recommends for long sequences (less fragmentation);
+#: set unless the user set PYTORCH_CUDA_ALLOC_CONF.
+CUDA_ALLOC_CONF = "expandable_segments:True"
 
 
 def use_cuda() -> bool:
@@ -41,8 +44,12 @@ def compute_device() -> torch.device:
 
 def settle_accelerator() -> bool:
     """Resolve the device once per process and tell DeepSpeed: sets DS_ACCELERATOR to "cpu" or
-    "cuda" when it is unset, so DeepSpeed never probes on its own. Returns `use_cuda()`."""
+    "cuda" when it is unset, so DeepSpeed never probes on its own; on CUDA sets
+    PYTORCH_CUDA_ALLOC_CONF to `CUDA_ALLOC_CONF` unless the user set it (before the allocator's
+    first use). Returns `use_cuda()`."""
     cuda = use_cuda()
     if not os.environ.get(ACCELERATOR_ENV, "").strip():
         os.environ[ACCELERATOR_ENV] = "cuda" if cuda else "cpu"
+    if cuda:
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", CUDA_ALLOC_CONF)
     return cuda

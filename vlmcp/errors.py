@@ -57,6 +57,11 @@ class ModelLoadError(JobError):
     """A checkpoint directory that vlmcp cannot train."""
 
 
+class KernelError(JobError):
+    """`model.deltanet_kernel` asks for a kernel this machine cannot run (the message leaves out
+    the key's name)."""
+
+
 class LoraError(JobError):
     """LoRA settings that cannot apply to the model; one line per problem."""
 

@@ -1,8 +1,9 @@
 """The DeltaNet CP hook at SP 2 on one GPU: two processes, both on cuda:0, talking over gloo
 (which stages CUDA tensors through host memory for all_gather, all_reduce and all_to_all).
 Every case runs in the same SP group on CPU tensors (the path tests/test_deltanet_hook.py pins
-to plain transformers) and on CUDA tensors (fla's varlen kernel, the conv on CUDA); outputs,
-input gradients and parameter gradients must agree on every rank.
+to plain transformers) and on CUDA tensors (vlmcp's pure-torch kernel, and fla's varlen kernel
+where the version gate allows it); outputs, input gradients and parameter gradients must agree on
+every rank.
 
 Marked `cuda` (runs only under `make gpu-check` / VLMCP_TEST_CUDA=1). Bound 1e-4 with
 TRITON_F32_DEFAULT=ieee, else the 1e-2 that fla's TF32 dots allow.
@@ -19,6 +20,7 @@ import torch
 from tests.cuda.cases import sharded_layer_grads_cpu_and_cuda
 from tests.helpers.distributed import run_ranks
 from tests.helpers.parity import build_model, rel_err
+from vlmcp.model.deltanet_kernel import installed_fla_problem
 
 pytestmark = [
     pytest.mark.cuda,
@@ -49,13 +51,19 @@ def _inputs(name: str):
     return layer, x, weight, seq_lens, mode
 
 
-def test_deltanet_hook_at_sp2_on_one_gpu_over_gloo_matches_cpu():
+@pytest.mark.parametrize("kernel", ["torch", "fla"])
+def test_deltanet_hook_at_sp2_on_one_gpu_over_gloo_matches_cpu(kernel):
+    """Each kernel on CUDA: vlmcp's pure-torch one always, fla's where the version gate allows it."""
+    if kernel == "fla":
+        problem = installed_fla_problem(torch.device("cuda", 0))
+        if problem:
+            pytest.skip(f"fla gated: {problem}")
     per_rank = run_ranks(
-        sharded_layer_grads_cpu_and_cuda, 2, {name: _inputs(name) for name in CASES}, env=ONE_GPU_OVER_GLOO
+        sharded_layer_grads_cpu_and_cuda, 2, {name: _inputs(name) for name in CASES}, [kernel], env=ONE_GPU_OVER_GLOO
     )
     for rank, results in enumerate(per_rank):
         for name in CASES:
-            cpu, cuda = results[f"{name}/cpu"], results[f"{name}/cuda"]
+            cpu, cuda = results[f"{name}/cpu"], results[f"{name}/cuda/{kernel}"]
             for key in ("out", "x_grad"):
                 assert rel_err(cuda[key], cpu[key]) <= TOL, f"{name} rank {rank} {key}"
             for pname, grad in cpu["param_grads"].items():

@@ -1,11 +1,12 @@
 """On CUDA, each kernel vlmcp runs there agrees with a float64 reference computed on CPU, forward
-and backward: fla's varlen gated delta rule with per-segment initial states (next to the pure-torch
+and backward: the gated delta rule with per-segment initial states through vlmcp's pure-torch
+kernel and through fla's varlen kernel (where the version gate allows fla; next to the pure-torch
 CPU kernel, held to the same reference), the attention core (torch's `varlen_attn` in bf16,
 flash-attn in bf16 when installed, fused sdpa in fp32, which must never take the flash branch),
 and the DeltaNet causal conv (against its CPU run).
 
 Marked `cuda`: the suite hides GPUs unless VLMCP_TEST_CUDA=1, so these run only under
-`make gpu-check` (or `VLMCP_TEST_CUDA=1 pytest tests/test_cuda_kernels.py`).
+`make gpu-check` (or `VLMCP_TEST_CUDA=1 pytest tests/cuda/test_cuda_kernels.py`).
 
 fp32 bounds: fla's Triton kernels do fp32 dots in TF32 unless TRITON_F32_DEFAULT=ieee, and
 `make gpu-check` sets it. With it the fp32 bound is 1e-4; without it the test holds fla to the
@@ -25,8 +26,8 @@ from tests.helpers.parity import rel_err
 from tests.helpers.references import causal_attention_f64, delta_rule_inputs, gated_delta_rule_f64
 from vlmcp.model import attention
 from vlmcp.model.attention import flash_kernels_apply, varlen_causal_attention
-from vlmcp.model.delta_rule import delta_rule_segments
-from vlmcp.model.deltanet import causal_conv_segments
+from vlmcp.model.causal_conv import causal_conv_segments
+from vlmcp.model.deltanet_kernel import delta_rule_segments, installed_fla_problem
 
 pytestmark = [
     pytest.mark.cuda,
@@ -54,12 +55,22 @@ def _assert_close(got, expected, tol, what):
         assert rel_err(a, b) <= tol, f"{what}[{i}]: rel err {rel_err(a, b):.2e} > {tol:.0e}"
 
 
-def _delta(q, k, v, g, beta, s0, s1, rule=delta_rule_segments):
-    out, finals = rule(q, k, v, g, beta, LENGTHS, [s0, None, s1, None])
+def _delta(q, k, v, g, beta, s0, s1, rule=delta_rule_segments, kernel="torch"):
+    if rule is delta_rule_segments:
+        out, finals = rule(q, k, v, g, beta, LENGTHS, [s0, None, s1, None], kernel=kernel)
+    else:
+        out, finals = rule(q, k, v, g, beta, LENGTHS, [s0, None, s1, None])
     return [out, *finals]
 
 
-def test_fla_varlen_delta_rule_equals_float64_recurrence():
+@pytest.mark.parametrize("kernel", ["torch", "fla"])
+def test_cuda_delta_rule_equals_float64_recurrence(kernel):
+    """On CUDA: vlmcp's pure-torch kernel always; fla's varlen kernel where the version gate lets
+    `auto` choose it (else skipped, with the gate's reason)."""
+    if kernel == "fla":
+        problem = installed_fla_problem(torch.device("cuda", 0))
+        if problem:
+            pytest.skip(f"fla gated: {problem}")
     gen = torch.Generator().manual_seed(0)
     tensors = delta_rule_inputs(gen, sum(LENGTHS)) + [0.1 * torch.randn(4, 32, 32, generator=gen) for _ in range(2)]
     weights = [torch.randn(sum(LENGTHS), 4, 32, dtype=torch.float64, generator=gen)]
@@ -67,8 +78,8 @@ def test_fla_varlen_delta_rule_equals_float64_recurrence():
     exact = [t.double() for t in tensors]
     truth = _values_and_grads(lambda *t: _delta(*t, rule=gated_delta_rule_f64), exact, weights, "cpu")
     torch_cpu = _values_and_grads(_delta, tensors, weights, "cpu")
-    fla_cuda = _values_and_grads(_delta, tensors, weights, "cuda")
-    for got, name in ((torch_cpu, "pure torch (CPU)"), (fla_cuda, "fla (CUDA)")):
+    on_cuda = _values_and_grads(lambda *t: _delta(*t, kernel=kernel), tensors, weights, "cuda")
+    for got, name in ((torch_cpu, "pure torch (CPU)"), (on_cuda, f"{kernel} (CUDA)")):
         _assert_close(got[0], truth[0], FLA_FP32_TOL, f"{name} outputs")
         _assert_close(got[1], truth[1], FLA_FP32_TOL, f"{name} grads of q, k, v, g, beta, states")
 
@@ -86,6 +97,8 @@ def test_bf16_flash_varlen_attention_matches_float64(kernel, dim, monkeypatch):
     if kernel == "flash_attn" and attention.flash_attn_varlen_func is None:
         pytest.skip("flash-attn is not installed")
     if kernel == "varlen_attn":
+        if attention.varlen_attn is None:
+            pytest.skip("this torch has no varlen_attn taking window_size and enable_gqa (torch < 2.13)")
         monkeypatch.setattr(attention, "flash_attn_varlen_func", None)
     tensors, weights = _attention_inputs(dim, torch.bfloat16)
     assert flash_kernels_apply(*(t.cuda().requires_grad_(True) for t in tensors), dropout=0.0)

@@ -16,35 +16,36 @@ from vlmcp.parallel.shard import ShardPlan
 
 @contextlib.contextmanager
 def counting_recurrence_tokens() -> Iterator[list[int]]:
-    """Count the tokens the hook passes through `delta_rule_segments` (one counter, [tokens]).
+    """Count the tokens the hook passes through `deltanet_core` (one counter, [tokens]).
 
     Wraps the name the hook module calls, in this spawned process only, and restores it."""
-    original = deltanet.delta_rule_segments
+    original = deltanet.deltanet_core
     counter = [0]
 
-    def counted(q, k, v, g, beta, lengths, initial_states):
-        counter[0] += sum(lengths)
-        return original(q, k, v, g, beta, lengths, initial_states)
+    def counted(mixed, *args, **kwargs):
+        counter[0] += mixed.shape[0]
+        return original(mixed, *args, **kwargs)
 
-    deltanet.delta_rule_segments = counted
+    deltanet.deltanet_core = counted
     try:
         yield counter
     finally:
-        deltanet.delta_rule_segments = original
+        deltanet.deltanet_core = original
 
 
 def sharded_layer_grads(cases: dict[str, tuple]) -> dict[str, dict]:
-    """On each rank, for every case name -> (layer, x [S, hidden], weight [S, hidden], seq_lens, mode):
+    """On each rank, for every case name -> (layer, x [S, hidden], weight [S, hidden], seq_lens, mode,
+    DeltaNet kernel):
     the sharded layer's output shard, input-gradient shard and the parameter gradients summed
     over ranks, of loss = sum(out * weight) over the whole pack; also the tokens this rank's
     forward ran through the recurrence and its shard length."""
     sp = SequenceParallel.initialize(comm.world_size())
     results = {}
-    for name, (layer, x, weight, seq_lens, mode) in cases.items():
+    for name, (layer, x, weight, seq_lens, mode, kernel) in cases.items():
         plan = ShardPlan.build(seq_lens, sp.size, sp.rank, sp.group, min_local_len=layer.conv_kernel_size - 1)
         x_local = plan.shard(x, dim=0).detach().requires_grad_(True)
         with counting_recurrence_tokens() as recurrence_tokens:
-            out = sharded_deltanet_forward(layer, x_local.unsqueeze(0), plan, mode)[0]
+            out = sharded_deltanet_forward(layer, x_local.unsqueeze(0), plan, mode, kernel)[0]
         (out * plan.shard(weight, dim=0)).sum().backward()
         grads = {}
         for pname, p in layer.named_parameters():

@@ -62,8 +62,9 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
     """For each case {checkpoint, stage, mode, grad_accum, vision, packs: list per DP rank of lists
     of PackedBatch, optionally lora: LoraSection keys, objective (a LossTerm or model.loss_terms.Loss) and
     score (rows of Samples, one or a pair's two, to run `score_samples` on after the step, with
-    score_max_len), partition_all
-    (ZeRO-3 partitions every parameter, however small)}: one DeepSpeed
+    score_max_len), partition_all (ZeRO-3 partitions every parameter, however small), tiled_mlp
+    and offload_activations (train.* switches; with the latter each micro-batch runs inside
+    `module.micro_batch()`)}: one DeepSpeed
     step; returns the step loss, the metrics (training/objective_step.objective_metrics), every trainable
     parameter's full gradient (HF names) as DeepSpeed holds them at the accumulation boundary,
     and the score records. A LoRA case injects vlmcp's adapters (then `seed_adapter_weights`)
@@ -94,7 +95,9 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
             seed_adapter_weights(model)
         module = PackedVLM(model, sp=sp, deltanet_cp=case["mode"], gradient_checkpointing=case.get("checkpointing", False),
                            vision_mode=case.get("vision", "split"), loss_chunk_mb=case["loss_chunk_mb"],
-                           router_aux_loss=case.get("router_aux", False), objective=case.get("objective"))
+                           router_aux_loss=case.get("router_aux", False), objective=case.get("objective"),
+                           tiled_mlp=case.get("tiled_mlp", False),
+                           offload_activations=case.get("offload_activations", False))
         params = [p for p in module.parameters() if p.requires_grad]
         engine, *_ = deepspeed.initialize(
             model=module, optimizer=torch.optim.SGD(params, lr=0.0), config=config, mpu=sp.mpu
@@ -127,15 +130,22 @@ def _one_step(engine, module: PackedVLM, objective: Loss, micro_batches: list, c
     counts = step_counts(module, micro_batches, objective)
     loss_total, router_total = torch.zeros(()), torch.zeros(())
     stat_total = torch.zeros(len(objective.stat_specs()), dtype=torch.float64)
+    offloaded = {"passed_hooks": 0}
     for batch in micro_batches:
-        loss_sum, _, router_share, stats = engine(batch, stats=True, objective=objective,
-                                                  denominators=counts.shard_denominators)
-        loss_total += loss_sum.detach()
-        stat_total += stats
-        if router_share is not None:
-            router_total += router_share.detach()
-        engine.backward(scale_for_deepspeed(loss_sum, counts.denominator, sp.dp_size, case["grad_accum"])
-                        + router_objective(router_share, module.router_aux_coef))
+        with module.micro_batch():
+            loss_sum, _, router_share, stats = engine(batch, stats=True, objective=objective,
+                                                      denominators=counts.shard_denominators)
+            loss_total += loss_sum.detach()
+            stat_total += stats
+            if router_share is not None:
+                router_total += router_share.detach()
+            engine.backward(scale_for_deepspeed(loss_sum, counts.denominator, sp.dp_size, case["grad_accum"])
+                            + router_objective(router_share, module.router_aux_coef))
+        if module.activation_offload is not None:
+            offload_stats = module.activation_offload.stats
+            # a marked input reaches the offload engine only through the pack hook; on CPU the
+            # engine keeps it in place (skipped) or, on a GPU, moves it (offloaded)
+            offloaded["passed_hooks"] += offload_stats.skipped_marked_tensors + offload_stats.offloaded_tensors
         if not engine.is_gradient_accumulation_boundary():
             engine.step()
     grads = {
@@ -159,5 +169,7 @@ def _one_step(engine, module: PackedVLM, objective: Loss, micro_batches: list, c
         "router_aux": float(comm.all_reduce_sum(router_total)) / (sp.dp_size * case["grad_accum"]),
         "grads": grads,
         "layer0_mlp_calls": len(calls),
+        "tiled_shards": module.tiled_mlps.shards if module.tiled_mlps is not None else None,
+        "offloaded": offloaded,
         "tower_calls": tower_calls,
     }

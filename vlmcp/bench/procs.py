@@ -42,6 +42,14 @@ class Memory:
             return False
         return True
 
+    def fragmentation_mb(self) -> float | None:
+        """CUDA: reserved - allocated at their peaks (what the caching allocator holds beyond the
+        tensors); None on CPU."""
+        if self.device.type != "cuda":
+            return None
+        return (torch.cuda.max_memory_reserved(self.device)
+                - torch.cuda.max_memory_allocated(self.device)) / 2**20
+
     def peak_mb(self) -> float:
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device) / 2**20
@@ -59,7 +67,8 @@ def _proc_status_mb(field: str, pid: int | str = "self") -> float:
     raise OSError(f"/proc/{pid}/status has no {field}")
 
 
-def _rank_entry(rank: int, world: int, port: int, threads: int, out_dir: str, task: Any, distributed: bool) -> None:
+def _rank_entry(rank: int, world: int, port: int, threads: int, out_dir: str, task: Any, distributed: bool,
+                device: str) -> None:
     """Body of one fresh rank process: join the world over gloo, run `task`, write rank 0's row."""
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
@@ -67,7 +76,7 @@ def _rank_entry(rank: int, world: int, port: int, threads: int, out_dir: str, ta
     torch.set_num_threads(threads)
     if distributed:
         comm.init_distributed(timeout_s=600)
-    row = task.run(torch.device("cpu"))
+    row = task.run(torch.device(device))
     if rank == 0:
         Path(out_dir, "row.json").write_text(json.dumps(row))
     if distributed:
@@ -79,8 +88,10 @@ class MemoryLimitExceeded(RuntimeError):
     """A fresh-process run stopped because a rank's resident set passed the limit."""
 
 
-def run_fresh(task: Any, world: int, *, distributed: bool = True, limit_mb: float | None = None) -> dict[str, Any]:
-    """Run `task` on `world` new CPU processes (gloo when `distributed`); rank 0's row.
+def run_fresh(task: Any, world: int, *, distributed: bool = True, limit_mb: float | None = None,
+              device: str = "cpu") -> dict[str, Any]:
+    """Run `task` on `world` new processes (gloo when `distributed`) on `device` ("cpu", or
+    "cuda" for one process); rank 0's row.
 
     Each rank gets `OMP_NUM_THREADS` = this process's threads / world (at least 1). With
     `limit_mb`, a rank whose resident set passes it is stopped with its peers, and
@@ -90,7 +101,7 @@ def run_fresh(task: Any, world: int, *, distributed: bool = True, limit_mb: floa
 
     threads = max(1, torch.get_num_threads() // world)
     with tempfile.TemporaryDirectory(prefix="vlmcp-bench-") as out_dir:
-        context = mp.start_processes(_rank_entry, args=(world, comm.free_local_port(), threads, out_dir, task, distributed),
+        context = mp.start_processes(_rank_entry, args=(world, comm.free_local_port(), threads, out_dir, task, distributed, device),
                                      nprocs=world, join=False, start_method="spawn")
         while not context.join(timeout=0.5):
             if limit_mb is not None and _over_limit(context.pids(), limit_mb):

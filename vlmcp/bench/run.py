@@ -1,6 +1,6 @@
 """`vlmcp bench`: step time, tokens/s and memory of the packed training module, per pack length.
 
-Three modes, each writing one JSON report:
+Five modes, each writing one JSON report:
 - step (default): forward+backward of `PackedVLM` on a synthetic pack of each length (optionally
   with `--images` images of mixed sizes); no optimizer step. With `--pairs` the packs hold
   preference pairs whose halves show the same prompt images, and every length runs twice: the
@@ -10,6 +10,10 @@ Three modes, each writing one JSON report:
 - `--loss-only`: the lm_head + cross-entropy alone (`shard_loss_sum`, forward+backward) on random
   hidden states of each length.
 - `--find-max-len`: the longest single sample whose step's peak memory fits `--memory-budget-gb`.
+- `--saved-bytes`: the bytes autograd saves for backward per token, per module, in one forward
+  (`vlmcp.bench.saved_bytes`).
+- `--compare-alst`: vlmcp's training step beside stock DeepSpeed ALST's on an all-attention tiny
+  model, interleaved fresh processes (`vlmcp.bench.alst`).
 
 Memory (MiB): on CPU, the process's resident set (current RSS, and its peak VmHWM); on CUDA,
 `memory_allocated` and `max_memory_allocated`. `model_memory_mb` is the memory after the model is
@@ -47,6 +51,7 @@ from torch import nn
 
 from vlmcp.bench.inputs import synthetic_pack, synthetic_pairs
 from vlmcp.bench.procs import Memory, MemoryLimitExceeded, run_fresh
+from vlmcp.bench.saved_bytes import SavedBytesTask
 from vlmcp.data.batch import PackedBatch
 from vlmcp.device import compute_device
 from vlmcp.model.loss import CE_BYTES_PER_LOGIT, DEFAULT_LOSS_CHUNK_MB, shard_loss_sum, vocab_chunk_rows
@@ -70,6 +75,7 @@ class StepTask:
     dtype: str
     sp_size: int
     deltanet_cp: str
+    deltanet_kernel: str
     vision: str
     loss_chunk_mb: float
     seq_len: int
@@ -79,6 +85,8 @@ class StepTask:
     warmup: int
     #: "" (plain samples), or the pairs' images "shared" or encoded "twice" (`synthetic_pairs`).
     pair_images: str = ""
+    #: PackedVLM's memory switches: gradient_checkpointing, tiled_mlp, offload_activations.
+    memory_options: tuple[tuple[str, bool], ...] = ()
 
     def run(self, device: torch.device, sp: Any = None) -> dict[str, Any]:
         """This rank's numbers gathered over the world; returns the row (the same on every rank).
@@ -91,7 +99,8 @@ class StepTask:
         sp = sp or SequenceParallel.initialize(self.sp_size)
         module = PackedVLM(load_model(self.model_dir, self.dtype).to(device), sp=sp,
                            deltanet_cp=self.deltanet_cp, vision_mode=self.vision,
-                           loss_chunk_mb=self.loss_chunk_mb)
+                           loss_chunk_mb=self.loss_chunk_mb, deltanet_kernel=self.deltanet_kernel,
+                           **dict(self.memory_options))
         module.train()
         config = module.hf_model.config
         if self.pair_images:
@@ -99,7 +108,7 @@ class StepTask:
                                     shared=self.pair_images == "shared")
         else:
             batch = synthetic_pack(self.seq_len, self.samples, config, self.images)
-        row = measure_steps(module, batch, self, memory)
+        row = {**measure_steps(module, batch, self, memory), "deltanet_kernel_ran": module.deltanet_kernel}
         return {**row, "pair_images": self.pair_images} if self.pair_images else row
 
 
@@ -115,8 +124,9 @@ def measure_steps(module: nn.Module, batch: PackedBatch, task: StepTask, memory:
     for step in range(task.warmup + task.steps):
         vision_timer.total = 0.0
         started = time.perf_counter()
-        loss, _, _ = module(batch)
-        loss.backward()
+        with module.micro_batch():
+            loss, _, _ = module(batch)
+            loss.backward()
         module.zero_grad(set_to_none=True)
         _synchronize(memory.device)
         if step >= task.warmup:
@@ -141,6 +151,7 @@ def measure_steps(module: nn.Module, batch: PackedBatch, task: StepTask, memory:
             "peak_memory_mb": max(r["peak_memory_mb"] for r in per_rank),
             "activation_memory_mb": max(r["activation_memory_mb"] for r in per_rank),
             "vision_s": max(r["vision_s"] for r in per_rank), "per_rank": per_rank,
+            "fragmentation_mb": memory.fragmentation_mb(),
             "memory_kind": memory.kind, "peak_is_cumulative": not peak_reset}
 
 
@@ -240,8 +251,9 @@ def _model_dir(args: argparse.Namespace, scratch: str) -> str:
         return args.model
     from vlmcp.model.tiny import build_tiny_checkpoint
 
+    sizes = {"intermediate_size": args.intermediate_size} if args.intermediate_size else {}
     return str(build_tiny_checkpoint(Path(scratch, "model"), moe=args.moe, tokenizer=False,
-                                     vocab_size=args.vocab_size, hidden_size=args.hidden_size))
+                                     vocab_size=args.vocab_size, hidden_size=args.hidden_size, **sizes))
 
 
 def _model_sizes(args: argparse.Namespace) -> tuple[int, int]:
@@ -257,10 +269,17 @@ def _model_sizes(args: argparse.Namespace) -> tuple[int, int]:
 def _step_task(args: argparse.Namespace, model_dir: str, seq_len: int, samples: int, steps: int,
                warmup: int, pair_images: str = "") -> StepTask:
     return StepTask(model_dir=model_dir, dtype=args.dtype, sp_size=args.sp_size or 1,
-                    deltanet_cp=args.deltanet_cp, vision=args.vision, loss_chunk_mb=args.loss_chunk_mb,
+                    deltanet_cp=args.deltanet_cp, deltanet_kernel=args.deltanet_kernel,
+                    vision=args.vision, loss_chunk_mb=args.loss_chunk_mb,
                     seq_len=seq_len,
                     samples=samples, images=args.images, steps=steps, warmup=warmup,
-                    pair_images=pair_images)
+                    pair_images=pair_images, memory_options=_memory_options(args))
+
+
+def _memory_options(args: argparse.Namespace) -> tuple[tuple[str, bool], ...]:
+    """PackedVLM's memory switches from the bench flags."""
+    return (("gradient_checkpointing", args.gradient_checkpointing), ("tiled_mlp", args.tiled_mlp),
+            ("offload_activations", args.offload_activations))
 
 
 def _bench_steps(args: argparse.Namespace, model_dir: str, device: torch.device, sp: Any) -> list[dict[str, Any]]:
@@ -283,6 +302,27 @@ def _bench_steps(args: argparse.Namespace, model_dir: str, device: torch.device,
                             f" (pair images {pair_images})" if pair_images else "",
                             row["step_time_s"], row["tokens_per_s"], row["model_memory_mb"],
                             row["peak_memory_mb"], row["activation_memory_mb"], row["vision_s"])
+    return rows
+
+
+def _bench_saved_bytes(args: argparse.Namespace, model_dir: str, device: torch.device,
+                       sp: Any) -> list[dict[str, Any]]:
+    """Per length: the bytes autograd saves per token, per module (`vlmcp.bench.saved_bytes`)."""
+    rows = []
+    for seq_len in _lengths(args.seq_lens):
+        task = SavedBytesTask(model_dir=model_dir, dtype=args.dtype, sp_size=args.sp_size or 1,
+                              deltanet_cp=args.deltanet_cp, seq_len=seq_len,
+                              samples=args.samples_per_pack,
+                              module_options={"deltanet_kernel": args.deltanet_kernel,
+                                              **dict(_memory_options(args))})
+        if device.type == "cpu" and not _launched():
+            row = run_fresh(task, task.sp_size, distributed=task.sp_size > 1)
+        else:
+            row = task.run(device, sp)
+        rows.append(row)
+        for kind in row["per_layer_kind"][:8]:
+            logger.info("seq_len %d: %-40s %9.1f KB per token", seq_len, kind["module"],
+                        kind["bytes_per_token"] / 1e3)
     return rows
 
 
@@ -410,21 +450,30 @@ def search_max_len(fits: Callable[[int], bool], unit: int, max_probes: int) -> i
 def _resolve_args(args: argparse.Namespace, device: torch.device) -> None:
     """Fill the defaults that live in the model code; raise ValueError naming bad flag mixes."""
     problems = []
-    if args.model and (args.vocab_size is not None or args.hidden_size is not None):
-        problems.append("--vocab-size and --hidden-size shape the built-in tiny model; --model has its own")
+    if args.model and (args.vocab_size is not None or args.hidden_size is not None
+                       or args.intermediate_size is not None):
+        problems.append("--vocab-size, --hidden-size and --intermediate-size shape the built-in tiny "
+                        "model; --model has its own")
+    if args.offload_activations and not args.gradient_checkpointing:
+        problems.append("--offload-activations moves the checkpointed layer inputs: it needs "
+                        "--gradient-checkpointing")
     args.vocab_size = args.vocab_size or DEFAULT_VOCAB
     args.hidden_size = args.hidden_size or DEFAULT_HIDDEN
     args.loss_chunk_mb = args.loss_chunk_mb or DEFAULT_LOSS_CHUNK_MB
     if args.find_max_len and args.memory_budget_gb is None:
         problems.append("--find-max-len needs --memory-budget-gb")
-    if args.find_max_len and args.loss_only:
-        problems.append("--find-max-len and --loss-only are separate modes")
-    if args.pairs and (args.find_max_len or args.loss_only):
-        problems.append("--pairs is a flag of the step benchmark, not of --find-max-len or "
-                        "--loss-only")
-    if device.type == "cpu" and _launched() and (args.find_max_len or args.loss_only):
-        problems.append("--find-max-len and --loss-only start their own processes on CPU: run them "
-                        "without a launcher")
+    modes = [flag for flag, on in (("--find-max-len", args.find_max_len), ("--loss-only", args.loss_only),
+                                   ("--saved-bytes", args.saved_bytes), ("--compare-alst", args.compare_alst))
+             if on]
+    if len(modes) > 1:
+        problems.append(f"{' and '.join(modes)} are separate modes")
+    if args.pairs and modes:
+        problems.append(f"--pairs is a flag of the step benchmark, not of {modes[0]}")
+    if device.type == "cpu" and _launched() and (args.find_max_len or args.loss_only or args.compare_alst):
+        problems.append("--find-max-len, --loss-only and --compare-alst start their own processes on "
+                        "CPU: run them without a launcher")
+    if args.compare_alst and device.type == "cuda" and (args.sp_size or 1) > 1:
+        problems.append("--compare-alst on CUDA runs one process (SP 1); SP > 1 runs on CPU over gloo")
     if device.type == "cuda" and not _launched() and (args.sp_size or 1) > 1:
         problems.append("--sp-size > 1 on CUDA: launch one process per GPU with torchrun")
     if problems:
@@ -446,10 +495,30 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         "loss_chunk_mb": args.loss_chunk_mb}
     if args.loss_only:
         report.update(mode="loss_only", results=_bench_loss(args, device))
+    elif args.compare_alst:
+        report.update(_compare_alst(args, device))
     else:
         with tempfile.TemporaryDirectory(prefix="vlmcp-bench-") as scratch:
             report.update(_bench_model(args, _model_dir(args, scratch), device))
     return _write_report(args, report)
+
+
+def _compare_alst(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """The report entries of --compare-alst (`vlmcp.bench.alst`), in fresh processes."""
+    from vlmcp.bench.alst import ALST_MODEL, build_compare_model, compare_alst
+
+    with tempfile.TemporaryDirectory(prefix="vlmcp-bench-") as scratch:
+        model_dir = args.model or build_compare_model(scratch, args.vocab_size)
+        rows = compare_alst(model_dir, _lengths(args.seq_lens), args.sp_size or 1, args.steps,
+                            args.warmup, args.repeats, device.type)
+    for row in rows:
+        logger.info("seq_len %d, SP %d: vlmcp / ALST step time %.3f (min %.3f, max %.3f), activation "
+                    "memory %.3f; losses differ by %.1e", row["seq_len"], row["sp_size"],
+                    row["step_time_ratio"]["median"], row["step_time_ratio"]["min"],
+                    row["step_time_ratio"]["max"], row["activation_memory_ratio"]["median"],
+                    row["loss_rel_diff"])
+    return {"mode": "compare_alst", "alst_model": None if args.model else ALST_MODEL,
+            "sp_size": args.sp_size or 1, "results": rows}
 
 
 def _write_report(args: argparse.Namespace, report: dict[str, Any]) -> dict[str, Any]:
@@ -476,8 +545,11 @@ def _bench_model(args: argparse.Namespace, model_dir: str, device: torch.device)
     world = comm.world_size() if _launched() else args.sp_size or 1
     threads = torch.get_num_threads() if _launched() else max(1, torch.get_num_threads() // world)
     report: dict[str, Any] = {"world_size": world, "sp_size": args.sp_size or 1,
-                              "deltanet_cp": args.deltanet_cp, "vision": args.vision, "images": args.images,
-                              "pairs": args.pairs, "threads_per_rank": threads}
+                              "deltanet_cp": args.deltanet_cp, "deltanet_kernel": args.deltanet_kernel,
+                              "vision": args.vision, "images": args.images, "pairs": args.pairs,
+                              "threads_per_rank": threads, **dict(_memory_options(args))}
+    if args.saved_bytes:
+        return {**report, "mode": "saved_bytes", "results": _bench_saved_bytes(args, model_dir, device, sp)}
     if not args.find_max_len:
         return {**report, "mode": "step", "results": _bench_steps(args, model_dir, device, sp)}
     max_len, probes = find_max_len(args, model_dir, device, sp)

@@ -161,6 +161,25 @@ def cross_key_problems(job: JobConfig) -> list[str]:
         problems.append("config key 'eval.generate' is true but 'train.eval_every' is 0, so no "
                         "evaluation runs")
     problems.extend(_lora_checks(job.lora, job.model))
+    problems.extend(_memory_feature_checks(job))
+    return problems
+
+
+def _memory_feature_checks(job: JobConfig) -> list[str]:
+    """train.tiled_mlp and train.offload_activations against the keys they cannot run with."""
+    problems = []
+    if job.train.offload_activations and not job.train.gradient_checkpointing:
+        problems.append("config key 'train.offload_activations' is true but "
+                        "'train.gradient_checkpointing' is false; it moves the checkpointed "
+                        "layer inputs, so it needs checkpointing")
+    if job.train.tiled_mlp and job.model.router_aux_loss:
+        problems.append("config key 'train.tiled_mlp' is true with 'model.router_aux_loss': TiledMLP "
+                        "runs the MoE router without autograd in forward, so the aux loss would "
+                        "get no gradient; turn one of them off")
+    if job.train.tiled_mlp and job.lora.r and job.lora.dropout:
+        problems.append(f"config key 'train.tiled_mlp' is true with 'lora.dropout' {job.lora.dropout}: "
+                        "TiledMLP recomputes the MLP in backward without replaying its dropout "
+                        "masks; set lora.dropout to 0 or train.tiled_mlp to false")
     return problems
 
 

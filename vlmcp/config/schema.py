@@ -18,7 +18,7 @@ from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from vlmcp.parallel.modes import DELTANET_MODES, VISION_MODES
+from vlmcp.parallel.modes import DELTANET_KERNELS, DELTANET_MODES, VISION_MODES
 
 
 def _key(help_text: str, **checks: Any) -> dict[str, Any]:
@@ -39,6 +39,11 @@ class ModelSection:
         "attention implementation given to from_pretrained (null: sdpa); in training the "
         "text model's full attention always runs vlmcp's registered Ulysses kernel",
         choices=[None, "sdpa", "eager", "flash_attention_2"]))
+    deltanet_kernel: str = field(default="auto", metadata=_key(
+        "kernel of the Gated DeltaNet layers: torch (vlmcp's pure-torch chunked kernel, any "
+        "device), fla (flash-linear-attention's Triton kernel, CUDA), or auto (torch on CPU; fla "
+        "on CUDA where its versions are known to train correctly, else an error naming them)",
+        choices=list(DELTANET_KERNELS)))
     router_aux_loss: bool = field(default=False, metadata=_key(
         "MoE checkpoints only: add router_aux_loss_coef (from the checkpoint's config) x the "
         "router load-balancing loss of each micro-batch over its real tokens, as transformers "
@@ -137,6 +142,14 @@ class TrainSection:
     gradient_checkpointing: bool = field(default=False, metadata=_key(
         "recompute each decoder layer in backward (its SP collectives too) instead of keeping "
         "its activations"))
+    tiled_mlp: bool = field(default=False, metadata=_key(
+        "run every decoder layer's MLP (a MoE layer's whole sparse block) through DeepSpeed's "
+        "TiledMLP: shards of the sequence, recomputed in backward, so the MLP keeps only its "
+        "input for backward (shard count ceil(S_local / hidden), agreed over the ranks)"))
+    offload_activations: bool = field(default=False, metadata=_key(
+        "move the decoder layers' checkpointed inputs to pinned host memory on a side stream "
+        "(DeepSpeed's CheckpointHiddenStatesOffload); needs train.gradient_checkpointing; "
+        "nothing moves on CPU"))
     keep_checkpoints: int = field(default=0, metadata=_key(
         "keep only the newest N complete checkpoints in output_dir/checkpoints; 0 keeps all",
         min=0))

@@ -11,11 +11,11 @@ all S tokens of H_local heads in the middle, and S_local tokens of every head co
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.varlen import varlen_attn
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
@@ -36,6 +36,23 @@ try:  # optional: preferred over torch's varlen_attn where it is installed (and 
     from flash_attn import flash_attn_varlen_func
 except ImportError:
     flash_attn_varlen_func = None
+
+
+def varlen_attn_usable(fn) -> bool:
+    """Whether `fn` (torch's `varlen_attn`, or None where torch lacks it) takes the arguments vlmcp
+    passes: `window_size` (causal) and `enable_gqa`. Feature detection, not a version check."""
+    if fn is None:
+        return False
+    parameters = inspect.signature(fn).parameters
+    return "window_size" in parameters and "enable_gqa" in parameters
+
+
+try:  # torch 2.13 has it with window_size and enable_gqa; older torch lacks it or those arguments
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:
+    varlen_attn = None
+if not varlen_attn_usable(varlen_attn):
+    varlen_attn = None
 
 
 def register_attention() -> str:
@@ -116,7 +133,7 @@ def varlen_causal_attention(
       1. CUDA, bf16/fp16, a head dim the flash kernels take (`flash_kernels_apply`): one varlen
          call over the whole pack, flash-attn's `flash_attn_varlen_func` when that package is
          installed, else torch's built-in `varlen_attn` (which has no dropout: with dropout > 0
-         and no flash-attn, 2. runs).
+         and no flash-attn, 2. runs; torch < 2.13 lacks it, and 2. runs there too).
       2. Everything else (CPU in any dtype, fp32 on CUDA, other head dims): sdpa one segment at
          a time on 4-D [1, H, L, D] views, which dispatches to a fused kernel (CPU flash; CUDA
          memory-efficient, flash or cuDNN). 3-D inputs would take the math kernel, which stores
@@ -129,7 +146,7 @@ def varlen_causal_attention(
             return flash_attn_varlen_func(
                 q, k, v, cu, cu, max_len, max_len, dropout_p=dropout, softmax_scale=scaling, causal=True
             )
-        if dropout == 0.0:
+        if dropout == 0.0 and varlen_attn is not None:
             return varlen_attn(
                 q, k, v, cu, cu, max_len, max_len,
                 scale=scaling, window_size=CAUSAL_WINDOW, enable_gqa=q.shape[1] != k.shape[1],
@@ -154,11 +171,14 @@ def flash_kernels_apply(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropo
     """Whether the flash varlen kernels (torch's `varlen_attn`, flash-attn) take these inputs.
 
     They need CUDA on compute capability 8.0 or newer, bf16 or fp16, one head dim for q, k and v
-    that is a multiple of 8 and at most 256. Like torch's own sdpa dispatch, training with head
+    that is a multiple of 8 and at most 256, and one of the two kernels (torch's `varlen_attn`
+    with the arguments vlmcp passes, or flash-attn). Like torch's own sdpa dispatch, training with head
     dims in (192, 224] (or above 224 with dropout) is left to sdpa on sm86/89/12x, whose shared
     memory is too small for that flash backward.
     """
     if not q.is_cuda or q.dtype not in FLASH_DTYPES:
+        return False
+    if varlen_attn is None and flash_attn_varlen_func is None:
         return False
     dim = q.shape[-1]
     if dim % 8 or dim > FLASH_MAX_HEAD_DIM or k.shape[-1] != dim or v.shape[-1] != dim:

@@ -6,7 +6,7 @@ delta-rule recurrence, both of which must restart at every packed-sample boundar
 
 "state" (default): every rank keeps its own tokens.
   * Conv halo: rank r prepends rank r-1's last (kernel-1) pre-conv tokens of the same sample; the
-    conv itself is one depthwise conv1d over the whole shard (`causal_conv_segments`).
+    conv restarts at every sample and runs inside the DeltaNet core (`vlmcp.model.deltanet_kernel`).
   * State chain: the recurrence is linear in its state, S_end = A S_start + B, with A [H_v, K, K]
     and B [H_v, K, V] over a rank's last segment. Each rank sends one payload in one all-gather
     per layer and chains its predecessors inside the same sample. Every token goes through the
@@ -19,6 +19,10 @@ delta-rule recurrence, both of which must restart at every packed-sample boundar
   whole sequence for its heads, and a second all-to-all brings the output back. Needs the DeltaNet
   key and value head counts divisible by P.
 
+The conv, its activation and the recurrence run as one core call per piece of the shard
+(`deltanet_core`, the kernel `model.deltanet_kernel` chooses), so the pure-torch kernel keeps only
+the pre-conv channels for backward.
+
 Both modes read boundaries only from the batch's `ShardPlan` (global `seq_lens`). The hook is
 installed per layer instance (`install_deltanet_hooks`), and a layer called without a plan runs its
 original transformers forward (generation, plain inference).
@@ -30,13 +34,17 @@ K/V head dims, P SP size, w = kernel - 1 halo width.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers.activations import ACT2FN
 
-from vlmcp.model.delta_rule import delta_rule_segments
+from vlmcp.model.delta_rule import HeadLayout
+from vlmcp.model.deltanet_kernel import deltanet_core
 from vlmcp.parallel import comm
 from vlmcp.parallel.modes import DELTANET_MODES
 from vlmcp.parallel.shard import ShardPlan
@@ -47,10 +55,13 @@ def is_gated_deltanet(module: nn.Module) -> bool:
     return type(module).__name__.endswith("GatedDeltaNet") and hasattr(module, "in_proj_qkv")
 
 
-def install_deltanet_hooks(model: nn.Module, mode: str = "state") -> list[nn.Module]:
-    """Give every Gated DeltaNet layer of `model` the packed/sharded forward. Returns the layers.
+def install_deltanet_hooks(model: nn.Module, mode: str = "state", kernel: str = "auto") -> list[nn.Module]:
+    """Give every Gated DeltaNet layer of `model` the packed/sharded forward, its core run by
+    `kernel` (`model.deltanet_kernel`). Returns the layers.
 
-    The original forward stays in use whenever a call has no `shard_plan`. Under ZeRO-3 the conv
+    The original forward stays in use whenever a call has no `shard_plan`. The layer's gated
+    RMSNorm keeps transformers' forward but runs it under torch's non-reentrant checkpoint
+    (`_recomputed_norm`). Under ZeRO-3 the conv
     weight, which the forward reads directly, is registered as an external parameter of its layer
     so that DeepSpeed gathers it for the layer's forward.
     """
@@ -59,7 +70,8 @@ def install_deltanet_hooks(model: nn.Module, mode: str = "state") -> list[nn.Mod
     layers = [m for m in model.modules() if is_gated_deltanet(m)]
     for layer in layers:
         original = type(layer).forward.__get__(layer)
-        layer.forward = functools.partial(_hooked_forward, layer, original, mode)
+        layer.forward = functools.partial(_hooked_forward, layer, original, mode, kernel)
+        layer.norm.forward = functools.partial(_recomputed_norm, layer.norm)
         if hasattr(layer.conv1d.weight, "ds_id"):
             import deepspeed
 
@@ -70,18 +82,31 @@ def install_deltanet_hooks(model: nn.Module, mode: str = "state") -> list[nn.Mod
 def uninstall_deltanet_hooks(layers: list[nn.Module]) -> None:
     """Restore the transformers forward on layers returned by `install_deltanet_hooks`."""
     for layer in layers:
-        if "forward" in layer.__dict__:
-            del layer.forward
+        for module in (layer, layer.norm):
+            if "forward" in module.__dict__:
+                del module.forward
 
 
-def _hooked_forward(layer, original, mode, hidden_states, *args, shard_plan: ShardPlan | None = None, **kwargs):
+def _hooked_forward(layer, original, mode, kernel, hidden_states, *args, shard_plan: ShardPlan | None = None,
+                    **kwargs):
     if shard_plan is None:
         return original(hidden_states, *args, **kwargs)
-    return sharded_deltanet_forward(layer, hidden_states, shard_plan, mode)
+    return sharded_deltanet_forward(layer, hidden_states, shard_plan, mode, kernel)
+
+
+def _recomputed_norm(norm: nn.Module, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The gated RMSNorm ([N, V], [N, V] -> [N, V]): transformers' own forward, under torch's
+    non-reentrant checkpoint when autograd records, so backward keeps its two inputs only and
+    recomputes its four fp32 intermediates (80 -> 32 KiB per token at Qwen3.5-35B-A3B's layout).
+    Called as the module (its hooks, ZeRO-3's gathers, still fire)."""
+    if not torch.is_grad_enabled():
+        return type(norm).forward(norm, hidden_states, gate)
+    return checkpoint(type(norm).forward, norm, hidden_states, gate, use_reentrant=False)
 
 
 def sharded_deltanet_forward(
-    layer: nn.Module, hidden_states: torch.Tensor, plan: ShardPlan, mode: str = "state"
+    layer: nn.Module, hidden_states: torch.Tensor, plan: ShardPlan, mode: str = "state",
+    kernel: str = "auto",
 ) -> torch.Tensor:
     """[1, S_local, hidden] (this rank's shard) -> [1, S_local, hidden], as the unsharded layer
     would compute for these positions of the whole pack."""
@@ -92,9 +117,9 @@ def sharded_deltanet_forward(
     b = layer.in_proj_b(x)
     a = layer.in_proj_a(x)
     if mode == "heads":
-        core = _heads_mode(layer, mixed, a, b, plan)
+        core = _heads_mode(layer, mixed, a, b, plan, kernel)
     else:
-        core = _state_mode(layer, mixed, a, b, plan)
+        core = _state_mode(layer, mixed, a, b, plan, kernel)
     core = layer.norm(core.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
     return layer.out_proj(core.reshape(length, -1)).unsqueeze(0)
 
@@ -103,36 +128,6 @@ def _gates(layer: nn.Module, a: torch.Tensor, b: torch.Tensor, heads: slice) -> 
     """(g, beta) [L, h] for value heads `heads`: log decay and write strength, as transformers computes them."""
     g = -layer.A_log[heads].float().exp() * F.softplus(a.float() + layer.dt_bias[heads])
     return g, b.sigmoid()
-
-
-def causal_conv_segments(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    lengths: list[int],
-    left_context: torch.Tensor | None,
-) -> torch.Tensor:
-    """Depthwise causal conv restarted at every segment: [L, c] -> [L, c] (before activation).
-
-    weight: [c, 1, w+1]; bias: [c] or None; lengths: N segment lengths summing to L. Each segment
-    sees w zero tokens before it, except the first when `left_context` [w, c] is given (the
-    previous rank's tokens, zeros where another sample).
-
-    One conv1d over the whole shard: the tokens are spread into a [L + N*w, c] buffer with w
-    rows before every segment (zeros, or `left_context` before the first), so no window reaches
-    across a boundary; the outputs are read back at the tokens' rows. Same device code everywhere.
-    """
-    width = weight.shape[-1] - 1
-    total, channels = x.shape
-    gaps = width * torch.arange(1, len(lengths) + 1, device=x.device)
-    sizes = torch.tensor(lengths, device=x.device)
-    rows = torch.arange(total, device=x.device) + gaps.repeat_interleave(sizes, output_size=total)
-    spread = x.new_zeros(total + width * len(lengths), channels, dtype=weight.dtype)
-    spread = spread.index_copy(0, rows, x.to(weight.dtype))
-    if left_context is not None:
-        spread = torch.cat([left_context.to(weight.dtype), spread[width:]], dim=0)
-    out = F.conv1d(spread.transpose(0, 1).unsqueeze(0), weight, bias, groups=channels)[0]
-    return out.transpose(0, 1).index_select(0, rows - width).to(x.dtype)
 
 
 def conv_halo(mixed: torch.Tensor, plan: ShardPlan, width: int) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -153,28 +148,37 @@ def conv_halo(mixed: torch.Tensor, plan: ShardPlan, width: int) -> tuple[torch.T
     return halo, tails
 
 
-def _split_qkv(layer: nn.Module, mixed: torch.Tensor, key_dim: int, value_dim: int):
-    q, k, v = torch.split(mixed, [key_dim, key_dim, value_dim], dim=-1)
-    n = mixed.shape[0]
-    return (
-        q.reshape(n, -1, layer.head_k_dim),
-        k.reshape(n, -1, layer.head_k_dim),
-        v.reshape(n, -1, layer.head_v_dim),
-    )
+@dataclass(frozen=True)
+class _Core:
+    """The DeltaNet core of one layer: conv weights, head layout, activation and kernel."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    layout: HeadLayout
+    activation: Any
+    kernel: str
+
+    def __call__(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, lengths: list[int],
+                 inits: list[torch.Tensor | None], left: torch.Tensor | None = None,
+                 value_pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """mixed: [L, C] pre-conv channels of whole segments `lengths`; left: [w, C] rows before the
+        first (None: it starts a sample). Returns (out [L, H_v, V + value_pad], finals [N, H_v, K, V + value_pad])."""
+        return deltanet_core(mixed, self.weight, self.bias, left, g, beta, lengths, inits, self.layout,
+                             self.activation, self.kernel, value_pad)
 
 
-def _state_mode(layer: nn.Module, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, plan: ShardPlan) -> torch.Tensor:
+def _state_mode(layer: nn.Module, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, plan: ShardPlan,
+                kernel: str) -> torch.Tensor:
     """Sequence-sharded DeltaNet: conv halo + state chain. Returns core output [S_local, H_v, V]."""
     lengths = [s.length for s in plan.local_segments]
     halo, tails = (None, None) if plan.size == 1 else conv_halo(mixed, plan, layer.conv_kernel_size - 1)
-    conv = causal_conv_segments(mixed, layer.conv1d.weight, layer.conv1d.bias, lengths, halo)
-    conv = ACT2FN[layer.activation](conv)
-    q, k, v = _split_qkv(layer, conv, layer.key_dim, layer.value_dim)
+    layout = HeadLayout(layer.num_k_heads, layer.head_k_dim, layer.num_v_heads, layer.head_v_dim)
+    core = _Core(layer.conv1d.weight, layer.conv1d.bias, layout, ACT2FN[layer.activation], kernel)
     g, beta = _gates(layer, a, b, slice(None))
     if plan.size == 1:
-        out, _ = delta_rule_segments(q, k, v, g, beta, lengths, [None] * len(lengths))
+        out, _ = core(mixed, g, beta, lengths, [None] * len(lengths))
         return out
-    out, transfers = _chained_recurrence(q, k, v, g, beta, plan)
+    out, transfers = _chained_recurrence(core, mixed, halo, g, beta, plan)
     return comm.keep_in_graph(out, tails, transfers)
 
 
@@ -194,9 +198,10 @@ def relays(plan: ShardPlan, rank: int) -> bool:
     return runs_through(plan, rank) and feeds_next(plan, rank)
 
 
-def _chained_recurrence(q, k, v, g, beta, plan: ShardPlan) -> tuple[torch.Tensor, torch.Tensor]:
+def _chained_recurrence(core: _Core, mixed, halo, g, beta, plan: ShardPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """The recurrence over this rank's shard, chained to its predecessors, with each token in
-    exactly one pass. q, k: [S_local, H_k, K]; v: [S_local, H_v, V]; g, beta: [S_local, H_v].
+    exactly one pass. mixed: [S_local, C] pre-conv channels; halo: [w, C] or None (the shard
+    starts a sample); g, beta: [S_local, H_v].
 
     Every rank sends one [H_v, K, W] payload in one all-gather (W = V + K when some rank relays,
     else V) and receives all P of them ([P, H_v, K, W]):
@@ -210,54 +215,55 @@ def _chained_recurrence(q, k, v, g, beta, plan: ShardPlan) -> tuple[torch.Tensor
     Returns (out [S_local, H_v, V], the gathered payloads, which the caller keeps in the graph).
     """
     segments, rank = plan.local_segments, plan.rank
-    vdim, kdim = v.shape[-1], q.shape[-1]
+    layout = core.layout
+    vdim, kdim = layout.value_dim, layout.key_dim
     width = vdim + kdim if any(relays(plan, r) for r in range(plan.size)) else vdim
     last = segments[-1]
     if relays(plan, rank):
-        zero_out, response, payload = _affine_pass(q, k, v, g, beta)
+        zero_out, response, payload = _affine_pass(core, mixed, halo, g, beta)
     else:
         if not runs_through(plan, rank):
             tail = slice(last.start, last.stop)
-            tail_out, (final,) = delta_rule_segments(
-                q[tail], k[tail], v[tail], g[tail], beta[tail], [last.length], [None]
-            )
+            tail_out, finals = core(mixed[tail], g[tail], beta[tail], [last.length], [None],
+                                    left=halo if last.start == 0 else None)
         if feeds_next(plan, rank):
-            payload = F.pad(final.float(), (0, width - vdim))
+            payload = F.pad(finals[0].float(), (0, width - vdim))
         else:
-            # Nothing the next rank reads; tied to v so that this rank's gather joins the backward.
-            payload = comm.keep_in_graph(v.new_zeros(v.shape[1], kdim, width, dtype=torch.float32), v)
+            # Nothing the next rank reads; tied to mixed so that this rank's gather joins the backward.
+            zeros = mixed.new_zeros(layout.value_heads, kdim, width, dtype=torch.float32)
+            payload = comm.keep_in_graph(zeros, mixed)
 
     transfers = comm.all_gather_autograd(payload, plan.group)
     s_in = incoming_state(transfers, plan, vdim)
     if relays(plan, rank):
         through = torch.einsum("lhk,hkv->lhv", response.float(), s_in.float())
-        return (zero_out.float() + through).to(v.dtype), transfers
+        return (zero_out.float() + through).to(mixed.dtype), transfers
     if runs_through(plan, rank):
-        out, _ = delta_rule_segments(q, k, v, g, beta, [last.length], [s_in])
+        out, _ = core(mixed, g, beta, [last.length], [s_in], left=halo)
         return out, transfers
     if len(segments) == 1:
         return tail_out, transfers
     head = slice(0, last.start)
     inits = [s_in] + [None] * (len(segments) - 2)
     lengths = [s.length for s in segments[:-1]]
-    head_out, _ = delta_rule_segments(q[head], k[head], v[head], g[head], beta[head], lengths, inits)
+    head_out, _ = core(mixed[head], g[head], beta[head], lengths, inits, left=halo)
     return torch.cat([head_out, tail_out], dim=0), transfers
 
 
-def _affine_pass(q, k, v, g, beta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _affine_pass(core: _Core, mixed, halo, g, beta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One segment's output and state as affine functions of its initial state, in one pass.
 
-    q, k: [L, H_k, K]; v: [L, H_v, V]. The recurrence is linear in (values, initial state) jointly,
-    so running it with values [v | 0] from state [0 | I] gives, for an initial state X [H_v, K, V],
-    output o_zero + o_I @ X and final state A X + B. Returns (o_zero [L, H_v, V],
-    o_I [L, H_v, K], [B | A] [H_v, K, V + K]).
+    mixed: [L, C] (one segment, continuing from `halo`). The recurrence is linear in (values,
+    initial state) jointly, so running it with values [v | 0] from state [0 | I] gives, for an
+    initial state X [H_v, K, V], output o_zero + o_I @ X and final state A X + B. Returns
+    (o_zero [L, H_v, V], o_I [L, H_v, K], [B | A] [H_v, K, V + K]).
     """
-    heads, kdim, vdim = v.shape[1], q.shape[-1], v.shape[-1]
-    v_aug = torch.cat([v, v.new_zeros(v.shape[0], heads, kdim)], dim=-1)
-    eye = torch.eye(kdim, dtype=torch.float32, device=v.device).expand(heads, kdim, kdim)
+    layout = core.layout
+    heads, kdim, vdim = layout.value_heads, layout.key_dim, layout.value_dim
+    eye = torch.eye(kdim, dtype=torch.float32, device=mixed.device).expand(heads, kdim, kdim)
     init = torch.cat([eye.new_zeros(heads, kdim, vdim), eye], dim=-1)
-    out, (final,) = delta_rule_segments(q, k, v_aug, g, beta, [v.shape[0]], [init])
-    return out[..., :vdim], out[..., vdim:], final.float()
+    out, finals = core(mixed, g, beta, [mixed.shape[0]], [init], left=halo, value_pad=kdim)
+    return out[..., :vdim], out[..., vdim:], finals[0].float()
 
 
 def incoming_state(transfer: torch.Tensor, plan: ShardPlan, vdim: int) -> torch.Tensor | None:
@@ -276,12 +282,16 @@ def incoming_state(transfer: torch.Tensor, plan: ShardPlan, vdim: int) -> torch.
     return state
 
 
-def _heads_mode(layer: nn.Module, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, plan: ShardPlan) -> torch.Tensor:
+def _heads_mode(layer: nn.Module, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, plan: ShardPlan,
+                kernel: str) -> torch.Tensor:
     """Head-parallel DeltaNet: all-to-all to [S, H/P, D], whole sequence per head group, back.
     Returns core output [S_local, H_v, V]."""
     group, p, r = plan.group, plan.size, plan.rank
     hk, hv = layer.num_k_heads // p, layer.num_v_heads // p
-    q, k, v = _split_qkv(layer, mixed, layer.key_dim, layer.value_dim)
+    q, k, v = torch.split(mixed, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
+    n = mixed.shape[0]
+    q, k = (t.reshape(n, -1, layer.head_k_dim) for t in (q, k))
+    v = v.reshape(n, -1, layer.head_v_dim)
     q, k, v = (comm.seq_to_heads_autograd(t, group) for t in (q, k, v))
     a = comm.seq_to_heads_autograd(a.unsqueeze(-1), group).squeeze(-1)
     b = comm.seq_to_heads_autograd(b.unsqueeze(-1), group).squeeze(-1)
@@ -298,8 +308,7 @@ def _heads_mode(layer: nn.Module, mixed: torch.Tensor, a: torch.Tensor, b: torch
     total = q.shape[0]
     conv_in = torch.cat([q.reshape(total, -1), k.reshape(total, -1), v.reshape(total, -1)], dim=-1)
     lengths = list(plan.seq_lens)
-    conv = ACT2FN[layer.activation](causal_conv_segments(conv_in, weight, bias, lengths, None))
-    q, k, v = _split_qkv(layer, conv, hk * kd, hv * vd)
+    core = _Core(weight, bias, HeadLayout(hk, kd, hv, vd), ACT2FN[layer.activation], kernel)
     g, beta = _gates(layer, a, b, slice(r * hv, (r + 1) * hv))
-    out, _ = delta_rule_segments(q, k, v, g, beta, lengths, [None] * len(lengths))
+    out, _ = core(conv_in, g, beta, lengths, [None] * len(lengths))
     return comm.heads_to_seq_autograd(out, group)

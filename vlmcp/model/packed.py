@@ -22,6 +22,7 @@ With P == 1 the same code is the exact packed single-rank path.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -31,8 +32,10 @@ from torch import nn
 
 from vlmcp.data.batch import IGNORE_INDEX, PackedBatch
 from vlmcp.model.attention import ATTENTION_KEY, register_attention
+from vlmcp.device import compute_device
 from vlmcp.model.deltanet import install_deltanet_hooks
 from vlmcp.config.schema import LossTerm
+from vlmcp.model.deltanet_kernel import resolve_kernel
 from vlmcp.model.loss import DEFAULT_LOSS_CHUNK_MB, shard_ce_and_entropy
 from vlmcp.model.loss_terms import Loss
 from vlmcp.model.merge import merge_embeddings, shard_first_embeddings
@@ -63,6 +66,16 @@ class PackedVLM(nn.Module):
     `self.vision`; under "split" each rank calls it at most once per micro-batch (module hooks on
     it time one rank's share).
 
+    `tiled_mlp` (`train.tiled_mlp`): every decoder layer's MLP (a MoE layer's sparse block) runs
+    through DeepSpeed's TiledMLP (model.tiled_mlp). `offload_activations`
+    (`train.offload_activations`, with `gradient_checkpointing`): DeepSpeed's
+    `CheckpointHiddenStatesOffload` moves the checkpointed decoder-layer inputs to pinned host
+    memory on a side stream while `micro_batch()` is entered (a no-op move on CPU;
+    model.activation_offload).
+
+    `deltanet_kernel` is `model.deltanet_kernel` ("auto", "fla", "torch"); an impossible choice
+    raises KernelError here.
+
     `router_aux_loss` (MoE only, `model.router_aux_loss`): `forward` also returns this rank's
     share of the micro-batch's router load-balancing loss (model.router_loss), and
     `router_aux_coef` is the checkpoint's `router_aux_loss_coef` (0.0 when off).
@@ -82,8 +95,14 @@ class PackedVLM(nn.Module):
         loss_chunk_mb: float = DEFAULT_LOSS_CHUNK_MB,
         objective: LossTerm | Loss | None = None,
         router_aux_loss: bool = False,
+        deltanet_kernel: str = "auto",
+        tiled_mlp: bool = False,
+        offload_activations: bool = False,
     ) -> None:
         super().__init__()
+        if offload_activations and not gradient_checkpointing:
+            raise ValueError("train.offload_activations moves the checkpointed layer inputs: it needs "
+                             "train.gradient_checkpointing")
         if vision_mode not in VISION_MODES:
             raise ValueError(f"parallel.vision must be one of {list(VISION_MODES)}, got {vision_mode!r}")
         self.vision_mode = vision_mode
@@ -112,11 +131,32 @@ class PackedVLM(nn.Module):
             vision = replicated_copy(vision)
             hf_model.model.visual = vision
             object.__setattr__(self, "frozen_visual", vision)
-        self.deltanet_layers = install_deltanet_hooks(self.language_model, deltanet_cp)
+        #: The kernel the DeltaNet layers run on this run's device ("fla" or "torch").
+        self.deltanet_kernel = resolve_kernel(deltanet_kernel, compute_device())
+        self.deltanet_layers = install_deltanet_hooks(self.language_model, deltanet_cp, deltanet_kernel)
         self.router_loss = RouterAuxLoss(self.language_model, text_config) if router_aux_loss else None
         self.router_aux_coef = self.router_loss.coef if self.router_loss is not None else 0.0
         if gradient_checkpointing:
             hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.tiled_mlps = self.activation_offload = None
+        if tiled_mlp:
+            from vlmcp.model.tiled_mlp import TiledMLPs
+
+            self.tiled_mlps = TiledMLPs(self.language_model)
+        if offload_activations:
+            from deepspeed.runtime.activation_checkpointing.offload_activations import (
+                CheckpointHiddenStatesOffload)
+
+            from vlmcp.model.activation_offload import mark_layer_inputs
+
+            self.activation_offload = CheckpointHiddenStatesOffload()
+            mark_layer_inputs(list(self.language_model.layers), self.activation_offload)
+
+    def micro_batch(self) -> contextlib.AbstractContextManager[Any]:
+        """The context to hold around one training micro-batch's forward *and* backward: DeepSpeed's
+        activation offload with `offload_activations` (leaving it drops what it moved), else
+        nothing."""
+        return self.activation_offload or contextlib.nullcontext()
 
     @property
     def vision(self) -> nn.Module:
@@ -212,6 +252,8 @@ class PackedVLM(nn.Module):
         positions: [3, 1, S_local] MRoPE (t, h, w) positions of the shard's tokens.
         """
         lm = self.language_model
+        if self.tiled_mlps is not None and torch.is_grad_enabled():
+            self.tiled_mlps.plan(plan.local_len)
         position_embeddings = lm.rotary_emb(hidden, positions)
         for layer in lm.layers[: lm.config.num_hidden_layers]:
             hidden = layer(

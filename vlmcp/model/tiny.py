@@ -117,6 +117,28 @@ def tiny_qwen3_5_config(
     )
 
 
+#: `tiny_qwen3_5_config(moe=True, **QWEN3_5_35B_A3B_HEADS)`: Qwen3.5-35B-A3B's published head
+#: layout (DeltaNet 16 key / 32 value heads of 128, attention 16 / 2 heads of 256, its vocabulary,
+#: top-8 routing over experts of 512) cut to 4 layers, 8 experts and hidden size 256: a model whose
+#: activations per token are shaped like the real one's, small enough for a CPU.
+QWEN3_5_35B_A3B_HEADS: dict[str, Any] = {
+    "vocab_size": 248_320,
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "full_attention_interval": 4,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_head_dim": 128,
+    "num_experts": 8,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+}
+
+
 #: Special tokens by id; ids 3-6 match `TINY_SPECIAL_IDS`, `<|im_end|>` (2) is the tiny eos.
 SPECIAL_TOKENS = {
     0: "<|endoftext|>",

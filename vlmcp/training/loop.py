@@ -155,12 +155,13 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     grad_norm = None
     skipped_before = engine.skipped_steps
     for index, batch in enumerate(batches):
-        loss_sum, _, router_share, stat_sums = engine(
-            batch, stats=True, denominators=counts.shard_denominators)
-        sums[4:] += stat_sums
-        engine.backward(scale_for_deepspeed(loss_sum, counts.denominator, dp_size=sp.dp_size,
-                                            grad_accum=grad_accum)
-                        + router_objective(router_share, run.module.router_aux_coef))
+        with run.module.micro_batch():
+            loss_sum, _, router_share, stat_sums = engine(
+                batch, stats=True, denominators=counts.shard_denominators)
+            sums[4:] += stat_sums
+            engine.backward(scale_for_deepspeed(loss_sum, counts.denominator, dp_size=sp.dp_size,
+                                                grad_accum=grad_accum)
+                            + router_objective(router_share, run.module.router_aux_coef))
         if index == len(batches) - 1 and _plain_fp32_engine(engine):
             grad_norm = _grad_norm(engine.module)
             # DeepSpeed checks for NaN/Inf gradients itself everywhere else (training/nonfinite.py).

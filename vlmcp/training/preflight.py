@@ -38,7 +38,9 @@ from vlmcp.data.index_cache import IndexResult, default_cache_dir, obtain_index
 from vlmcp.data.mixture import draws_per_epoch
 from vlmcp.data.processor import VLProcessor, load_processor
 from vlmcp.data.sources import DataFile, data_files
-from vlmcp.errors import ConfigError, ModelLoadError, ProcessorError
+from vlmcp.device import compute_device
+from vlmcp.errors import ConfigError, KernelError, ModelLoadError, ProcessorError
+from vlmcp.model.deltanet_kernel import resolve_kernel
 from vlmcp.model.load import load_config, text_hidden_size
 from vlmcp.model.lora import lora_problems
 from vlmcp.model.router_loss import router_config_problem
@@ -125,6 +127,10 @@ def _check_model(job: JobConfig, world_size: int, report: Preflight) -> None:
     report.problems.extend(check_sp_constraints(
         report.model_config.get_text_config(), sp_size=job.parallel.sp_size,
         world_size=world_size, deltanet_cp=job.parallel.deltanet_cp))
+    try:
+        resolve_kernel(job.model.deltanet_kernel, compute_device())
+    except KernelError as exc:
+        report.problems.append(f"config key 'model.deltanet_kernel': {exc}")
     if job.model.router_aux_loss:
         problem = router_config_problem(report.model_config.get_text_config())
         if problem:

@@ -95,7 +95,10 @@ def build_engine(job: JobConfig, preflight: Preflight,
                        vision_mode=job.parallel.vision,
                        loss_chunk_mb=job.train.loss_chunk_mb,
                        router_aux_loss=job.model.router_aux_loss,
-                       objective=objective_of(job))
+                       objective=objective_of(job),
+                       deltanet_kernel=job.model.deltanet_kernel,
+                       tiled_mlp=job.train.tiled_mlp,
+                       offload_activations=job.train.offload_activations)
     trainable = [p for p in module.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=trainable,
                                            config=ds_config, mpu=sp.mpu,

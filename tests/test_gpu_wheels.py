@@ -1,0 +1,56 @@
+"""The GPU check's preparation, without a GPU: the wheel-set check names a requirement that neither
+the set nor the lent machine meets, a version below one, a torch wheel and a set over 64 MiB, and
+accepts vlmcp's own torch floor there; `scripts/gpu_check.py` without a GPU exits 2 at once, before
+it installs anything, with a report saying so. (`make gpu-rehearsal` does the download and the
+install into a fresh --target; it needs registry access, so it is not part of the suite.)"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_wheel_set_check_names_each_unmet_requirement_a_carried_torch_and_the_size_limit():
+    wheels = _script("gpu_wheels")
+    machine = {"torch": "2.11.0", "numpy": None}
+    ready = {"vlmcp": ("0.1.0", ["torch>=2.13", "deepspeed>=0.17", "numpy>=1.24"]),
+             "deepspeed": ("0.19.8", ["torch", "hjson", 'tomli; python_version < "3.11"']),
+             "hjson": ("3.1.0", [])}
+    assert wheels.set_problems(ready, 10 * 2**20, machine) == []
+    broken = {**ready, "deepspeed": ("0.19.8", ["pydantic>=2", "hjson>=4"]), "torch": ("2.13.0", [])}
+    problems = wheels.set_problems(broken, 65 * 2**20, machine)
+    assert any("65.0 MiB" in p for p in problems)
+    assert any(p.startswith("torch must not be carried") for p in problems)
+    assert any("needs pydantic>=2, which neither" in p for p in problems)
+    assert any("needs hjson>=4, but the wheel set has hjson 3.1.0" in p for p in problems)
+
+
+@pytest.mark.e2e
+def test_gpu_check_without_a_gpu_exits_2_at_once_before_installing_anything(tmp_path):
+    out = tmp_path / "gpu-check.json"
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--out", str(out),
+                           "--wheels", str(tmp_path / "no-wheels")],
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cuda"},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and time.monotonic() - started < 60
+    report = json.loads(out.read_text())
+    assert not report["passed"] and report["error"].startswith("no CUDA device")
+    assert report["checks"] == {} and "install" not in report
+    assert "no CUDA device" in proc.stderr

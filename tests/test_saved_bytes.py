@@ -1,0 +1,46 @@
+"""`vlmcp bench --saved-bytes`' counter on the packed training module: what a Gated DeltaNet layer
+saves for backward is its pre-conv channels plus a few per-token gate values and one state per
+stretch of chunks, its gated RMSNorm keeps exactly its two inputs, parameters never count, and a
+storage counts once."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.helpers.parity import build_model
+from vlmcp.bench.inputs import synthetic_pack
+from vlmcp.bench.saved_bytes import counting_saved_bytes, layer_summary
+from vlmcp.model.delta_rule import CHUNK, STRETCH_CHUNKS
+from vlmcp.model.packed import PackedVLM
+
+TOKENS = 1100  # two stretches of the DeltaNet core: one saved state
+
+
+def _per_layer_kind() -> dict[str, float]:
+    module = PackedVLM(build_model()).train()
+    batch = synthetic_pack(TOKENS, 1, module.hf_model.config)
+    with counting_saved_bytes(module) as counts:
+        loss, _, _ = module(batch)
+    loss.backward()
+    return {row["module"]: row["bytes_per_token"] * TOKENS for row in layer_summary(counts.per_token(TOKENS))}
+
+
+def test_deltanet_layer_keeps_its_pre_conv_channels_gates_and_one_state_per_stretch_its_norm_two_inputs():
+    saved = _per_layer_kind()
+    config = build_model().config.text_config
+    heads, kdim, vdim = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
+    mixed = TOKENS * (2 * config.linear_num_key_heads * kdim + heads * vdim) * 4
+    states = (-(-TOKENS // (CHUNK * STRETCH_CHUNKS)) - 1) * heads * kdim * vdim * 4
+    gates = 8 * TOKENS * heads * 4  # g, beta and the gate computation's own per-token values
+    layer = saved["language_model.layers.*.linear_attn"]
+    assert mixed + states <= layer <= mixed + states + gates
+    assert saved["language_model.layers.*.linear_attn.norm"] == 2 * TOKENS * heads * vdim * 4
+
+
+def test_saved_bytes_skip_parameters_and_count_each_storage_once():
+    layer = torch.nn.Linear(8, 8)
+    x = torch.randn(5, 8, requires_grad=True)
+    with counting_saved_bytes(layer) as counts:
+        y = layer(x)
+        (y * y).sum()  # saves y twice: one storage
+    assert counts.by_module == {"<root>": x.numel() * 4, "<outside modules>": y.numel() * 4}
