@@ -1,7 +1,8 @@
 """The CPU delta-rule kernel is vlmcp's own pure-torch chunked kernel: over packed segments with
-per-segment initial states it equals a float64 token-by-token recurrence, it matches transformers'
-pure-torch kernel (the unsharded reference) in fp32, forward and backward, and its autograd graph
-splits the chunk axis once instead of indexing or writing one chunk at a time."""
+per-segment initial states it equals a float64 token-by-token recurrence, forward and backward,
+within the parity tests' 1e-5 and within 4x the distance of transformers' pure-torch kernel (the
+unsharded reference) in fp32 from it (`assert_within_fp32_error`), and its autograd graph splits
+the chunk axis once instead of indexing or writing one chunk at a time."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
-from tests.parity import rel_err
+from tests.parity import assert_within_fp32_error
 from tests.references import delta_rule_inputs, gated_delta_rule_f64
 from vlmcp.model.delta_rule import chunked_delta_rule, delta_rule_segments
 
@@ -48,25 +49,31 @@ def _transformers_segments(q, k, v, g, beta, lengths, initial_states):
     return torch.cat(outs, dim=0), finals
 
 
-# (seed, segment lengths, reference): float64 token by token is the truth; transformers' own
-# pure-torch kernel is what plain transformers runs, so fp32 agreement with it keeps parity tight.
-REFERENCES = {
-    "four_segments_equal_float64_recurrence": (0, LENGTHS, gated_delta_rule_f64),
-    "one_short_segment_with_state_equals_float64_recurrence": (1, [9], gated_delta_rule_f64),
-    "four_segments_match_transformers_pure_torch_kernel_in_fp32": (2, LENGTHS, _transformers_segments),
+# (seed, segment lengths): float64 token by token is the truth; transformers' own pure-torch kernel
+# in fp32 is what plain transformers runs (the fp32 reference), so vlmcp's kernel must be as close
+# to the truth as it is, and within the parity tests' tolerance.
+CASES = {
+    "four_segments": (0, LENGTHS),
+    "one_short_segment_with_state": (1, [9]),
+    "four_segments_other_inputs": (2, LENGTHS),
 }
+TOL = 1e-5
 
 
-@pytest.mark.parametrize("name", list(REFERENCES))
-def test_cpu_delta_rule_segments_forward_and_gradients(name):
-    seed, lengths, reference = REFERENCES[name]
+@pytest.mark.parametrize("name", list(CASES))
+def test_cpu_delta_rule_segments_equal_float64_recurrence_forward_and_gradients(name):
+    seed, lengths = CASES[name]
     gen = torch.Generator().manual_seed(seed)
     tensors = delta_rule_inputs(gen, sum(lengths))
     init = 0.1 * torch.randn(4, 32, 32, generator=gen)
     values, grads = _run(delta_rule_segments, tensors, init, lengths=lengths)
-    ref_values, ref_grads = _run(reference, tensors, init, lengths=lengths)
-    for got, expected in zip(values + grads, ref_values + ref_grads):
-        assert rel_err(got, expected) <= 1e-5
+    fp32_values, fp32_grads = _run(_transformers_segments, tensors, init, lengths=lengths)
+    truth_values, truth_grads = _run(gated_delta_rule_f64, tensors, init, lengths=lengths)
+    names = ["out"] + [f"final state {i}" for i in range(len(lengths))]
+    names += ["dq", "dk", "dv", "dg", "dbeta", "dstate"]
+    for name, got, ref32, ref64 in zip(names, values + grads, fp32_values + fp32_grads, truth_values + truth_grads,
+                                       strict=True):
+        assert_within_fp32_error(got, ref32, ref64, at_least=TOL, name=name)
 
 
 def _graph_node_names(root) -> list[str]:
