@@ -1,9 +1,10 @@
 """vlmcp's pure-torch DeltaNet core (`conv_delta_rule`): over packed segments with per-segment
 initial states it equals a float64 token-by-token recurrence (after a float64 causal conv when it
 runs the conv), forward and backward, gradients into the initial states and the conv's left
-context included, for chunk and stretch sizes that do not divide the segment lengths; it matches
-transformers' pure-torch kernel (the unsharded reference) in fp32; and it saves for backward only
-its inputs plus one state per stretch of chunks."""
+context included, for chunk and stretch sizes that do not divide the segment lengths: within the
+parity tests' 1e-5 and within 4x the distance of transformers' pure-torch kernel (the unsharded
+reference) in fp32 from it (`assert_within_fp32_error`); and it saves for backward only its
+inputs plus one state per stretch of chunks."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
-from tests.helpers.parity import rel_err
+from tests.helpers.parity import assert_within_fp32_error, rel_err
 from tests.helpers.references import delta_rule_inputs, gated_delta_rule_f64
 from vlmcp.model.causal_conv import causal_conv_segments
 from vlmcp.model.delta_rule import HeadLayout, conv_delta_rule
@@ -59,25 +60,31 @@ def _torch_kernel(*args):
     return delta_rule_segments(*args, kernel="torch")
 
 
-# (seed, segment lengths, reference): float64 token by token is the truth; transformers' own
-# pure-torch kernel is what plain transformers runs, so fp32 agreement with it keeps parity tight.
-REFERENCES = {
-    "four_segments_equal_float64_recurrence": (0, LENGTHS, gated_delta_rule_f64),
-    "one_short_segment_with_state_equals_float64_recurrence": (1, [9], gated_delta_rule_f64),
-    "four_segments_match_transformers_pure_torch_kernel_in_fp32": (2, LENGTHS, _transformers_segments),
+# (seed, segment lengths): float64 token by token is the truth; transformers' own pure-torch kernel
+# in fp32 is what plain transformers runs (the fp32 reference), so vlmcp's kernel must be as close
+# to the truth as it is, and within the parity tests' tolerance.
+CASES = {
+    "four_segments": (0, LENGTHS),
+    "one_short_segment_with_state": (1, [9]),
+    "four_segments_other_inputs": (2, LENGTHS),
 }
+TOL = 1e-5
 
 
-@pytest.mark.parametrize("name", list(REFERENCES))
-def test_cpu_delta_rule_segments_forward_and_gradients(name):
-    seed, lengths, reference = REFERENCES[name]
+@pytest.mark.parametrize("name", list(CASES))
+def test_cpu_delta_rule_segments_equal_float64_recurrence_forward_and_gradients(name):
+    seed, lengths = CASES[name]
     gen = torch.Generator().manual_seed(seed)
     tensors = delta_rule_inputs(gen, sum(lengths))
     init = 0.1 * torch.randn(4, 32, 32, generator=gen)
     values, grads = _run(_torch_kernel, tensors, init, lengths=lengths)
-    ref_values, ref_grads = _run(reference, tensors, init, lengths=lengths)
-    for got, expected in zip(values + grads, ref_values + ref_grads):
-        assert rel_err(got, expected) <= 1e-5
+    fp32_values, fp32_grads = _run(_transformers_segments, tensors, init, lengths=lengths)
+    truth_values, truth_grads = _run(gated_delta_rule_f64, tensors, init, lengths=lengths)
+    names = ["out"] + [f"final state {i}" for i in range(len(lengths))]
+    names += ["dq", "dk", "dv", "dg", "dbeta", "dstate"]
+    for name, got, ref32, ref64 in zip(names, values + grads, fp32_values + fp32_grads, truth_values + truth_grads,
+                                       strict=True):
+        assert_within_fp32_error(got, ref32, ref64, at_least=TOL, name=name)
 
 
 def _conv_inputs(gen: torch.Generator, length: int) -> list[torch.Tensor]:

@@ -5,6 +5,9 @@ and deepspeed.comm through `vlmcp.parallel.comm.init_distributed` (gloo on CPU),
 `fn(*args)` and returns what it returned, per rank. A failing rank fails the call (mp.spawn ends
 the others) instead of hanging. `env` overrides the ranks' environment (the CUDA tests put every
 rank on one GPU over gloo with DS_ACCELERATOR=cuda, VLMCP_DIST_BACKEND=gloo, LOCAL_RANK=0).
+
+Each rank runs `rank_threads()` OpenMP threads: 1, or VLMCP_TEST_RANK_THREADS when set (e.g. 2, to
+check that no bound depends on the thread count); tests/launching.py gives `vlmcp` runs the same.
 """
 
 from __future__ import annotations
@@ -16,6 +19,15 @@ from typing import Any, Callable
 
 import torch
 import torch.multiprocessing as mp
+
+
+#: Environment variable: OpenMP threads per process the suite starts (default 1).
+RANK_THREADS_ENV = "VLMCP_TEST_RANK_THREADS"
+
+
+def rank_threads() -> int:
+    """Threads per rank of the processes the suite starts: VLMCP_TEST_RANK_THREADS, default 1."""
+    return int(os.environ.get(RANK_THREADS_ENV, "1"))
 
 
 def free_port() -> int:
@@ -35,12 +47,12 @@ def _entry(
             "LOCAL_WORLD_SIZE": str(world_size),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
+            "OMP_NUM_THREADS": str(rank_threads()),
             "DS_ACCELERATOR": "cpu",
             **env,
         }
     )
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     from vlmcp.parallel import comm
 
     comm.init_distributed(timeout_s=300)

@@ -1,6 +1,7 @@
 """Running `vlmcp` the way users do: a subprocess, alone or under one of the three launchers.
 
-Every run gets one OpenMP thread per rank, DeepSpeed's CPU accelerator, a free rendezvous port
+Every run gets one OpenMP thread per rank (VLMCP_TEST_RANK_THREADS, tests/distributed.py, sets
+another count), DeepSpeed's CPU accelerator, a free rendezvous port
 and this checkout on PYTHONPATH, and is killed after `timeout` seconds so that a hang fails the
 test instead of stalling the suite.
 """
@@ -18,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from tests.helpers.distributed import rank_threads
 
 REPO = Path(__file__).resolve().parents[2]
 ACCELERATE_YAML = REPO / "launch" / "accelerate" / "deepspeed_2proc.yaml"
@@ -56,8 +59,9 @@ def launcher_prefix(launcher: str | None, nproc: int,
 
 
 def vlmcp_env() -> dict[str, str]:
-    """The environment of every run: one OpenMP thread, CPU DeepSpeed, this checkout first."""
-    return {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
+    """The environment of every run: one OpenMP thread (`rank_threads`), CPU DeepSpeed, this
+    checkout first."""
+    return {**os.environ, "OMP_NUM_THREADS": str(rank_threads()), "DS_ACCELERATOR": "cpu",
             "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
 

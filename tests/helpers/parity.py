@@ -1,4 +1,5 @@
-"""Shared pieces of the parity tests: synthetic packs and the plain-transformers reference.
+"""Shared pieces of the parity tests: synthetic packs, the plain-transformers reference, its
+float64 twin, and the one rule that holds an fp32 result to float64 (`assert_within_fp32_error`).
 
 The reference never touches vlmcp's model code: a separate, untouched transformers model forwards
 every sample alone (batch of one, no packing), and the step loss is sum(CE) / N over all samples.
@@ -6,11 +7,15 @@ every sample alone (batch of one, no packing), and the step loss is sum(CE) / N 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import zlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
+from torch.overrides import TorchFunctionMode
 from transformers import Qwen3_5ForConditionalGeneration
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForConditionalGeneration
 
@@ -126,6 +131,118 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+#: fp32's machine epsilon (2^-23).
+FP32_EPS = torch.finfo(torch.float32).eps
+#: How many times the plain fp32 reference's own distance from float64 an fp32 result may be away.
+FP32_ERROR_MULTIPLE = 4.0
+#: Added to every allowance, for a quantity whose plain fp32 reference happens to round almost
+#: exactly (a scalar sum, a short conv): 8 eps, about 1e-6.
+FP32_ERROR_FLOOR = 8 * FP32_EPS
+
+
+def fp32_allowance(ref32: Any, ref64: Any, at_least: float = 0.0,
+                   multiple: float = FP32_ERROR_MULTIPLE) -> float:
+    """The relative distance from `ref64` that `assert_within_fp32_error` allows an fp32 result:
+    max(at_least, multiple * rel_err(ref32, ref64) + FP32_ERROR_FLOOR)."""
+    ref32, ref64 = (torch.as_tensor(x, dtype=torch.float64) for x in (ref32, ref64))
+    return max(at_least, multiple * rel_err(ref32, ref64) + FP32_ERROR_FLOOR)
+
+
+def assert_within_fp32_error(got: Any, ref32: Any, ref64: Any, *, at_least: float = 0.0,
+                             multiple: float = FP32_ERROR_MULTIPLE, name: str = "") -> None:
+    """The suite's rule for an fp32 result (tensor or number) that no exact path produces.
+
+    Two fp32 computations that sum in different orders differ by rounding, and how much depends
+    on the CPU's BLAS kernels and the thread count, so neither is held to the other. `ref64` is
+    the quantity computed in float64 (the truth), and `ref32` a plain fp32 computation of the same
+    quantity (plain transformers, or the definition evaluated in fp32), on this machine: its
+    distance from `ref64` is fp32's own error for this quantity here. `got` must lie within
+    FP32_ERROR_MULTIPLE times that distance of `ref64`, plus FP32_ERROR_FLOOR (relative, norm-wise;
+    `fp32_allowance`); `multiple` raises the factor only where a measured kernel difference needs
+    it. `at_least` keeps a test's stated tolerance where it is looser (the parity tests' 1e-5
+    against plain transformers). A real error (a dropped row, a wrong scale, a leaked state) stays
+    orders of magnitude above any of these allowances.
+    """
+    got, ref32, ref64 = (torch.as_tensor(x, dtype=torch.float64) for x in (got, ref32, ref64))
+    error, allowed = rel_err(got, ref64), fp32_allowance(ref32, ref64, at_least, multiple)
+    assert error <= allowed, (f"{name}: {error:.3e} from float64 > allowance {allowed:.3e} "
+                              f"(the fp32 reference is {rel_err(ref32, ref64):.3e} from float64)")
+
+
+#: fp32 casts that `Float64Mode` turns into float64 ones.
+_NARROWING_CASTS = {torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16}
+
+
+def _mutates_first_argument(func: Callable) -> bool:
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or name == "__setitem__" or name.startswith("__i")
+
+
+def _widen(value: Any) -> Any:
+    """`value` with every fp32 tensor and `torch.float32` in it (also inside lists, tuples and
+    dicts) made float64."""
+    if value is torch.float32:
+        return torch.float64
+    if isinstance(value, torch.Tensor):
+        return value.double() if value.dtype == torch.float32 else value
+    if type(value) in (list, tuple):
+        return type(value)(_widen(v) for v in value)
+    if type(value) is dict:
+        return {k: _widen(v) for k, v in value.items()}
+    return value
+
+
+class Float64Mode(TorchFunctionMode):
+    """Every torch call in float64: fp32 tensor arguments and `dtype=torch.float32` requests become
+    float64, `.float()` keeps float64; an fp32 result raises. Transformers computes its norms,
+    gates, rotary tables, router softmax and DeltaNet kernel in fp32 even for a float64 model
+    (measured: a plain `.double()` Qwen3.5 is up to 2.9e-6 away from float64 on gate gradients,
+    more than fp32 itself); under this mode none of those casts happen. A tensor a call writes into
+    (in-place methods, `out=`) is never replaced."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _NARROWING_CASTS:
+            return args[0].double()
+        keep = 1 if _mutates_first_argument(func) else 0
+        args = tuple(args[:keep]) + _widen(tuple(args[keep:]))
+        out = func(*args, **{k: v if k == "out" else _widen(v) for k, v in kwargs.items()})
+        for value in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
+                raise AssertionError(f"{func} returned float32 under Float64Mode")
+        return out
+
+
+@contextlib.contextmanager
+def float64_everywhere() -> Iterator[None]:
+    """`Float64Mode`, with float64 as the default dtype (tensors made without a dtype)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with Float64Mode():
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+T = TypeVar("T")
+
+
+def float64_reference(reference: Callable[..., T], model: torch.nn.Module, *args: Any) -> T:
+    """`reference(model, *args)` on a float64 copy of `model`, computed wholly in float64
+    (`float64_everywhere`): the truth an fp32 result and its fp32 reference are both held to. fp32
+    inputs among `args` are used at their exact values; the copy starts without gradients. A MoE
+    model's experts run as transformers' eager loop (its grouped matmul has no float64 kernel): the
+    same sums, in float64."""
+    twin = copy.deepcopy(model).double()
+    twin.zero_grad(set_to_none=True)
+    config = getattr(twin, "config", None)
+    if getattr(config, "_experts_implementation", None) not in (None, "eager"):
+        twin.set_experts_implementation("eager")
+    with float64_everywhere():
+        return reference(twin, *args)
+
+
 def seed_adapter_weights(model: torch.nn.Module) -> None:
     """Give every LoRA and modules_to_save weight of `model` (vlmcp's injected model or a plain
     PeftModel) a value that depends only on its path from `language_model.` on, so both sides of a
@@ -153,6 +270,13 @@ def plain_sample_loss(model: torch.nn.Module, sample) -> tuple[torch.Tensor, int
     out = model(input_ids=torch.tensor([sample.input_ids]), labels=torch.tensor([sample.labels]),
                 mm_token_type_ids=sample.mm_token_type_ids[None], use_cache=False, **kwargs)
     return out.loss, sum(label != IGNORE_INDEX for label in sample.labels[1:])
+
+
+#: `assert_within_fp32_error`'s multiple for the hidden-state gradient of an lm_head chunk of
+#: fewer than 4 rows: BLAS computes [rows, vocab] @ [vocab, hidden] with its matrix-vector kernel
+#: there, which rounds each 50,000-term sum differently (measured: 8.9e-6 from float64 where fp32
+#: cross-entropy on the whole shard is 2.6e-6 away and 4-row chunks 9.3e-7).
+MATRIX_VECTOR_MULTIPLE = 8.0
 
 
 def random_lm_head(vocab: int, hidden: int, rows: int, bias: bool, ignore_every: int,

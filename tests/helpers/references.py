@@ -2,8 +2,10 @@
 kernel): causal softmax attention per segment, and the gated delta rule token by token.
 
 Both take and return CPU tensors and are differentiable, so a test can compare forward outputs and
-the gradients of the same loss. Legend: S tokens, Hq/Hk query/key heads, D head dim; for the delta
-rule H_k key heads, H_v value heads, K key dim, V value dim.
+the gradients of the same loss. `dtype=torch.float32` evaluates the same definition in fp32: how
+far a plain fp32 evaluation lands from float64 is fp32's own error, for `assert_within_fp32_error`.
+Legend: S tokens, Hq/Hk query/key heads, D head dim; for the delta rule H_k key heads, H_v value
+heads, K key dim, V value dim.
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ import torch
 
 
 def causal_attention_f64(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tuple[int, ...], scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tuple[int, ...], scale: float,
+    dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
     """q: [S, Hq, D], k, v: [S, Hk, D] -> [S, Hq, D]: softmax(q k^T * scale) v with a causal mask
     inside each segment [cu[i], cu[i+1]); query head h reads kv head h // (Hq / Hk)."""
-    q, k, v = (t.double() for t in (q, k, v))
+    q, k, v = (t.to(dtype) for t in (q, k, v))
     groups = q.shape[1] // k.shape[1]
     outs = []
     for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]):
@@ -42,6 +45,7 @@ def gated_delta_rule_f64(
     beta: torch.Tensor,
     lengths: list[int],
     initial_states: list[torch.Tensor | None],
+    dtype: torch.dtype = torch.float64,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The gated delta rule per segment, one token at a time, in float64.
 
@@ -51,13 +55,13 @@ def gated_delta_rule_f64(
     starting from the segment's initial state (zeros when None).
     Returns (out [L, H_v, V], final states: one [H_v, K, V] per segment).
     """
-    q, k, v, g, beta = (t.double() for t in (q, k, v, g, beta))
+    q, k, v, g, beta = (t.to(dtype) for t in (q, k, v, g, beta))
     groups = v.shape[1] // q.shape[1]
     q = _l2norm(q).repeat_interleave(groups, dim=1) * q.shape[-1] ** -0.5
     k = _l2norm(k).repeat_interleave(groups, dim=1)
     outs, finals, start = [], [], 0
     for length, init in zip(lengths, initial_states):
-        state = v.new_zeros(v.shape[1], q.shape[-1], v.shape[-1]) if init is None else init.double()
+        state = v.new_zeros(v.shape[1], q.shape[-1], v.shape[-1]) if init is None else init.to(dtype)
         for t in range(start, start + length):
             state = state * g[t].exp()[:, None, None]
             delta = beta[t][:, None] * (v[t] - torch.einsum("hkv,hk->hv", state, k[t]))
