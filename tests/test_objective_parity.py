@@ -5,8 +5,9 @@ k3 KL penalty (tokens clipped on both sides), the objective's metrics, and `scor
 per-sample target logprobs and entropies. The reference computes each objective from its
 definition on plain transformers' log-softmax; it never calls vlmcp's objective code.
 
-The hybrid model's pack puts an image's placeholders across a shard edge at SP 2 and 4. Each SP
-size runs all its cases in one set of processes (tests/sp_cases.engine_step)."""
+The hybrid model's pack puts an image's placeholders across a shard edge at SP 2 and 4, and one
+sample holds an image and a two-group video (so ppo_clip and the others train on video too).
+Each SP size runs all its cases in one set of processes (tests/sp_cases.engine_step)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from tests.distributed import run_ranks
-from tests.parity import build_model, make_sample, mm_token_type_ids, pack, rel_err
+from tests.parity import build_model, make_sample, mm_token_type_ids, pack, rel_err, vision_kwargs
 from tests.sp_cases import engine_step
 from vlmcp.data.batch import IGNORE_INDEX
 from vlmcp.data.formats import Sample
@@ -28,9 +29,10 @@ from vlmcp.model.objectives import Objective
 TOL = 1e-5
 CLIP_LOW, CLIP_HIGH, KL_COEF = 0.2, 0.25, 0.1
 
-#: The samples (length, image grids). In the order C, B, A, B's 16 placeholders lie at 21..36:
-#: across the shard edge at 27 (SP 2, packs [C, B] and [A]) and at 34 (SP 4, one pack [C, B, A]).
-SAMPLES = {"A": (11, []), "B": (37, [(1, 8, 8)]), "C": (17, [(1, 2, 2), (1, 2, 2)])}
+#: The samples (length, image grids, video grids). In the order C, B, A, B's 16 placeholders lie
+#: at 21..36: across the shard edge at 27 (SP 2, packs [C, B] and [A]) and at 34 (SP 4, one pack
+#: [C, B, A]). C holds an image and a video of two temporal groups.
+SAMPLES = {"A": (11, [], []), "B": (37, [(1, 8, 8)], []), "C": (17, [(1, 2, 2)], [(2, 2, 2)])}
 #: world, SP size, grad accumulation, per DP rank, per micro-batch, the sample names.
 LAYOUTS = {1: (2, 1, 1, [[["C", "B"]], [["A"]]]),
            2: (2, 2, 2, [[["C", "B"], ["A"]]]),
@@ -50,11 +52,8 @@ OBJECTIVES = {
 
 
 def _forward_alone(model, sample):
-    kwargs = {}
-    if sample.pixel_values is not None:
-        kwargs = dict(pixel_values=sample.pixel_values, image_grid_thw=sample.image_grid_thw,
-                      mm_token_type_ids=mm_token_type_ids(sample, model.config)[None])
-    return model(input_ids=sample.input_ids[None], use_cache=False, **kwargs).logits[0]
+    return model(input_ids=sample.input_ids[None], use_cache=False,
+                 **vision_kwargs(sample, model.config)).logits[0]
 
 
 def _target_logprobs(model, sample):
@@ -122,11 +121,13 @@ def _arrays(gen, model, sample):
 
 def _as_sample(raw, model, arrays, name) -> Sample:
     positions, _ = model.model.get_rope_index(raw.input_ids[None], mm_token_type_ids(raw, model.config)[None],
-                                              image_grid_thw=raw.image_grid_thw)
+                                              image_grid_thw=raw.image_grid_thw,
+                                              video_grid_thw=raw.video_grid_thw)
     return Sample(input_ids=raw.input_ids.tolist(), labels=raw.labels.tolist(), image_paths=[],
                   pixel_values=raw.pixel_values, image_grid_thw=raw.image_grid_thw,
                   mm_token_type_ids=mm_token_type_ids(raw, model.config).long(),
-                  position_ids=positions[:, 0], source=f"{name}.jsonl:1", token_arrays=arrays)
+                  position_ids=positions[:, 0], source=f"{name}.jsonl:1", token_arrays=arrays,
+                  pixel_values_videos=raw.pixel_values_videos, video_grid_thw=raw.video_grid_thw)
 
 
 @functools.cache
@@ -135,7 +136,8 @@ def _setup(tmp_root):
     checkpoint = tmp_root / "objectives"
     model.save_pretrained(checkpoint)
     gen = torch.Generator().manual_seed(7)
-    raw = {name: make_sample(gen, model.config, length, grids) for name, (length, grids) in SAMPLES.items()}
+    raw = {name: make_sample(gen, model.config, length, grids, videos=videos)
+           for name, (length, grids, videos) in SAMPLES.items()}
     with torch.no_grad():
         arrays = {name: _arrays(gen, model, s) for name, s in raw.items()}
     return model, checkpoint, raw, arrays

@@ -2,7 +2,12 @@
 
 Three modes, each writing one JSON report:
 - step (default): forward+backward of `PackedVLM` on a synthetic pack of each length (optionally
-  with `--images` images of mixed sizes); no optimizer step.
+  with `--images` images of mixed sizes and `--videos` videos of `--frames` frames); no optimizer
+  step. With `--vision both` (the default with `--videos`) each length runs under split and
+  under replicated vision, and the row compares them: `vision_s_ratio` is the slowest rank's
+  split `vision_s` over the mean replicated `vision_s` (each rank's wall-clock seconds in the
+  vision tower's forward per step), `vision_cpu_s_ratio` the same for the rank processes' CPU
+  seconds there (`vision_cpu_s`: on a shared CPU, what the rank itself spent).
 - `--loss-only`: the lm_head + cross-entropy alone (`shard_loss_sum`, forward+backward) on random
   hidden states of each length.
 - `--find-max-len`: the longest single sample whose step's peak memory fits `--memory-budget-gb`.
@@ -73,6 +78,9 @@ class StepTask:
     images: int
     steps: int
     warmup: int
+    videos: int = 0
+    frames: int = 0
+    video_grid: tuple[int, int] = (16, 16)
 
     def run(self, device: torch.device, sp: Any = None) -> dict[str, Any]:
         """This rank's numbers gathered over the world; returns the row (the same on every rank).
@@ -87,7 +95,9 @@ class StepTask:
                            deltanet_cp=self.deltanet_cp, vision_mode=self.vision,
                            loss_chunk_mb=self.loss_chunk_mb)
         module.train()
-        batch = synthetic_pack(self.seq_len, self.samples, module.hf_model.config, self.images)
+        batch = synthetic_pack(self.seq_len, self.samples, module.hf_model.config, self.images,
+                               videos=self.videos, frames=self.frames,
+                               video_group_hw=self.video_grid)
         return measure_steps(module, batch, self, memory)
 
 
@@ -101,7 +111,7 @@ def measure_steps(module: nn.Module, batch: PackedBatch, task: StepTask, memory:
     peak_reset = memory.reset_peak()
     times = []
     for step in range(task.warmup + task.steps):
-        vision_timer.total = 0.0
+        vision_timer.restart()
         started = time.perf_counter()
         loss, _, _ = module(batch)
         loss.backward()
@@ -109,46 +119,63 @@ def measure_steps(module: nn.Module, batch: PackedBatch, task: StepTask, memory:
         _synchronize(memory.device)
         if step >= task.warmup:
             times.append(time.perf_counter() - started)
-            vision_timer.timed += vision_timer.total
+            vision_timer.keep()
     vision_timer.remove()
     peak_mb = memory.peak_mb()
-    mine = [model_mb, peak_mb, vision_timer.timed / max(task.steps, 1), *times]
+    steps = max(task.steps, 1)
+    mine = [model_mb, peak_mb, vision_timer.wall / steps, vision_timer.cpu / steps, *times]
     table = torch.zeros(comm.world_size(), len(mine), dtype=torch.float64)
     table[comm.rank()] = torch.tensor(mine, dtype=torch.float64)
     table = comm.all_reduce_sum(table)
     per_rank = [{"rank": r, "model_memory_mb": float(row[0]), "peak_memory_mb": float(row[1]),
                  "activation_memory_mb": float(row[1] - row[0]), "vision_s": float(row[2]),
-                 "step_time_s": float(row[3:].mean()) if task.steps else 0.0}
+                 "vision_cpu_s": float(row[3]),
+                 "step_time_s": float(row[4:].mean()) if task.steps else 0.0}
                 for r, row in enumerate(table)]
-    step_s = float(table[:, 3:].max(dim=0).values.mean()) if task.steps else 0.0
+    step_s = float(table[:, 4:].max(dim=0).values.mean()) if task.steps else 0.0
     image_tokens = int((batch.mm_token_type_ids == 1).sum())
     return {"seq_len": task.seq_len, "samples_per_pack": task.samples, "images": task.images,
-            "image_tokens": image_tokens, "step_time_s": step_s,
+            "image_tokens": image_tokens, "videos": task.videos, "frames": task.frames,
+            "video_tokens": int((batch.mm_token_type_ids == 2).sum()),
+            "vision": task.vision, "step_time_s": step_s,
             "tokens_per_s": task.seq_len / step_s if step_s else 0.0,
             "model_memory_mb": max(r["model_memory_mb"] for r in per_rank),
             "peak_memory_mb": max(r["peak_memory_mb"] for r in per_rank),
             "activation_memory_mb": max(r["activation_memory_mb"] for r in per_rank),
-            "vision_s": max(r["vision_s"] for r in per_rank), "per_rank": per_rank,
+            "vision_s": max(r["vision_s"] for r in per_rank),
+            "vision_cpu_s": max(r["vision_cpu_s"] for r in per_rank), "per_rank": per_rank,
             "memory_kind": memory.kind, "peak_is_cumulative": not peak_reset}
 
 
 class _VisionTimer:
-    """Seconds spent inside `vision`'s forward, from forward pre/post hooks (CUDA: synchronized)."""
+    """Seconds spent inside `vision`'s forward, from forward pre/post hooks (CUDA: synchronized):
+    wall-clock, and this process's CPU time (on a shared CPU the CPU time is what the rank
+    itself spent, whatever else the cores ran). `wall` and `cpu` sum the kept steps."""
 
     def __init__(self, vision: nn.Module, device: torch.device) -> None:
         self.device = device
-        self.total = 0.0
-        self.timed = 0.0
-        self._started = 0.0
+        self.wall = self.cpu = 0.0
+        self._step = [0.0, 0.0]
+        self._started = (0.0, 0.0)
         self._hooks = [vision.register_forward_pre_hook(self._pre), vision.register_forward_hook(self._post)]
+
+    def restart(self) -> None:
+        """Start a step's count."""
+        self._step = [0.0, 0.0]
+
+    def keep(self) -> None:
+        """Add the step's count to the totals."""
+        self.wall += self._step[0]
+        self.cpu += self._step[1]
 
     def _pre(self, *_: Any) -> None:
         _synchronize(self.device)
-        self._started = time.perf_counter()
+        self._started = (time.perf_counter(), time.process_time())
 
     def _post(self, *_: Any) -> None:
         _synchronize(self.device)
-        self.total += time.perf_counter() - self._started
+        self._step[0] += time.perf_counter() - self._started[0]
+        self._step[1] += time.process_time() - self._started[1]
 
     def remove(self) -> None:
         for hook in self._hooks:
@@ -243,45 +270,74 @@ def _model_sizes(args: argparse.Namespace) -> tuple[int, int]:
 
 
 def _step_task(args: argparse.Namespace, model_dir: str, seq_len: int, samples: int, steps: int,
-               warmup: int) -> StepTask:
+               warmup: int, vision: str | None = None) -> StepTask:
     return StepTask(model_dir=model_dir, dtype=args.dtype, sp_size=args.sp_size or 1,
-                    deltanet_cp=args.deltanet_cp, vision=args.vision, loss_chunk_mb=args.loss_chunk_mb,
-                    seq_len=seq_len,
-                    samples=samples, images=args.images, steps=steps, warmup=warmup)
+                    deltanet_cp=args.deltanet_cp, vision=vision or args.vision,
+                    loss_chunk_mb=args.loss_chunk_mb, seq_len=seq_len,
+                    samples=samples, images=args.images, steps=steps, warmup=warmup,
+                    videos=args.videos, frames=args.frames, video_grid=args.video_grid)
+
+
+def _one_step_row(args: argparse.Namespace, model_dir: str, seq_len: int, device: torch.device,
+                  sp: Any, vision: str) -> dict[str, Any]:
+    if device.type == "cpu" and not _launched():
+        task = _step_task(args, model_dir, seq_len, args.samples_per_pack, args.steps,
+                          args.warmup, vision)
+        return {**run_fresh(task, task.sp_size, distributed=task.sp_size > 1),
+                "fresh_process": True}
+    return _in_process_step(args, model_dir, seq_len, device, sp, vision=vision)
+
+
+def _compared(split: dict[str, Any], replicated: dict[str, Any]) -> dict[str, Any]:
+    """One length's split and replicated rows side by side, with the vision time ratio."""
+    row = {"seq_len": split["seq_len"], "split": split, "replicated": replicated}
+    if "error" in split or "error" in replicated:
+        return row
+    for key in ("vision_s", "vision_cpu_s"):
+        mean = sum(r[key] for r in replicated["per_rank"]) / len(replicated["per_rank"])
+        row.update({f"split_{key}": [r[key] for r in split["per_rank"]],
+                    f"replicated_{key}": [r[key] for r in replicated["per_rank"]],
+                    f"{key}_ratio": split[key] / mean if mean else None})
+    return row
 
 
 def _bench_steps(args: argparse.Namespace, model_dir: str, device: torch.device, sp: Any) -> list[dict[str, Any]]:
     rows = []
     for seq_len in _lengths(args.seq_lens):
-        _check_pack(model_dir, seq_len, args.samples_per_pack, args.images)
-        if device.type == "cpu" and not _launched():
-            task = _step_task(args, model_dir, seq_len, args.samples_per_pack, args.steps, args.warmup)
-            row = {**run_fresh(task, task.sp_size, distributed=task.sp_size > 1), "fresh_process": True}
-        else:
-            row = _in_process_step(args, model_dir, seq_len, device, sp)
-        rows.append(row)
-        if "error" not in row:
-            logger.info("seq_len %d: %.3f s per forward+backward, %.0f tokens/s, model %.0f MiB, "
-                        "peak %.0f MiB, activations %.0f MiB", seq_len, row["step_time_s"],
-                        row["tokens_per_s"], row["model_memory_mb"], row["peak_memory_mb"],
-                        row["activation_memory_mb"])
+        _check_pack(args, model_dir, seq_len, args.samples_per_pack)
+        modes = ["split", "replicated"] if args.vision == "both" else [args.vision]
+        measured = [_one_step_row(args, model_dir, seq_len, device, sp, mode) for mode in modes]
+        for row in measured:
+            if "error" not in row:
+                logger.info("seq_len %d (%s vision): %.3f s per forward+backward, %.0f tokens/s, "
+                            "model %.0f MiB, peak %.0f MiB, activations %.0f MiB, vision %.3f s "
+                            "on the slowest rank", seq_len, row["vision"], row["step_time_s"],
+                            row["tokens_per_s"], row["model_memory_mb"], row["peak_memory_mb"],
+                            row["activation_memory_mb"], row["vision_s"])
+        rows.append(_compared(*measured) if len(measured) == 2 else measured[0])
+        if rows[-1].get("vision_s_ratio") is not None:
+            logger.info("seq_len %d: split / replicated vision time %.2f (wall), %.2f (CPU)",
+                        seq_len, rows[-1]["vision_s_ratio"], rows[-1]["vision_cpu_s_ratio"])
     return rows
 
 
-def _check_pack(model_dir: str, seq_len: int, samples: int, images: int) -> None:
+def _check_pack(args: argparse.Namespace, model_dir: str, seq_len: int, samples: int) -> None:
     """Raise the ValueError of a pack that cannot be built, before any rank starts."""
-    if images:
+    if args.images or args.videos:
         from vlmcp.model.load import load_config
 
-        synthetic_pack(seq_len, samples, load_config(model_dir), images)
+        synthetic_pack(seq_len, samples, load_config(model_dir), args.images,
+                       videos=args.videos, frames=args.frames, video_group_hw=args.video_grid)
 
 
 def _in_process_step(args: argparse.Namespace, model_dir: str, seq_len: int, device: torch.device, sp: Any,
-                     samples: int | None = None, steps: int | None = None, warmup: int | None = None) -> dict[str, Any]:
+                     samples: int | None = None, steps: int | None = None, warmup: int | None = None,
+                     vision: str | None = None) -> dict[str, Any]:
     """One length on the current world (launcher ranks, or one CUDA process). A CUDA
     out-of-memory error becomes a row with `error`."""
     task = _step_task(args, model_dir, seq_len, samples or args.samples_per_pack,
-                      args.steps if steps is None else steps, args.warmup if warmup is None else warmup)
+                      args.steps if steps is None else steps, args.warmup if warmup is None else warmup,
+                      vision)
     try:
         row = {**task.run(device, sp), "fresh_process": False}
     except torch.OutOfMemoryError as exc:
@@ -348,7 +404,7 @@ def find_max_len(args: argparse.Namespace, model_dir: str, device: torch.device,
     `--memory-budget-gb`, probing at most `--max-probes` lengths (`search_max_len`). Returns
     (length or None, the probes' rows in order)."""
     budget_mb = args.memory_budget_gb * 1024
-    _check_pack(model_dir, args.granularity, 1, args.images)
+    _check_pack(args, model_dir, args.granularity, 1)
     probes: list[dict[str, Any]] = []
 
     def fits(seq_len: int) -> bool:
@@ -388,6 +444,11 @@ def _resolve_args(args: argparse.Namespace, device: torch.device) -> None:
     args.vocab_size = args.vocab_size or DEFAULT_VOCAB
     args.hidden_size = args.hidden_size or DEFAULT_HIDDEN
     args.loss_chunk_mb = args.loss_chunk_mb or DEFAULT_LOSS_CHUNK_MB
+    args.vision = args.vision or ("both" if args.videos and not args.find_max_len else "split")
+    if args.videos and args.frames < 2:
+        problems.append("--videos needs --frames >= 2 (a temporal group is two frames)")
+    if args.find_max_len and args.vision == "both":
+        problems.append("--find-max-len measures one vision mode: give --vision split or replicated")
     if args.find_max_len and args.memory_budget_gb is None:
         problems.append("--find-max-len needs --memory-budget-gb")
     if args.find_max_len and args.loss_only:
@@ -447,7 +508,8 @@ def _bench_model(args: argparse.Namespace, model_dir: str, device: torch.device)
     threads = torch.get_num_threads() if _launched() else max(1, torch.get_num_threads() // world)
     report: dict[str, Any] = {"world_size": world, "sp_size": args.sp_size or 1,
                               "deltanet_cp": args.deltanet_cp, "vision": args.vision, "images": args.images,
-                              "threads_per_rank": threads}
+                              "videos": args.videos, "frames": args.frames,
+                              "video_grid": list(args.video_grid), "threads_per_rank": threads}
     if not args.find_max_len:
         return {**report, "mode": "step", "results": _bench_steps(args, model_dir, device, sp)}
     max_len, probes = find_max_len(args, model_dir, device, sp)

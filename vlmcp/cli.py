@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import asdict
 
 from vlmcp.config import ConfigError, JobError, load_job, schema_fields
 
@@ -43,6 +44,17 @@ def _add_job_args(parser: argparse.ArgumentParser) -> None:
                         help="override a job key; the value is parsed as JSON when it parses "
                              "(e.g. --set train.max_steps=10 --set optimizer.betas=[0.9,0.99]); "
                              "repeatable")
+
+
+def _grid_hw(text: str) -> tuple[int, int]:
+    """`--video-grid` HxW (patches), both even (the 2x2 merge)."""
+    try:
+        h, w = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected HxW, e.g. 16x16, got {text!r}") from None
+    if h < 2 or w < 2 or h % 2 or w % 2:
+        raise argparse.ArgumentTypeError(f"{text}: both sides must be even and >= 2 (patches)")
+    return h, w
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -140,12 +152,22 @@ def build_parser() -> argparse.ArgumentParser:
                        help="equal-length samples each pack is split into")
     bench.add_argument("--images", type=int, default=0,
                        help="images of mixed sizes in each pack; reports per-rank vision_s")
+    bench.add_argument("--videos", type=int, default=0,
+                       help="videos in each pack (after the images), of --frames frames each; "
+                            "compares split and replicated vision unless --vision is given")
+    bench.add_argument("--frames", type=int, default=64,
+                       help="sampled frames of each --videos video (two frames per temporal "
+                            "group; default 64)")
+    bench.add_argument("--video-grid", type=_grid_hw, default=(16, 16), metavar="HxW",
+                       help="patch grid of each video temporal group (default 16x16: 256x256 "
+                            "pixels, 64 tokens per group)")
     bench.add_argument("--sp-size", type=int, default=None,
                        help="sequence-parallel size (default: 1, or the launcher's world size)")
     bench.add_argument("--deltanet-cp", choices=["state", "heads"], default="state")
-    bench.add_argument("--vision", choices=["split", "replicated"], default="split",
-                       help="parallel.vision: split the image encoding over the SP group, or run "
-                            "it on the whole pack on every rank")
+    bench.add_argument("--vision", choices=["split", "replicated", "both"], default=None,
+                       help="parallel.vision: split the image and video encoding over the SP "
+                            "group, run it on the whole pack on every rank, or both, compared "
+                            "per length (default: split; both with --videos)")
     bench.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     bench.add_argument("--loss-chunk-mb", type=float, default=None,
                        help="memory budget (MiB) of one lm_head + cross-entropy chunk (default: "
@@ -180,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Build a digits image-question dataset, a tiny tokenizer and a tiny "
                     "random-init Qwen3.5 checkpoint, train with torchrun on CPU, measure held-out "
                     "accuracy by generation and plot loss and accuracy.")
-    demo.add_argument("--out", default="runs/demo", help="output directory")
+    demo.add_argument("--out", default=None,
+                      help="output directory (default runs/demo, runs/demo_video with --video)")
     demo.add_argument("--nproc", type=int, default=2, help="ranks to train on")
     demo.add_argument("--sp-size", type=int, default=2, help="sequence-parallel size")
     demo.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the job's)")
@@ -190,6 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="policy-gradient variant: candidate answers per digit prompt with "
                            "group-relative advantages from their correctness, loss.type "
                            "policy_gradient, output in OUT/rl (vlmcp/rl_demo.py)")
+    demo.add_argument("--video", action="store_true",
+                      help="video variant: synthetic digit clips (4 to 8 temporal groups, the "
+                           "digit in one of them, noise in the others), 'Which digit appears in "
+                           "the video?', trained at SP 2; exits 1 below 80 %% held-out accuracy "
+                           "(vlmcp/demo_video.py)")
     return parser
 
 
@@ -278,7 +306,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         return _report([f"--sample {args.sample}: must be >= 0"])
     try:
         processor = load_processor(job.resolve_input(job.model.path),
-                                   job.data.chat_template_kwargs, job.data.empty_think)
+                                   job.data.chat_template_kwargs, job.data.empty_think,
+                                   asdict(job.data.video))
     except (ProcessorError, OSError, ValueError) as exc:
         return _report([f"config key 'model.path': {exc}"])
     try:
@@ -336,14 +365,22 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    if args.rl and args.video:
+        return _report(["demo: --rl and --video are separate demos; give one of them"])
+    if args.video:
+        from vlmcp.demo_video import run_video_demo
+
+        return run_video_demo(out_dir=args.out or "runs/demo_video", nproc=args.nproc,
+                              sp_size=args.sp_size, steps=args.steps, overrides=args.overrides)
+    out = args.out or "runs/demo"
     if args.rl:
         from vlmcp.rl_demo import run_rl_demo
 
-        return run_rl_demo(out_dir=args.out, nproc=args.nproc, sp_size=args.sp_size,
+        return run_rl_demo(out_dir=out, nproc=args.nproc, sp_size=args.sp_size,
                            steps=args.steps, overrides=args.overrides)
     from vlmcp.demo import run_demo
 
-    return run_demo(out_dir=args.out, nproc=args.nproc, sp_size=args.sp_size, steps=args.steps,
+    return run_demo(out_dir=out, nproc=args.nproc, sp_size=args.sp_size, steps=args.steps,
                     overrides=args.overrides)
 
 

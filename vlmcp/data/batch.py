@@ -1,7 +1,7 @@
 """The packed micro-batch: the one structure the data path hands to the model.
 
 Dimension legend: S = packed length (sum of seq_lens), N_patch = vision patches of all images in
-the pack, I = images in the pack. Every tensor here is global (the whole pack); sharding over a
+the pack, I = images in the pack, N_vpatch = vision patches of all videos, V = videos. Every tensor here is global (the whole pack); sharding over a
 sequence-parallel group happens later, in `vlmcp.parallel.shard`.
 """
 
@@ -28,10 +28,15 @@ class PackedBatch:
                        every sample has no target, so no sample is predicted from its neighbour.
     position_ids:      [3, S] MRoPE (t, h, w) positions, computed for each sample alone
                        (they restart at 0 at every sample start).
-    mm_token_type_ids: [S] 1 on image placeholder tokens, 0 elsewhere.
+    mm_token_type_ids: [S] 1 on image placeholder tokens, 2 on video placeholder tokens, 0
+                       elsewhere.
     seq_lens:          lengths of the samples in order; the one source of sample boundaries.
     pixel_values:      [N_patch, C*T*P*P] patches of every image, in placeholder order, or None.
     image_grid_thw:    [I, 3] (t, h, w) patch grid of each image, in placeholder order, or None.
+    pixel_values_videos: [N_vpatch, C*T*P*P] patches of every video, in placeholder order,
+                       temporal group after temporal group, or None.
+    video_grid_thw:    [V, 3] (groups, h, w) patch grid of each video, in placeholder order, or
+                       None; each group fills one run of h*w / merge**2 video placeholders.
     sample_ids:        "file:line" of each sample, for error messages.
     token_arrays:      per-token arrays by name (`TOKEN_ARRAYS`), each [S] fp32 and shifted like
                        targets: token_arrays[k][t] belongs to the prediction of targets[t]. Only
@@ -47,6 +52,8 @@ class PackedBatch:
     image_grid_thw: torch.Tensor | None = None
     sample_ids: list[str] = field(default_factory=list)
     token_arrays: dict[str, torch.Tensor] = field(default_factory=dict)
+    pixel_values_videos: torch.Tensor | None = None
+    video_grid_thw: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -2,14 +2,18 @@
 
 Packing needs only each sample's token count, so a first pass over the data records, per
 sample: where it lies (file, line, byte offset and length), its tokens, its targets, and its
-(kept) images and their vision patches. Each image's placeholder count comes from its size as
-read from the file header (`vlmcp.data.image_size`); the text is tokenized to count it and then
-dropped. A sample is read back, tokenized again (deterministically) and its images decoded only
-when its pack is loaded (`vlmcp.data.stream`). The index holds 40 bytes per sample as numpy
-arrays; `vlmcp.data.index_cache` keeps it on disk between runs.
+(kept) images and videos and their vision patches. Each image's placeholder count comes from its
+size as read from the file header (`vlmcp.data.image_size`); each video's from its container
+metadata (frame count, fps, frame size: `vlmcp.data.video.probe_video`) through the same
+sampling and sizing rules the loader applies (`vlmcp.data.video_plan`), without decoding a
+frame. The text is tokenized to count it and then dropped. A sample is read back, tokenized
+again (deterministically) and its images and sampled video frames decoded only when its pack is
+loaded (`vlmcp.data.stream`). The index holds 48 bytes per sample as numpy arrays;
+`vlmcp.data.index_cache` keeps it on disk between runs.
 
-With `decode=True` (`vlmcp validate`) every image is decoded and patchified once, to prove it is
-readable, and the counts are taken from that real processing; no pixels are kept.
+With `decode=True` (`vlmcp validate`) every image and every sampled video frame is decoded and
+patchified once, to prove it is readable, and the counts are taken from that real processing; no
+pixels are kept.
 """
 
 from __future__ import annotations
@@ -27,12 +31,14 @@ from vlmcp.data.image_size import header_grid
 from vlmcp.data.processor import VLProcessor
 from vlmcp.data.records import Span, locate_records, record_label
 from vlmcp.data.sources import is_json_array
+from vlmcp.data.video_records import plan_videos
 
 #: Columns of the index: (name, numpy dtype).
 COLUMNS = (("file_id", np.int32), ("record", np.int32), ("line", np.int32), ("offset", np.int64),
            ("nbytes", np.int64),
            ("tokens", np.int32), ("targets", np.int32), ("images", np.int32),
-           ("patches", np.int32), ("token_arrays", np.int8))
+           ("patches", np.int32), ("videos", np.int32), ("video_patches", np.int32),
+           ("token_arrays", np.int8))
 
 
 @dataclass
@@ -44,6 +50,7 @@ class LengthIndex:
     tokens:  its length in tokens after truncation (what packing uses).
     targets: its predicted tokens.
     images, patches: its kept images and their vision patches (sum of t*h*w).
+    videos, video_patches: its kept videos and their vision patches (sum of groups*h*w).
     token_arrays: a bit mask of the per-token arrays it carries (bit k: `TOKEN_ARRAYS[k]`).
     """
 
@@ -59,6 +66,8 @@ class LengthIndex:
     targets: np.ndarray
     images: np.ndarray
     patches: np.ndarray
+    videos: np.ndarray
+    video_patches: np.ndarray
     token_arrays: np.ndarray
 
     def __len__(self) -> int:
@@ -96,30 +105,39 @@ def _array_mask(names: Iterable[str]) -> int:
     return sum(1 << TOKEN_ARRAYS.index(name) for name in names)
 
 
+def _count(grids: Sequence[Sequence[int]]) -> tuple[int, int]:
+    """(number of grids, their patches sum(t*h*w))."""
+    return len(grids), sum(int(t) * int(h) * int(w) for t, h, w in grids)
+
+
 def _row(record: object, source: str, base_dir: Path, processor: VLProcessor, max_seq_len: int,
-         truncate: bool, decode: bool) -> tuple[int, int, int, int, int]:
-    """(tokens, targets, images, patches, token-array mask) of one record; DataError when it
-    cannot train."""
+         truncate: bool, decode: bool) -> tuple[int, ...]:
+    """(tokens, targets, images, patches, videos, video patches, token-array mask) of one
+    record; DataError when it cannot train."""
     if decode:
         sample = parse_record(record, source, base_dir, processor, max_seq_len, truncate)
-        grid = sample.image_grid_thw
+        grids = [] if sample.image_grid_thw is None else sample.image_grid_thw.tolist()
+        video_grids = [] if sample.video_grid_thw is None else sample.video_grid_thw.tolist()
         targets = sum(label != IGNORE_INDEX for label in sample.labels[1:])
-        return (len(sample), targets, 0 if grid is None else len(grid),
-                0 if grid is None else int(grid.prod(-1).sum()), _array_mask(sample.token_arrays))
+        return (len(sample), targets, *_count(grids), *_count(video_grids),
+                _array_mask(sample.token_arrays))
     paths = record_image_paths(record, source, base_dir)
     grids = [header_grid(p, source, processor.image_processor) for p in paths]
-    tokens = tokenize_record(record, source, base_dir, processor, grids, max_seq_len, truncate)
-    return (len(tokens.input_ids), tokens.num_targets, len(tokens.grids),
-            sum(t * h * w for t, h, w in tokens.grids), _array_mask(tokens.arrays))
+    plans = plan_videos(record, base_dir, source, processor)
+    tokens = tokenize_record(record, source, base_dir, processor, grids, max_seq_len, truncate,
+                             plans)
+    return (len(tokens.input_ids), tokens.num_targets, *_count(tokens.grids),
+            *_count([plan.grid for plan in tokens.videos]), _array_mask(tokens.arrays))
 
 
 def build_index(files: Sequence[Path], processor: VLProcessor, max_seq_len: int,
                 truncate: bool = False, *, image_root: Path | None = None, decode: bool = False
                 ) -> tuple[LengthIndex, list[str]]:
     """The index of every usable sample of `files` (in file order), and one "source: problem"
-    line per bad record or file (all of them). image_root: what relative image paths are
-    relative to (None: each file's directory). With `decode`, images are decoded once each
-    (validation); else only their headers are read."""
+    line per bad record or file (all of them). image_root: what relative image and video paths
+    are relative to (None: each file's directory). With `decode`, images and the sampled video
+    frames are decoded once each (validation); else only image headers and video container
+    metadata are read."""
     columns = {name: array("q") for name, _ in COLUMNS}
     problems: list[str] = []
     kinds: list[bool] = []

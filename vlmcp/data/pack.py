@@ -78,13 +78,15 @@ def shifted_array(values: torch.Tensor) -> torch.Tensor:
 def build_batch(samples: Sequence[Sample]) -> PackedBatch:
     """Concatenate whole samples into one `PackedBatch` (S = sum of lengths).
 
-    pixel_values and image_grid_thw are concatenated in sample order, which is placeholder order.
-    Per-token arrays are kept when every sample carries them, shifted like the targets.
+    pixel_values and image_grid_thw (pixel_values_videos and video_grid_thw) are concatenated in
+    sample order, which is placeholder order. Per-token arrays are kept when every sample carries
+    them, shifted like the targets.
     """
     shared = set.intersection(*(set(s.token_arrays) for s in samples)) if samples else set()
     input_ids = [t for s in samples for t in s.input_ids]
     targets = [t for s in samples for t in shifted_targets(s.labels)]
     with_images = [s for s in samples if s.image_grid_thw is not None]
+    with_videos = [s for s in samples if s.video_grid_thw is not None]
     return PackedBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.long),
         targets=torch.tensor(targets, dtype=torch.long),
@@ -96,6 +98,9 @@ def build_batch(samples: Sequence[Sample]) -> PackedBatch:
         sample_ids=[s.source for s in samples],
         token_arrays={name: torch.cat([shifted_array(s.token_arrays[name]) for s in samples])
                       for name in sorted(shared)},
+        pixel_values_videos=torch.cat([s.pixel_values_videos for s in with_videos])
+        if with_videos else None,
+        video_grid_thw=torch.cat([s.video_grid_thw for s in with_videos]) if with_videos else None,
     )
 
 
