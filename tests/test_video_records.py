@@ -22,7 +22,6 @@ from vlmcp.data.index import build_index
 from vlmcp.data.positions import mrope_positions
 from vlmcp.data.processor import load_processor
 from vlmcp.data.stream import SampleReader
-from vlmcp.data.video_records import expand_video_blocks
 from vlmcp.training.evaluate import generation_prompt
 
 QUESTION = "What happens?"
@@ -78,13 +77,20 @@ def test_a_video_renders_one_timestamped_block_per_temporal_group_as_inference_d
     group = "<|vision_start|>" + "<|video_pad|>" * 4 + "<|vision_end|>"
     assert f"user\n<0.1 seconds>{group}<0.3 seconds>{group}{QUESTION}<|im_end|>" in text
     assert text.count("<|vision_start|>") == 2  # no extra outer pair (transformers 5.x has one)
-    # the tokens are those of the rendering with the pads expanded, tokenized as one text
+    # vLLM's form: the rendering's tokens, its three block tokens replaced by each group's
+    # separately tokenized timestamp, start, pads, end
     rendered = tokenizer.apply_chat_template(
         [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": QUESTION}]},
          {"role": "assistant", "content": "It moves."}], tokenize=False)
-    expanded = expand_video_blocks(rendered, sample.videos, "s").replace(
-        "<|video_pad|>", "<|video_pad|>" * 4)
-    assert tokenizer(expanded, add_special_tokens=False)["input_ids"] == sample.input_ids
+    ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    at = ids.index(tiny_processor.video_token_id)
+    groups = [tok for t in ("<0.1 seconds>", "<0.3 seconds>")
+              for tok in tokenizer(t, add_special_tokens=False)["input_ids"]
+              + [tiny_processor.vision_start_id] + [tiny_processor.video_token_id] * 4
+              + [tiny_processor.vision_end_id]]
+    assert ids[at - 1 : at + 2] == [tiny_processor.vision_start_id, tiny_processor.video_token_id,
+                                    tiny_processor.vision_end_id]
+    assert ids[: at - 1] + groups + ids[at + 2 :] == sample.input_ids
     pads = [t == tiny_processor.video_token_id for t in sample.input_ids]
     assert sample.mm_token_type_ids.tolist() == [2 * p for p in pads]
     assert all(label == IGNORE_INDEX for label, pad in zip(sample.labels, pads) if pad)

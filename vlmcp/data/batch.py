@@ -1,8 +1,9 @@
 """The packed micro-batch: the one structure the data path hands to the model.
 
-Dimension legend: S = packed length (sum of seq_lens), N_patch = vision patches of all images in
-the pack, I = images in the pack, N_vpatch = vision patches of all videos, V = videos. Every tensor here is global (the whole pack); sharding over a
-sequence-parallel group happens later, in `vlmcp.parallel.shard`.
+Dimension legend: S = packed length (sum of seq_lens), N_patch = vision patches of all images in the
+pack, I = images in the pack, N_vpatch = vision patches of all videos, V = videos. Every tensor here
+is global (the whole pack); sharding over a sequence-parallel group happens later, in
+`vlmcp.parallel.shard`.
 """
 
 from __future__ import annotations

@@ -35,20 +35,21 @@ Chat formats are rendered once with the tokenizer's chat template, given the pro
 ``chat_template_kwargs`` (``data.chat_template_kwargs``) as template variables (Qwen/ChatML:
 ``<|im_start|>role\\n...<|im_end|>\\n``; an image renders as
 ``<|vision_start|><|image_pad|><|vision_end|>`` and the single ``<|image_pad|>`` is expanded to
-the image's t*h*w // merge**2 placeholders; a video's block is spelled out group by group with
-its timestamps, `vlmcp.data.video_records.expand_video_blocks`).
+the image's t*h*w // merge**2 placeholders; a video's block
+``<|vision_start|><|video_pad|><|vision_end|>`` is replaced by its temporal groups with their
+timestamps, `vlmcp.data.video_records.video_tokens`).
 
 Targets (label != -100) of chat formats, exactly: for every assistant turn, the tokens after its
 ``<|im_start|>assistant\\n`` header up to and including its closing ``<|im_end|>``; that is the
 reply as the template renders it (for templates with reasoning blocks this includes the rendered
 ``<think>...</think>`` part) plus ``<|im_end|>``; with the processor's ``empty_think`` "prompt"
-(``data.empty_think``), an empty ``<think>\\n\\n</think>\\n\\n`` opening a reply belongs to
-the prompt instead. Not targets: the header, the ``\\n`` after
-``<|im_end|>``, system and user turns, and image and video placeholders anywhere. The rendered text is cut
-at each header end and at each ``<|im_end|>`` and the pieces are tokenized separately, so the
-prompt tokenizes exactly as it does at generation time (prompt ending in the header). Spans are
-found in the full rendering rather than by rendering message prefixes, because Qwen3.x templates
-rewrite earlier assistant turns (dropping reasoning) depending on what follows them.
+(``data.empty_think``), an empty ``<think>\\n\\n</think>\\n\\n`` opening a reply belongs to the
+prompt instead. Not targets: the header, the ``\\n`` after ``<|im_end|>``, system and user turns,
+and image and video placeholders anywhere. The rendered text is cut at each header end and at each
+``<|im_end|>`` and the pieces are tokenized separately, so the prompt tokenizes exactly as it does
+at generation time (prompt ending in the header). Spans are found in the full rendering rather than
+by rendering message prefixes, because Qwen3.x templates rewrite earlier assistant turns (dropping
+reasoning) depending on what follows them.
 
 Length: a sample longer than max_seq_len is an error unless truncate is set; then it keeps its
 first max_seq_len tokens, moved back to the start of an image block or a video's temporal group
@@ -74,11 +75,11 @@ from PIL import Image
 
 from vlmcp.data.batch import IGNORE_INDEX, TOKEN_ARRAYS
 from vlmcp.data.positions import IMAGE, VIDEO, mrope_positions
-from vlmcp.data.processor import IMAGE_PAD, VIDEO_PAD, VLProcessor
+from vlmcp.data.processor import IMAGE_PAD, VLProcessor
 from vlmcp.data.sources import DataError
 from vlmcp.data.video import decode_frames
 from vlmcp.data.video_plan import VideoPlan
-from vlmcp.data.video_records import expand_video_blocks, group_counts, kept_videos, plan_videos
+from vlmcp.data.video_records import check_video_blocks, kept_videos, plan_videos, video_tokens
 
 IMAGE_MARKER = "<image>"
 AUDIO_MARKER = "<audio>"
@@ -273,35 +274,48 @@ def _segments(text: str, source: str, num_assistant: int,
     return [(piece, target) for piece, target in pieces if piece]
 
 
-def _expand(ids: list[int], is_target: bool, counts: dict[int, list[int]],
-            used: dict[int, int]) -> tuple[list[int], list[int]]:
-    """Expand each pad token (a key of `counts`: the image and video pad ids) to its next
-    placeholder count (one per image, one per video temporal group; `used` counts the pads
-    seen so far); labels -100 off target and on placeholders."""
+def _expand(ids: list[int], is_target: bool, processor: VLProcessor, counts: list[int],
+            blocks: list[list[int]], used: dict[str, int]) -> tuple[list[int], list[int]]:
+    """Expand each image pad to its image's `counts` placeholders, and each rendered video block
+    (vision start, video pad, vision end) to its video's `blocks` ids; `used` counts the images
+    and videos seen so far. Labels -100 off target and on placeholders."""
     out_ids: list[int] = []
     out_labels: list[int] = []
+    closing = False
     for token in ids:
-        if token in counts:
-            queue, k = counts[token], used[token]
-            n = queue[k] if k < len(queue) else 1
-            used[token] = k + 1
+        if closing:  # the rendered block's vision end, already part of the video's ids
+            closing = False
+            continue
+        if token == processor.image_token_id:
+            n = counts[used["image"]] if used["image"] < len(counts) else 1
+            used["image"] += 1
             out_ids += [token] * n
             out_labels += [IGNORE_INDEX] * n
+        elif token == processor.video_token_id:
+            # The rendered block is the vision start just kept, this pad and the vision end
+            # that follows (`check_video_blocks`): all three become the video's ids.
+            block = blocks[used["video"]]
+            used["video"] += 1
+            out_ids.pop()
+            out_labels.pop()
+            out_ids += block
+            out_labels += [IGNORE_INDEX if t == token or not is_target else t for t in block]
+            closing = True
         else:
             out_ids.append(token)
             out_labels.append(token if is_target else IGNORE_INDEX)
     return out_ids, out_labels
 
 
-def _marker_problem(kind: str, markers: int, given: int, key: str) -> str | None:
-    """The mismatch of a record's `kind` markers and its media list (`key`), or None."""
+def _marker_problem(kind: str, markers: int, given: int, key: str, items: str) -> str | None:
+    """The mismatch of a record's `kind` markers and its `given` `items` (in `key`), or None."""
     if markers == given:
         return None
     if given == 0:
         return (f"{markers} {kind} markers (<{kind}> or typed {kind} entries) but the record has "
                 f'no "{key}" (or "{kind}")')
     return (f"{markers} {kind} markers (<{kind}> or typed {kind} entries) for {given} "
-            f'{kind}s in "{key}" (or "{kind}")')
+            f'{items} in "{key}" (or "{kind}")')
 
 
 def _tokenize_chat(
@@ -314,8 +328,8 @@ def _tokenize_chat(
         message["content"], n_images, n_videos = _normalize_content(message["content"], source)
         num_images += n_images
         num_videos += n_videos
-    problems = [_marker_problem("image", num_images, len(counts), "images"),
-                _marker_problem("video", num_videos, len(videos), "videos")]
+    problems = [_marker_problem("image", num_images, len(counts), "images", "paths"),
+                _marker_problem("video", num_videos, len(videos), "videos", "videos")]
     if any(problems):
         raise _fail(source, "; ".join(p for p in problems if p))
     tokenizer = processor.tokenizer
@@ -326,26 +340,22 @@ def _tokenize_chat(
                                              **processor.chat_template_kwargs)
     except Exception as e:  # the template itself may raise on content it rejects
         raise _fail(source, f"chat template failed: {e}") from e
-    if videos:
-        text = expand_video_blocks(text, videos, source)
+    if processor.video_token_id is not None:
+        check_video_blocks(text, len(videos), source)
+    blocks = [video_tokens(plan, processor) for plan in videos]
     num_assistant = sum(m["role"] == "assistant" for m in messages)
     input_ids: list[int] = []
     labels: list[int] = []
-    queues = {processor.image_token_id: counts}
-    if processor.video_token_id is not None:
-        queues[processor.video_token_id] = group_counts(videos, processor.merge_size)
-    used = dict.fromkeys(queues, 0)
+    used = {"image": 0, "video": 0}
     for piece, is_target in _segments(text, source, num_assistant,
                                       processor.empty_think == "target"):
         ids = tokenizer(piece, add_special_tokens=False)["input_ids"]
-        piece_ids, piece_labels = _expand(ids, is_target, queues, used)
+        piece_ids, piece_labels = _expand(ids, is_target, processor, counts, blocks, used)
         input_ids += piece_ids
         labels += piece_labels
-    for token, pad, what in ((processor.image_token_id, IMAGE_PAD, "images"),
-                             (processor.video_token_id, VIDEO_PAD, "video temporal groups")):
-        if token in queues and used[token] != len(queues[token]):
-            raise _fail(source, f"rendered text has {used[token]} {pad} for "
-                                f"{len(queues[token])} {what}")
+    if used["image"] != len(counts):
+        raise _fail(source, f"rendered text has {used['image']} {IMAGE_PAD} for {len(counts)} "
+                            "images")
     return input_ids, labels
 
 

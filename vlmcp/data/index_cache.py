@@ -10,10 +10,11 @@ size, mtime and SHA-256 of its bytes.
 
 A cached index is used when every data file has the recorded size and mtime (nothing is read), or
 else the same content (its bytes are hashed: a copied or touched file still hits). Images are not
-stamped: the index holds only their sizes, and a sample whose image changed size since the index
-was built fails when its pack is loaded, naming the image and this cache file (delete it, or run
-`vlmcp validate`, which rebuilds it). Videos are not stamped either, for the same reason. Writes are atomic (a temporary file renamed into place), so
-ranks or nodes that write the same index at once leave one whole file.
+stamped: the index holds only their sizes, and a sample whose image changed size since the index was
+built fails when its pack is loaded, naming the image and this cache file (delete it, or run `vlmcp
+validate`, which rebuilds it). Videos are not stamped either, for the same reason. Writes are atomic
+(a temporary file renamed into place), so ranks or nodes that write the same index at once leave one
+whole file.
 """
 
 from __future__ import annotations

@@ -127,7 +127,8 @@ def video_settings(config: dict[str, Any], overrides: dict[str, Any] | None = No
             (pixels if key.endswith("_pixels") else values)[key] = value
     frame_kwargs = {name: config.get(name, _default(name)) for name in FRAME_FIELDS}
     settings = VideoSettings(
-        patch_size=int(values["patch_size"]), temporal_patch_size=int(values["temporal_patch_size"]),
+        patch_size=int(values["patch_size"]),
+        temporal_patch_size=int(values["temporal_patch_size"]),
         merge_size=int(values["merge_size"]), fps=float(values["fps"]),
         min_frames=int(values["min_frames"]), max_frames=int(values["max_frames"]),
         do_sample_frames=bool(values["do_sample_frames"]),

@@ -1,20 +1,22 @@
 """The videos of a data record, and how they appear in its tokens.
 
-A record's videos are ``"videos"``, a list of videos, or ``"video"``, one video (a record with
-both is an error). A video is a container path (mp4, mkv, webm, ...) or a non-empty list of
-frame image paths in order; so ``"video": ["f0.jpg", "f1.jpg"]`` is one video of two frames and
-``"videos": ["a.mp4", ["f0.jpg", "f1.jpg"]]`` two videos. Paths are relative to data.image_root when it is set, else to the data file's directory.
-A frame list's native fps is the record's ``"fps"`` (a number for all its frame lists, or a list
-with one entry per video, null for containers), else the job's `data.video.frame_list_fps`.
-Video placeholders are the ``<video>`` markers of string content and ``{"type": "video"}``
-entries of typed content, each taking the next video.
+A record's videos are ``"videos"``, a list of videos, or ``"video"``, one video (a record with both
+is an error). A video is a container path (mp4, mkv, webm, ...) or a non-empty list of frame image
+paths in order; so ``"video": ["f0.jpg", "f1.jpg"]`` is one video of two frames and ``"videos":
+["a.mp4", ["f0.jpg", "f1.jpg"]]`` two videos. Paths are relative to data.image_root when it is set,
+else to the data file's directory. A frame list's native fps is the record's ``"fps"`` (a number for
+all its frame lists, or a list with one entry per video, null for containers), else the job's
+`data.video.frame_list_fps`. Video placeholders are the ``<video>`` markers of string content and
+``{"type": "video"}`` entries of typed content, each taking the next video.
 
-The prompt form (`expand_video_blocks`): the chat template renders a video as
-``<|vision_start|><|video_pad|><|vision_end|>``; that whole block becomes, per temporal group,
-``<{t:.1f} seconds><|vision_start|><|video_pad|><|vision_end|>``, and each ``<|video_pad|>``
-then expands to the group's h*w/merge**2 placeholders. This is the form Qwen's own processor
-rendered in transformers 4.57 and vLLM renders at inference (transformers 5.x replaces only the
-pad and leaves an extra outer vision start/end pair around the groups).
+The prompt form (`video_tokens`): the chat template renders a video as
+``<|vision_start|><|video_pad|><|vision_end|>``; those three tokens of the rendering become, per
+temporal group, the tokens of ``<{t:.1f} seconds>`` (tokenized on their own), then
+``<|vision_start|>``, the group's h*w/merge**2 ``<|video_pad|>`` and ``<|vision_end|>``. The
+text around the block tokenizes as in the rendering. This is what vLLM's Qwen3-VL processor
+does at inference (it matches the block's text and replaces it with those ids) and the form
+Qwen's own processor produced in transformers 4.57; transformers 5.x replaces only the pad and
+leaves an extra outer vision start/end pair around the groups.
 
 In the tokens format the placeholders are already expanded: every maximal run of
 ``<|video_pad|>`` is one temporal group, the groups of a video follow one another, the videos in
@@ -111,27 +113,29 @@ def plan_videos(record: dict[str, Any], base_dir: Path, source: str, processor: 
     return plans
 
 
-def group_text(timestamp: float) -> str:
-    """One temporal group as the prompt renders it, before the pad is expanded."""
-    return f"<{timestamp:.1f} seconds>{VIDEO_BLOCK}"
+def timestamp_text(timestamp: float) -> str:
+    """A temporal group's timestamp as the prompt shows it: ``<12.5 seconds>``."""
+    return f"<{timestamp:.1f} seconds>"
 
 
-def expand_video_blocks(text: str, plans: list[VideoPlan], source: str) -> str:
-    """The rendered `text` with its video blocks, in order, spelled out group by group."""
-    pieces = text.split(VIDEO_BLOCK)
-    if len(pieces) - 1 != len(plans):
-        raise _fail(source, f"chat template rendered {len(pieces) - 1} video blocks "
-                            f"{VIDEO_BLOCK} for {len(plans)} videos")
-    out = [pieces[0]]
-    for plan, piece in zip(plans, pieces[1:]):
-        out += [group_text(t) for t in plan.timestamps]
-        out.append(piece)
-    return "".join(out)
+def check_video_blocks(text: str, count: int, source: str) -> None:
+    """Raise unless the rendered `text` holds `count` video blocks and no other video pad."""
+    blocks, pads = text.count(VIDEO_BLOCK), text.count(VIDEO_PAD)
+    if blocks != count or pads != count:
+        raise _fail(source, f"chat template rendered {blocks} video blocks {VIDEO_BLOCK} "
+                            f"({pads} {VIDEO_PAD}) for {count} videos")
 
 
-def group_counts(plans: list[VideoPlan], merge_size: int) -> list[int]:
-    """Placeholder tokens of every temporal group of `plans`, in order."""
-    return [plan.tokens_per_group(merge_size) for plan in plans for _ in range(plan.grid[0])]
+def video_tokens(plan: VideoPlan, processor: VLProcessor) -> list[int]:
+    """The ids that replace one video's block: per temporal group, its timestamp's tokens,
+    vision start, h*w/merge**2 video pads, vision end."""
+    tokenizer = processor.tokenizer
+    block = [processor.vision_start_id,
+             *[processor.video_token_id] * plan.tokens_per_group(processor.merge_size),
+             processor.vision_end_id]
+    return [token for t in plan.timestamps
+            for token in tokenizer(timestamp_text(t), add_special_tokens=False)["input_ids"]
+            + block]
 
 
 def kept_videos(plans: list[VideoPlan], groups: int) -> list[VideoPlan]:

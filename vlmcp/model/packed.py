@@ -53,11 +53,11 @@ class PackedVLM(nn.Module):
 
     `objective` is the `loss` section (default: plain token-mean CE).
 
-    `vision_mode` is `parallel.vision`: "split" (default) spreads the image and video encoding
-    over the SP group and never builds the whole pack's embeddings; "replicated" runs embeddings
-    and the vision tower on the whole pack on every rank (see model.merge). The vision tower is the module
-    `self.vision`; under "split" each rank calls it at most once per micro-batch (module hooks on
-    it time one rank's share).
+    `vision_mode` is `parallel.vision`: "split" (default) spreads the image and video encoding over
+    the SP group and never builds the whole pack's embeddings; "replicated" runs embeddings and the
+    vision tower on the whole pack on every rank (see model.merge). The vision tower is the module
+    `self.vision`; under "split" each rank calls it at most once per micro-batch (module hooks on it
+    time one rank's share).
 
     `router_aux_loss` (MoE only, `model.router_aux_loss`): `forward` also returns this rank's
     share of the micro-batch's router load-balancing loss (model.router_loss), and

@@ -1,11 +1,11 @@
 """Every check a job must pass before training: `vlmcp validate`, and the start of every rank.
 
-One line per problem, each naming what to fix (a config key, or a "file:line" / "file[index]" of
-the data). Checked: the job schema (by `load_job`, before this), the checkpoint directory and its
+One line per problem, each naming what to fix (a config key, or a "file:line" / "file[index]" of the
+data). Checked: the job schema (by `load_job`, before this), the checkpoint directory and its
 processor, the sequence-parallel constraints of the model for the world size, the DeepSpeed config,
-every record of every file of data.train and data.eval (files, images, videos, placeholder
-counts, lengths, targets; each weighted file contributing at least one sample per epoch), that a resume
-has a complete checkpoint to resume from, and that output_dir is writable.
+every record of every file of data.train and data.eval (files, images, videos, placeholder counts,
+lengths, targets; each weighted file contributing at least one sample per epoch), that a resume has
+a complete checkpoint to resume from, and that output_dir is writable.
 
 data.train and data.eval become length indexes (`vlmcp.data.index`), not samples in memory.
 `vlmcp validate` (`decode_images=True`) decodes every image and every sampled video frame once and
