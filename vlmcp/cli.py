@@ -80,8 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
         "validate", help="check a job, its model and every data line before launching",
         description="Check the job schema, the checkpoint directory and processor, the "
                     "sequence-parallel constraints for the world size, the DeepSpeed config, and "
-                    "every line of the data (files, images, placeholder counts, lengths, "
-                    "targets). Prints one line per problem and exits 1 when there is any.")
+                    "every line of the data (files, images, videos: every sampled frame is "
+                    "decoded, placeholder counts, lengths, targets). Prints one line per problem "
+                    "and exits 1 when there is any.")
     _add_job_args(validate)
     validate.add_argument("--world-size", type=int, default=None,
                           help="number of ranks the job will run on (default: $WORLD_SIZE, "
@@ -91,10 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
         "inspect", help="print one training sample as rendered, with its target tokens marked",
         description="Render one sample of data.train exactly as training tokenizes it (chat "
                     "template with data.chat_template_kwargs and data.empty_think, truncation) and "
-                    "print it with its target tokens in [[...]] (green on a terminal) and each "
-                    "image's placeholders collapsed to <|image_pad|>xN, after a summary: source "
-                    "file:line, tokens, targets, and each image's grid and token count. One "
-                    "process, no GPU, no DeepSpeed; only the sample's own images are decoded.")
+                    "print it with its target tokens in [[...]] (green on a terminal), each "
+                    "image's placeholders collapsed to <|image_pad|>xN and each video temporal "
+                    "group's to <|video_pad|>xN, after a summary: source file:line, tokens, "
+                    "targets, each image's grid and token count, and each video's frame count "
+                    "and fps (and where they came from), sampled frames, timestamps, group grid "
+                    "and tokens. One process, no GPU, no DeepSpeed; only the sample's own images "
+                    "and sampled frames are decoded.")
     _add_job_args(inspect)
     inspect.add_argument("--sample", type=int, default=0, metavar="N",
                          help="0-based index of the sample in data.train (default 0)")
@@ -139,7 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "runs in fresh processes that bench starts itself (--sp-size ranks over "
                     "gloo); under torchrun the launcher's ranks run every length in-process. "
                     "--loss-only measures the lm_head + cross-entropy alone; --find-max-len "
-                    "searches the longest sample that fits --memory-budget-gb.")
+                    "searches the longest sample that fits --memory-budget-gb. With --videos N "
+                    "--frames F each length runs under split and replicated vision and the row "
+                    "compares each rank's vision_s (wall) and vision_cpu_s.")
     bench.add_argument("--model", default=None,
                        help="checkpoint directory (default: a tiny random Qwen3.5 built on the fly)")
     bench.add_argument("--moe", action="store_true", help="tiny MoE model instead of dense")

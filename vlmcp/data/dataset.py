@@ -1,7 +1,7 @@
 """A data file -> samples in memory, for held-out evaluation and tests.
 
-Records are read by `vlmcp.data.sources` (JSON Lines or a JSON array, by content). Images are
-decoded and patchified up front, when the file is read. Training data does not come through here:
+Records are read by `vlmcp.data.sources` (JSON Lines or a JSON array, by content). Images and
+the sampled frames of videos are decoded and patchified up front, when the file is read. Training data does not come through here:
 it is indexed (`vlmcp.data.index`) and its packs are loaded when needed (`vlmcp.data.stream`).
 """
 
@@ -41,7 +41,7 @@ def nth_sample(
     truncate: bool = False, image_root: str | Path | None = None,
 ) -> Sample:
     """The sample at 0-based `index` of the files taken in order (records counted across them, as
-    read, before any mixture weight); only that record is parsed and only its images are decoded.
+    read, before any mixture weight); only that record is parsed and only its media are decoded.
     Raises `DataError` (the record's, or one naming the files and how many samples they hold)."""
     count = 0
     for data_path in data_paths:
