@@ -222,6 +222,7 @@ def test_inspect_shows_each_videos_sampled_frames_timestamps_groups_and_tokens(
     assert main(["inspect", str(job), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     (video,) = report["videos"]
-    assert video["frames_sampled"] == [0, 3, 5, 8] and video["timestamps"] == [0.06, 0.26]
+    assert video["frames_sampled"] == [0, 3, 5, 8] and video["sampled"] == 4
+    assert video["timestamps"] == [0.06, 0.26]
     assert (video["groups"], video["group_grid_hw"], video["tokens"]) == (2, [4, 4], 8)
     assert [s["image"] for s in report["segments"] if s["kind"] == "video"] == [0, 1]

@@ -91,6 +91,7 @@ def _video_report(plan: VideoPlan, merge_size: int) -> dict[str, Any]:
             "native_fps_from": plan.meta.fps_source,
             "frame_size": [plan.meta.width, plan.meta.height],
             "resized_to": [plan.width, plan.height], "frames_sampled": list(plan.indices),
+            "sampled": plan.sampled,
             "timestamps": [round(t, 3) for t in plan.timestamps], "groups": groups,
             "group_grid_hw": [h, w], "patches": groups * h * w,
             "tokens": groups * plan.tokens_per_group(merge_size)}
@@ -102,8 +103,8 @@ def inspect_sample(sample: Sample, processor: VLProcessor) -> dict[str, Any]:
     Keys: source ("file:line"), num_tokens, num_targets, images (path, grid_thw [t, h, w],
     patches t*h*w, tokens t*h*w // merge**2), videos (video, total_frames, frame_count_from,
     native_fps, native_fps_from, frame_size, resized_to, frames_sampled: the decoded frame
-    indices, padded to whole groups, timestamps per group, groups, group_grid_hw, patches,
-    tokens), segments (kind, text, is_target, num_tokens, image), chat_template_kwargs, notes
+    indices, padded to whole groups, sampled: how many before that padding, timestamps per
+    group, groups, group_grid_hw, patches, tokens), segments (kind, text, is_target, num_tokens, image), chat_template_kwargs, notes
     (lines worth a look, e.g. an empty think block as a target).
     """
     parts = segments(sample, processor)
@@ -143,7 +144,9 @@ def format_report(report: dict[str, Any], color: bool = False) -> str:
                   f"({video['native_fps_from']}), {video['frame_size'][0]}x"
                   f"{video['frame_size'][1]} resized to {video['resized_to'][0]}x"
                   f"{video['resized_to'][1]}",
-                  f"    frames sampled {video['frames_sampled']}",
+                  f"    frames sampled {video['frames_sampled']}"
+                  + (f" ({video['sampled']}, the last repeated to fill the last group)"
+                     if video["sampled"] < len(video["frames_sampled"]) else ""),
                   f"    {video['groups']} temporal groups of grid {h}x{w} "
                   f"({video['tokens'] // max(video['groups'], 1)} tokens each) at {stamps} s "
                   f"-> {video['tokens']} tokens"]
