@@ -11,6 +11,7 @@ import pytest
 
 from tests.helpers.distributed import run_ranks
 from tests.helpers.launching import REPO, assert_ok, run_vlmcp, tiny_job, write_job
+from tests.helpers.videos import write_video
 from vlmcp.cli import build_parser, main
 from vlmcp.errors import PreflightError
 
@@ -25,7 +26,12 @@ BAD_LINES = {
     5: "has 2 placeholders",
     6: "more than max_seq_len",
     7: "no target tokens",
+    8: "vid/corrupt.mp4: cannot open",
+    9: '"videos"[0] is an empty frame list',
+    10: '1 video markers (<video> or typed video entries) but the record has no "videos"',
+    11: "2 video markers (<video> or typed video entries) for 1 videos",
 }
+VIDEO_USER = {"role": "user", "content": "<video>What happens?"}
 
 
 @pytest.mark.parametrize("command", [None, *COMMANDS])
@@ -75,6 +81,9 @@ def bad_data(make_jsonl, digits_jsonl, tmp_path):
     """Two good lines, then one line per kind of bad input (see BAD_LINES)."""
     (tmp_path / "img").mkdir(exist_ok=True)
     (tmp_path / "img" / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\nnot really a png")
+    (tmp_path / "vid").mkdir(exist_ok=True)
+    (tmp_path / "vid" / "corrupt.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42" + b"\x17" * 200)
+    write_video(tmp_path / "vid" / "clip.mp4", 4, 25, 32, 32)
     digit = str(digits_jsonl / json.loads(
         (digits_jsonl / "train.jsonl").read_text().splitlines()[0])["images"][0])
     lines = [
@@ -87,6 +96,11 @@ def bad_data(make_jsonl, digits_jsonl, tmp_path):
          "images": [digit]},
         {"messages": [{"role": "user", "content": "count " * 200}, ANSWER]},
         {"messages": [USER], "images": [digit]},
+        {"messages": [VIDEO_USER, ANSWER], "videos": ["vid/corrupt.mp4"]},
+        {"messages": [VIDEO_USER, ANSWER], "videos": [[]]},
+        {"messages": [VIDEO_USER, ANSWER]},
+        {"messages": [{"role": "user", "content": "<video><video>Same?"}, ANSWER],
+         "videos": ["vid/clip.mp4"]},
     ]
     return make_jsonl(lines)
 

@@ -162,3 +162,16 @@ def test_lr_schedule_warms_up_linearly_then_decays_by_cosine():
     assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
     assert factors[8] == pytest.approx(0.1 + 0.9 * 0.5)
     assert factors[13] == pytest.approx(0.1)
+
+
+def test_data_video_keys_are_checked_against_each_other_and_named():
+    def video(**keys):
+        return {**MINIMAL, "data": {**MINIMAL["data"], "video": keys}}
+
+    assert _problems(video(frame_list_fpz=2)) == ["unknown config key 'data.video.frame_list_fpz'"]
+    assert _problems(video(fps=0, min_frames=9, max_frames=8, min_pixels=4096,
+                           max_pixels=1024)) == [
+        "config key 'data.video.fps': must be > 0, got 0",
+        "config key 'data.video.min_frames' (9) is above 'data.video.max_frames' (8)",
+        "config key 'data.video.min_pixels' (4096) is above 'data.video.max_pixels' (1024)"]
+    assert job_from_dict(video(fps=4, max_pixels=2**20)).data.video.fps == 4.0

@@ -1,5 +1,5 @@
 """Dataset files as people have them: JSON arrays and JSONL by content, the "image" alias,
-absolute paths and data.image_root, audio/video errors, file lists and weighted mixtures."""
+absolute paths and data.image_root, audio errors, file lists and weighted mixtures."""
 
 from __future__ import annotations
 
@@ -150,11 +150,8 @@ def test_absolute_image_paths_and_image_root(tmp_path, tiny_processor):
                    {"role": "assistant", "content": "hi"}]}, "<audio> marker: audio"),
     ({"messages": [{"role": "user", "content": [{"type": "audio"}]},
                    {"role": "assistant", "content": "hi"}]}, 'type "audio": audio'),
-    ({**_record(), "video": "a.mp4"}, '"video": video is not supported'),
-    ({"conversations": [{"from": "human", "value": "<video>What happens?"},
-                        {"from": "gpt", "value": "x"}]}, "<video> marker: video"),
 ])
-def test_audio_and_video_records_are_clear_errors(record, expected, tmp_path, tiny_processor):
+def test_audio_records_are_clear_errors(record, expected, tmp_path, tiny_processor):
     path = tmp_path / "data.jsonl"
     path.write_text(json.dumps(record) + "\n")
     with pytest.raises(DataError, match=f"data.jsonl:1: .*{expected}"):

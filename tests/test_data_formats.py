@@ -159,7 +159,9 @@ BAD_LINES = {
                        "labels must be unshifted"),
     "marker count": (lambda p: {**_messages(), "images": ["img/a.png", "img/a.png"]},
                      "1 image markers (<image> or typed image entries) for 2 paths"),
-    "videos": (lambda p: {**_messages(), "videos": ["clip.mp4"]}, "video is not supported"),
+    "missing video": (lambda p: {"messages": [{"role": "user", "content": "<video>hi"},
+                                              {"role": "assistant", "content": "7"}],
+                                 "videos": ["clip.mp4"]}, "video not found: {dir}/clip.mp4"),
     "unknown role": (lambda p: {"messages": [{"role": "robot", "content": "hi"}]},
                      "unknown role 'robot'"),
 }

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.launching import tiny_job, write_job
+from tests.helpers.videos import write_video
 from vlmcp.cli import main
 from vlmcp.config import job_from_dict
 from vlmcp.data.batch import IGNORE_INDEX
@@ -202,3 +203,27 @@ def test_inspect_json_accounts_for_every_token_and_honours_set(inspect_job, caps
 def test_inspect_names_a_sample_past_the_end(inspect_job, capsys):
     assert main(["inspect", str(inspect_job), "--sample", "5"]) == 1
     assert "no sample 5 (the data holds 2)" in capsys.readouterr().err
+
+
+def test_inspect_shows_each_videos_sampled_frames_timestamps_groups_and_tokens(
+        tiny_checkpoint, tmp_path, capsys):
+    write_video(tmp_path / "clip.mp4", 9, 25, 64, 48)
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "<video>What moves?"},
+                                             {"role": "assistant", "content": "A bar."}],
+                                "videos": ["clip.mp4"]}) + "\n")
+    job = write_job(tmp_path / "job.json", tiny_job(tiny_checkpoint, data, tmp_path / "out"))
+    assert main(["inspect", str(job)]) == 0
+    out = capsys.readouterr().out
+    assert f"  video 0: {tmp_path}/clip.mp4: 9 frames (stream.frames) at 25 fps (stream average " \
+           "rate), 64x48 resized to 64x64\n    frames sampled [0, 3, 5, 8]\n    2 temporal " \
+           "groups of grid 4x4 (4 tokens each) at 0.1, 0.3 s -> 8 tokens" in out
+    assert "<0.1 seconds><|vision_start|><|video_pad|>x4<|vision_end|><0.3 seconds>" \
+           "<|vision_start|><|video_pad|>x4<|vision_end|>What moves?" in out
+    assert main(["inspect", str(job), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    (video,) = report["videos"]
+    assert video["frames_sampled"] == [0, 3, 5, 8] and video["sampled"] == 4
+    assert video["timestamps"] == [0.06, 0.26]
+    assert (video["groups"], video["group_grid_hw"], video["tokens"]) == (2, [4, 4], 8)
+    assert [s["image"] for s in report["segments"] if s["kind"] == "video"] == [0, 1]

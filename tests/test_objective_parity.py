@@ -13,9 +13,10 @@ the distance of plain transformers in fp32 from it. Each case with sides asserts
 really clipped, dropped, clamped or masked on each of them.
 
 The hybrid model's token packs put an image's placeholders across a shard edge at SP 2 and 4,
-and at SP 4 sample B spans three ranks. Pair P's halves lie on different SP ranks at SP 2 (its
-prompt image is encoded once, by rank 0, and serves both). Each SP size runs all its objectives
-in one set of processes, on one engine (tests/helpers/sp_cases.engine_step "runs")."""
+and at SP 4 sample B spans three ranks; sample C holds an image and a two-group video (so every
+objective trains on video too). Pair P's halves lie on different SP ranks at SP 2 (its prompt
+image is encoded once, by rank 0, and serves both). Each SP size runs all its objectives in one
+set of processes, on one engine (tests/helpers/sp_cases.engine_step "runs")."""
 
 from __future__ import annotations
 
@@ -43,11 +44,12 @@ pytestmark = pytest.mark.e2e
 TOL = 1e-5
 CLIP_LOW, CLIP_HIGH, KL_COEF = 0.2, 0.25, 0.1
 
-#: The samples (length, image grids). In the order C, B, A, D, E, B's 16 placeholders lie at
-#: 21..36: across the shard edge at 27 (SP 2, packs [C, B] and [A, D, E]) and at 22 (SP 4, one
-#: pack of 87 tokens, where B covers ranks 0, 1 and 2).
-SAMPLES = {"A": (11, []), "B": (37, [(1, 8, 8)]), "C": (17, [(1, 2, 2), (1, 2, 2)]), "D": (9, []),
-           "E": (13, [])}
+#: The samples (length, image grids, video grids). In the order C, B, A, D, E, B's 16
+#: placeholders lie at 21..36: across the shard edge at 27 (SP 2, packs [C, B] and [A, D, E]) and
+#: at 22 (SP 4, one pack of 87 tokens, where B covers ranks 0, 1 and 2). C holds an image and a
+#: video of two temporal groups.
+SAMPLES = {"A": (11, [], []), "B": (37, [(1, 8, 8)], []), "C": (17, [(1, 2, 2)], [(2, 2, 2)]),
+           "D": (9, [], []), "E": (13, [], [])}
 #: Per sample: the bias b of logp - old_logprobs (gspo's sequence ratio below, inside and above
 #: its range) and c of log w = old_logprobs - inference_logprobs (the mismatch weight masked or
 #: clamped above, kept, masked below).
@@ -157,11 +159,13 @@ def _make_pair(gen, config, prompt_len, grids, chosen_len, rejected_len):
 def _as_sample(raw, model, arrays, source, pair=None, values=None) -> Sample:
     mm = mm_token_type_ids(raw, model.config)
     positions, _ = model.model.get_rope_index(raw.input_ids[None], mm[None],
-                                              image_grid_thw=raw.image_grid_thw)
+                                              image_grid_thw=raw.image_grid_thw,
+                                              video_grid_thw=raw.video_grid_thw)
     return Sample(input_ids=raw.input_ids.tolist(), labels=raw.labels.tolist(), image_paths=[],
                   pixel_values=raw.pixel_values, image_grid_thw=raw.image_grid_thw,
                   mm_token_type_ids=mm.long(), position_ids=positions[:, 0], source=source,
-                  token_arrays=arrays, pair=pair, values=values or {})
+                  token_arrays=arrays, pair=pair, values=values or {},
+                  pixel_values_videos=raw.pixel_values_videos, video_grid_thw=raw.video_grid_thw)
 
 
 @functools.cache
@@ -170,7 +174,8 @@ def _setup(tmp_root):
     checkpoint = tmp_root / "objectives"
     model.save_pretrained(checkpoint)
     gen = torch.Generator().manual_seed(7)
-    raw = {name: make_sample(gen, model.config, length, grids) for name, (length, grids) in SAMPLES.items()}
+    raw = {name: make_sample(gen, model.config, length, grids, videos=videos)
+           for name, (length, grids, videos) in SAMPLES.items()}
     pairs = {name: _make_pair(gen, model.config, *spec) for name, spec in PAIRS.items()}
     with torch.no_grad():
         arrays = {name: _arrays(gen, model, s, name) for name, s in raw.items()}

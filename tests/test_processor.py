@@ -86,3 +86,37 @@ def test_merge_size_that_disagrees_with_the_vision_config_is_rejected(tiny_check
     _set_json_key(copy / "preprocessor_config.json", "merge_size", 1)
     with pytest.raises(ProcessorError, match="spatial_merge_size=2"):
         load_processor(copy)
+
+
+def test_video_settings_come_from_video_preprocessor_config(tiny_checkpoint, tmp_path):
+    copy = _copy(tiny_checkpoint, tmp_path)
+    config = json.loads((copy / "video_preprocessor_config.json").read_text())
+    assert config["video_processor_type"] == "Qwen3VLVideoProcessor"
+    config.update(fps=3, max_frames=32, size={"shortest_edge": 2048, "longest_edge": 8192},
+                  image_mean=[0.25] * 3)
+    (copy / "video_preprocessor_config.json").write_text(json.dumps(config))
+    processor = load_processor(copy)
+    video = processor.video
+    assert (video.fps, video.min_frames, video.max_frames) == (3.0, 4, 32)
+    assert (video.min_pixels, video.max_pixels) == (2048, 8192)
+    assert list(processor.frame_processor.image_mean) == [0.25] * 3
+    assert list(processor.image_processor.image_mean) == [0.5] * 3  # images keep their own
+    assert processor.video_token_id == 6
+    overridden = load_processor(copy, video={"fps": 1.5, "max_pixels": 4096, "min_frames": None})
+    assert (overridden.video.fps, overridden.video.max_pixels, overridden.video.min_frames) == \
+        (1.5, 4096, 4)
+
+
+def test_a_checkpoint_without_video_config_trains_images_and_names_the_file_for_videos(
+        tiny_checkpoint, tmp_path):
+    copy = _copy(tiny_checkpoint, tmp_path)
+    (copy / "video_preprocessor_config.json").unlink()
+    processor = load_processor(copy)
+    assert processor.video is None and "video_preprocessor_config.json" in processor.no_video
+
+
+def test_a_fixed_num_frames_is_rejected_naming_the_file(tiny_checkpoint, tmp_path):
+    copy = _copy(tiny_checkpoint, tmp_path)
+    _set_json_key(copy / "video_preprocessor_config.json", "num_frames", 16)
+    with pytest.raises(ProcessorError, match="video_preprocessor_config.json: .*num_frames"):
+        load_processor(copy)

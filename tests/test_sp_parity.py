@@ -4,6 +4,12 @@ DeepSpeed step equal those of a plain transformers model that forwards each samp
 where that is larger: `assert_within_fp32_error`), with the vision work split over the SP group
 (frozen and trainable tower) or replicated. Real engine, real gloo processes, real checkpoints on disk.
 
+Video cases (P = 1 with LoRA, 2, 3, 4 and DP 2 x SP 2): plain transformers is fed
+pixel_values_videos, video_grid_thw and mm_token_type_ids; the packs mix videos with images and
+text-only samples, hold two videos of different sizes in one sample, put video placeholders
+across shard edges, and one video larger than the rest of its pack whose temporal groups go to
+several ranks.
+
 LoRA cases (P = 1, 2, 3, 4; ZeRO 0-3; both DeltaNet modes; gradient checkpointing): vlmcp's adapters on the DeltaNet,
 attention and MLP projections and on the MoE routed experts' fused weights (target_parameters) against PEFT's on plain transformers, the same adapter weights on
 both sides; the trainable parameters are then exactly the adapters (and modules_to_save).
@@ -43,8 +49,10 @@ ROUTED_EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 # name -> world, sp size, model overrides, zero stage, DeltaNet mode, grad accumulation, pack layout,
 # and optionally vision ("split", the default, or "replicated"), train_vision, checkpointing, bf16,
 # router_aux (the MoE router load-balancing loss, its coefficient raised so that it matters).
-# A pack layout is, per DP rank, per micro-batch, a list of samples (length, image grids); a sample's
-# first image placeholder is at offset 4, its images follow one another (start, placeholders, end).
+# A pack layout is, per DP rank, per micro-batch, a list of samples (length, image grids) or
+# (length, image grids, video grids); a sample's first image placeholder is at offset 4, its
+# images follow one another (start, placeholders, end), then its videos: per temporal group two
+# timestamp tokens, start, h*w/4 placeholders, end (8 tokens for a 4x4 group).
 # Under split vision, images go largest first to the least-loaded rank; the comments say where
 # image rows travel (shard length in brackets).
 CASES = {
@@ -231,6 +239,43 @@ CASES = {
             [[(9, []), (22, [(1, 2, 2)])], [(12, [(1, 4, 2)]), (5, [])]],
         ],
     ),
+    # Video. Units are whole images and single temporal groups, balanced by cost
+    # p * (p + alpha) (alpha = 2 * 32 + 64 for the tiny tower).
+    # A video-only sample and a sample with two videos of different sizes, LoRA on every Linear.
+    "sp1_lora_video_only_sample_and_two_videos_of_different_sizes_zero3": dict(
+        world=1, sp=1, model={}, stage=3, mode="state", accum=1, lora=dict(targets=DENSE_TARGETS),
+        packs=[[[(28, [], [(3, 2, 4)]), (40, [], [(2, 4, 4), (1, 2, 2)])]]],
+    ),
+    # [37] video, image and text-only samples; the video's first group's placeholders 35..38
+    # straddle the edge; four 16-patch units (the image, three groups), two per rank
+    "p2_video_image_text_pack_group_straddles_edge_trainable_split_heads_mode_zero3": dict(
+        world=2, sp=2, model={}, stage=3, mode="heads", accum=1, train_vision=True,
+        packs=[[[(9, []), (20, [(1, 4, 4)]), (45, [], [(3, 4, 4)])]]],
+    ),
+    # [22] two videos of different sizes and an image in one sample: units of 16, 16, 4, 4, 4
+    # and 4 patches over three ranks, frozen tower
+    "p3_two_videos_of_different_sizes_and_an_image_frozen_split_zero2": dict(
+        world=3, sp=3, model={"num_attention_heads": 6, "num_key_value_heads": 3}, stage=2,
+        mode="state", accum=1,
+        packs=[[[(4, []), (62, [(1, 2, 2)], [(2, 4, 4), (3, 2, 2)])]]],
+    ),
+    # [23] a six-group video larger than the rest of its pack: its 16-patch groups go to all four
+    # ranks (two each to ranks 0 and 1, rank 2 also takes the 4-patch image), and their rows
+    # cross the shard edges
+    "p4_one_video_larger_than_the_pack_spread_over_four_ranks_trainable_split_zero3": dict(
+        world=4, sp=4, model={"num_key_value_heads": 2}, stage=3, mode="state", accum=1,
+        train_vision=True,
+        packs=[[[(11, [(1, 2, 2)]), (80, [], [(6, 4, 4)])]]],
+    ),
+    # replicated vision with videos under data parallelism and accumulation, trainable tower
+    "p2_dp2_grad_accum2_video_replicated_trainable_zero2": dict(
+        world=4, sp=2, model={}, stage=2, mode="state", accum=2, train_vision=True,
+        vision="replicated",
+        packs=[
+            [[(30, [], [(2, 4, 4)]), (6, [])], [(25, [(1, 2, 2)], [(2, 2, 2)])]],
+            [[(9, []), (22, [], [(2, 2, 4)])], [(20, [(1, 4, 2)]), (5, [])]],
+        ],
+    ),
 }
 
 
@@ -278,6 +323,16 @@ def _reference(model, spec: dict, micro_batches, exact: bool) -> tuple:
     return loss, grads, router_aux
 
 
+def _with_videos(sample: tuple) -> tuple:
+    """A pack layout's sample as (length, image grids, video grids)."""
+    return (*sample, []) if len(sample) == 2 else sample
+
+
+def _units(grids) -> list[tuple[int, int, int]]:
+    """The vision units of grids: a (t, h, w) grid is t units (1, h, w) (images have t = 1)."""
+    return [(1, h, w) for t, h, w in grids for _ in range(t)]
+
+
 def _materialise(name: str, tmp_root):
     spec = CASES[name]
     overrides = dict(spec["model"])
@@ -286,7 +341,8 @@ def _materialise(name: str, tmp_root):
     model.save_pretrained(checkpoint)
     gen = torch.Generator().manual_seed(len(name))
     samples = [
-        [[make_sample(gen, model.config, length, grids) for length, grids in micro] for micro in rank_packs]
+        [[make_sample(gen, model.config, length, grids, videos=videos) for length, grids, videos in map(_with_videos, micro)]
+         for micro in rank_packs]
         for rank_packs in spec["packs"]
     ]
     packs = [[pack(micro, model) for micro in rank_packs] for rank_packs in samples]
@@ -364,19 +420,21 @@ def test_memory_features_run_tiled_mlps_and_pass_every_checkpointed_input_throug
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_split_vision_encodes_each_image_once_per_sp_group_replicated_on_every_rank(name, tmp_root):
-    """Split: the ranks of an SP group together encode each image of their packs exactly once.
-    Replicated: every rank encodes every image. A trainable tower runs once per micro-batch on
-    every rank (the blank dummy image where a rank has none); a frozen one at most once."""
+def test_split_vision_encodes_each_unit_once_per_sp_group_replicated_on_every_rank(name, tmp_root):
+    """Split: the ranks of an SP group together encode each image and each video temporal group
+    of their packs exactly once. Replicated: every rank encodes every image and video. A
+    trainable tower runs once per micro-batch on every rank (the blank dummy image where a rank
+    has none); a frozen one at most once."""
     spec = CASES[name]
     _, per_rank = _results(spec["world"], spec["sp"], tmp_root)[name]
     p = spec["sp"]
     copies = p if spec.get("vision") == "replicated" else 1
     for dp_rank, rank_packs in enumerate(spec["packs"]):
         group = per_rank[dp_rank * p : (dp_rank + 1) * p]
-        images = [grid for micro in rank_packs for _, grids in micro for grid in grids]
-        encoded = [grid for r in group for grids, blank in r["tower_calls"] if not blank for grid in grids]
-        assert sorted(encoded) == sorted(images * copies)
+        units = _units(grid for micro in rank_packs for _, grids, videos in map(_with_videos, micro)
+                       for grid in [*grids, *videos])
+        encoded = _units(grid for r in group for grids, blank in r["tower_calls"] if not blank for grid in grids)
+        assert sorted(encoded) == sorted(units * copies)
         for result in group:
             calls = len(result["tower_calls"])
             assert calls == spec["accum"] if spec.get("train_vision") else calls <= spec["accum"]

@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import asdict
 
 from vlmcp.config import load_job, schema_fields
 from vlmcp.errors import ConfigError, JobError, ProcessorError
@@ -47,6 +48,17 @@ def _add_job_args(parser: argparse.ArgumentParser) -> None:
                              "repeatable")
 
 
+def _grid_hw(text: str) -> tuple[int, int]:
+    """`--video-grid` HxW (patches), both even (the 2x2 merge)."""
+    try:
+        h, w = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected HxW, e.g. 16x16, got {text!r}") from None
+    if h < 2 or w < 2 or h % 2 or w % 2:
+        raise argparse.ArgumentTypeError(f"{text}: both sides must be even and >= 2 (patches)")
+    return h, w
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `vlmcp` argument parser with one sub-command per action."""
     parser = argparse.ArgumentParser(
@@ -70,8 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
         "validate", help="check a job, its model and every data line before launching",
         description="Check the job schema, the checkpoint directory and processor, the "
                     "sequence-parallel constraints for the world size, the DeepSpeed config, and "
-                    "every line of the data (files, images, placeholder counts, lengths, "
-                    "targets). Prints one line per problem and exits 1 when there is any.")
+                    "every line of the data (files, images, videos: every sampled frame is "
+                    "decoded, placeholder counts, lengths, targets). Prints one line per problem "
+                    "and exits 1 when there is any.")
     _add_job_args(validate)
     validate.add_argument("--world-size", type=int, default=None,
                           help="number of ranks the job will run on (default: $WORLD_SIZE, "
@@ -81,12 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
         "inspect", help="print one training sample as rendered, with its target tokens marked",
         description="Render one sample of data.train exactly as training tokenizes it (chat "
                     "template with data.chat_template_kwargs and data.empty_think, truncation) and "
-                    "print it with its target tokens in [[...]] (green on a terminal) and each "
-                    "image's placeholders collapsed to <|image_pad|>xN, after a summary: source "
-                    "file:line, tokens, targets, and each image's grid and token count (a "
-                    "preference pair: its chosen, then its rejected half; --json: an object "
-                    "{\"chosen\": ..., \"rejected\": ...}). One process, no GPU, no DeepSpeed; "
-                    "only the sample's own images are decoded.")
+                    "print it with its target tokens in [[...]] (green on a terminal), each "
+                    "image's placeholders collapsed to <|image_pad|>xN and each video temporal "
+                    "group's to <|video_pad|>xN, after a summary: source file:line, tokens, "
+                    "targets, each image's grid and token count, and each video's frame count "
+                    "and fps (and where they came from), sampled frames, timestamps, group grid "
+                    "and tokens (a preference pair: its chosen, then its rejected half; --json: "
+                    "an object {\"chosen\": ..., \"rejected\": ...}). One process, no GPU, no "
+                    "DeepSpeed; only the sample's own images and sampled frames are decoded.")
     _add_job_args(inspect)
     inspect.add_argument("--sample", type=int, default=0, metavar="N",
                          help="0-based index of the sample in data.train (default 0)")
@@ -131,7 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "runs in fresh processes that bench starts itself (--sp-size ranks over "
                     "gloo); under torchrun the launcher's ranks run every length in-process. "
                     "--loss-only measures the lm_head + cross-entropy alone; --find-max-len "
-                    "searches the longest sample that fits --memory-budget-gb.")
+                    "searches the longest sample that fits --memory-budget-gb. With --videos N "
+                    "--frames F each length runs under split and replicated vision and the row "
+                    "compares each rank's vision_s (wall) and vision_cpu_s.")
     bench.add_argument("--model", default=None,
                        help="checkpoint directory (default: a tiny random Qwen3.5 built on the fly)")
     bench.add_argument("--moe", action="store_true", help="tiny MoE model instead of dense")
@@ -152,15 +169,25 @@ def build_parser() -> argparse.ArgumentParser:
                             "show the same prompt --images; each length runs with the images "
                             "encoded once for both halves (pair_images \"shared\", as vlmcp "
                             "trains) and once per half (\"twice\"): compare their vision_s")
+    bench.add_argument("--videos", type=int, default=0,
+                       help="videos in each pack (after the images), of --frames frames each; "
+                            "compares split and replicated vision unless --vision is given")
+    bench.add_argument("--frames", type=int, default=64,
+                       help="sampled frames of each --videos video (two frames per temporal "
+                            "group; default 64)")
+    bench.add_argument("--video-grid", type=_grid_hw, default=(16, 16), metavar="HxW",
+                       help="patch grid of each video temporal group (default 16x16: 256x256 "
+                            "pixels, 64 tokens per group)")
     bench.add_argument("--sp-size", type=int, default=None,
                        help="sequence-parallel size (default: 1, or the launcher's world size)")
     bench.add_argument("--deltanet-cp", choices=DELTANET_MODES, default=DELTANET_MODES[0])
     bench.add_argument("--deltanet-kernel", choices=DELTANET_KERNELS, default=DELTANET_KERNELS[0],
                        help="model.deltanet_kernel: the Gated DeltaNet kernel (default auto: torch on "
                             "CPU, fla on CUDA where its versions allow)")
-    bench.add_argument("--vision", choices=VISION_MODES, default=VISION_MODES[0],
-                       help="parallel.vision: split the image encoding over the SP group, or run "
-                            "it on the whole pack on every rank")
+    bench.add_argument("--vision", choices=[*VISION_MODES, "both"], default=None,
+                       help="parallel.vision: split the image and video encoding over the SP "
+                            "group, run it on the whole pack on every rank, or both, compared "
+                            "per length (default: split; both with --videos)")
     bench.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     bench.add_argument("--gradient-checkpointing", action="store_true",
                        help="train.gradient_checkpointing: recompute each decoder layer in backward")
@@ -212,7 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Build a digits image-question dataset, a tiny tokenizer and a tiny "
                     "random-init Qwen3.5 checkpoint, train with torchrun on CPU, measure held-out "
                     "accuracy by generation and plot loss and accuracy.")
-    demo.add_argument("--out", default="runs/demo", help="output directory")
+    demo.add_argument("--out", default=None,
+                      help="output directory (default runs/demo, runs/demo_video with --video)")
     demo.add_argument("--nproc", type=int, default=2, help="ranks to train on")
     demo.add_argument("--sp-size", type=int, default=2, help="sequence-parallel size")
     demo.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the job's)")
@@ -222,6 +250,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="policy-gradient variant: candidate answers per digit prompt with "
                            "group-relative advantages from their correctness, loss.type "
                            "policy_gradient, output in OUT/rl (vlmcp/demo/rl.py)")
+    demo.add_argument("--video", action="store_true",
+                      help="video variant: synthetic digit clips (4 to 8 temporal groups, the "
+                           "digit in one of them, noise in the others), 'Which digit appears in "
+                           "the video?', trained at SP 2; exits 1 below 80 %% held-out accuracy "
+                           "(vlmcp/demo/video.py)")
     return parser
 
 
@@ -311,7 +344,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         return _report([f"--sample {args.sample}: must be >= 0"])
     try:
         processor = load_processor(job.resolve_input(job.model.path),
-                                   job.data.chat_template_kwargs, job.data.empty_think)
+                                   job.data.chat_template_kwargs, job.data.empty_think,
+                                   asdict(job.data.video))
     except (ProcessorError, OSError, ValueError) as exc:
         return _report([f"config key 'model.path': {exc}"])
     paths = [job.resolve_input(f.path) for f in data_files(job.data.train)]
@@ -374,14 +408,22 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if missing:
         return _report([f"vlmcp demo needs {' and '.join(missing)} (the demo extra): "
                         "pip install 'vlmcp[demo]'"])
+    if args.rl and args.video:
+        return _report(["demo: --rl and --video are separate demos; give one of them"])
+    if args.video:
+        from vlmcp.demo.video import run_video_demo
+
+        return run_video_demo(out_dir=args.out or "runs/demo_video", nproc=args.nproc,
+                              sp_size=args.sp_size, steps=args.steps, overrides=args.overrides)
+    out = args.out or "runs/demo"
     if args.rl:
         from vlmcp.demo.rl import run_rl_demo
 
-        return run_rl_demo(out_dir=args.out, nproc=args.nproc, sp_size=args.sp_size,
+        return run_rl_demo(out_dir=out, nproc=args.nproc, sp_size=args.sp_size,
                            steps=args.steps, overrides=args.overrides)
     from vlmcp.demo.image import run_demo
 
-    return run_demo(out_dir=args.out, nproc=args.nproc, sp_size=args.sp_size, steps=args.steps,
+    return run_demo(out_dir=out, nproc=args.nproc, sp_size=args.sp_size, steps=args.steps,
                     overrides=args.overrides)
 
 

@@ -53,6 +53,10 @@ class ProcessorError(JobError):
     """A checkpoint directory that cannot give a tokenizer and image processor."""
 
 
+class VideoConfigError(JobError):
+    """A video_preprocessor_config.json (or `data.video` value) vlmcp cannot follow."""
+
+
 class ModelLoadError(JobError):
     """A checkpoint directory that vlmcp cannot train."""
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
-from tests.helpers.parity import RawSample, mm_token_type_ids
+from tests.helpers.parity import RawSample, vision_kwargs
 from tests.helpers.references import gated_delta_rule_f64
 from vlmcp.config import LossTerm
 from vlmcp.data.batch import IGNORE_INDEX
@@ -55,12 +55,11 @@ def float64_truth() -> Iterator[None]:
 
 
 def forward_alone(model, sample: RawSample) -> torch.Tensor:
-    """Logits [L, V] of plain transformers on one sample, batch of one."""
-    kwargs = {}
-    if sample.pixel_values is not None:
-        kwargs = dict(pixel_values=sample.pixel_values.to(model.dtype),
-                      image_grid_thw=sample.image_grid_thw,
-                      mm_token_type_ids=mm_token_type_ids(sample, model.config)[None])
+    """Logits [L, V] of plain transformers on one sample (its images and videos), batch of one."""
+    kwargs = vision_kwargs(sample, model.config)
+    for key in ("pixel_values", "pixel_values_videos"):
+        if key in kwargs:
+            kwargs[key] = kwargs[key].to(model.dtype)
     return model(input_ids=sample.input_ids[None], use_cache=False, **kwargs).logits[0]
 
 

@@ -25,12 +25,15 @@ from vlmcp.model.tiny import tiny_qwen3_5_config
 
 @dataclass
 class RawSample:
-    """One sample: input_ids [L], labels [L] (HF convention), its images' pixels and grids."""
+    """One sample: input_ids [L], labels [L] (HF convention), its images' pixels and grids, and
+    its videos' pixels [groups*h*w, C*T*P*P] and grids [V, 3] (groups, h, w)."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
     pixel_values: torch.Tensor | None
     image_grid_thw: torch.Tensor | None
+    pixel_values_videos: torch.Tensor | None = None
+    video_grid_thw: torch.Tensor | None = None
 
 
 def build_model(moe: bool = False, seed: int = 0, **overrides) -> torch.nn.Module:
@@ -50,36 +53,68 @@ def build_model(moe: bool = False, seed: int = 0, **overrides) -> torch.nn.Modul
     return model.eval()
 
 
+#: Text tokens that stand for a temporal group's timestamp ("<1.5 seconds>") in `make_sample`.
+TIMESTAMP_TOKENS = 2
+
+
 def make_sample(
-    gen: torch.Generator, config, length: int, grids: list[tuple[int, int, int]] = (), image_at: int = 3
+    gen: torch.Generator, config, length: int, grids: list[tuple[int, int, int]] = (), image_at: int = 3,
+    videos: list[tuple[int, int, int]] = (),
 ) -> RawSample:
-    """Random tokens with one `<vision_start> N*<image> <vision_end>` run per grid, placed from
-    `image_at`; labels on every later text token (like an answer) and none on image tokens."""
+    """Random tokens with one `<vision_start> N*<image> <vision_end>` run per image grid, placed
+    from `image_at`, then per video grid (groups, h, w) and per group `TIMESTAMP_TOKENS` random
+    text tokens and `<vision_start> h*w/merge**2 * <video> <vision_end>` (Qwen3.5's video
+    prompt); labels on every later text token (like an answer) and none on vision tokens."""
     merge = config.vision_config.spatial_merge_size
     specials = {config.image_token_id, config.video_token_id, config.vision_start_token_id, config.vision_end_token_id}
     vocab = [t for t in range(8, config.text_config.vocab_size)]
-    ids: list[int] = [vocab[int(torch.randint(len(vocab), (1,), generator=gen))] for _ in range(image_at)]
+
+    def text(n: int) -> list[int]:
+        return [vocab[int(torch.randint(len(vocab), (1,), generator=gen))] for _ in range(n)]
+
+    ids: list[int] = text(image_at)
     for t, h, w in grids:
         ids += [config.vision_start_token_id] + [config.image_token_id] * (t * h * w // merge**2) + [config.vision_end_token_id]
+    for groups, h, w in videos:
+        for _ in range(groups):
+            ids += text(TIMESTAMP_TOKENS) + [config.vision_start_token_id]
+            ids += [config.video_token_id] * (h * w // merge**2) + [config.vision_end_token_id]
     while len(ids) < length:
-        ids.append(vocab[int(torch.randint(len(vocab), (1,), generator=gen))])
+        ids += text(1)
     if len(ids) != length:
         raise ValueError(f"sample of {len(ids)} tokens does not fit length {length}")
     input_ids = torch.tensor(ids)
     labels = input_ids.clone()
     labels[: length // 3] = IGNORE_INDEX
     labels[torch.tensor([i in specials for i in ids])] = IGNORE_INDEX
-    pixel_values = grid = None
+    patch_dim = 3 * config.vision_config.temporal_patch_size * config.vision_config.patch_size**2
+    pixel_values = grid = video_pixels = video_grid = None
     if grids:
-        patch_dim = 3 * config.vision_config.temporal_patch_size * config.vision_config.patch_size**2
-        n = sum(t * h * w for t, h, w in grids)
-        pixel_values = torch.randn(n, patch_dim, generator=gen)
+        pixel_values = torch.randn(sum(t * h * w for t, h, w in grids), patch_dim, generator=gen)
         grid = torch.tensor(grids)
-    return RawSample(input_ids, labels, pixel_values, grid)
+    if videos:
+        video_pixels = torch.randn(sum(t * h * w for t, h, w in videos), patch_dim, generator=gen)
+        video_grid = torch.tensor(videos)
+    return RawSample(input_ids, labels, pixel_values, grid, video_pixels, video_grid)
 
 
 def mm_token_type_ids(sample: RawSample, config) -> torch.Tensor:
-    return (sample.input_ids == config.image_token_id).int()
+    """1 on image placeholders, 2 on video placeholders, else 0 (transformers' convention)."""
+    return ((sample.input_ids == config.image_token_id).int()
+            + 2 * (sample.input_ids == config.video_token_id).int())
+
+
+def vision_kwargs(sample: RawSample, config) -> dict:
+    """What plain transformers is fed for a sample's images and videos (nothing without)."""
+    kwargs = {}
+    if sample.pixel_values is not None:
+        kwargs.update(pixel_values=sample.pixel_values, image_grid_thw=sample.image_grid_thw)
+    if sample.pixel_values_videos is not None:
+        kwargs.update(pixel_values_videos=sample.pixel_values_videos,
+                      video_grid_thw=sample.video_grid_thw)
+    if kwargs:
+        kwargs["mm_token_type_ids"] = mm_token_type_ids(sample, config)[None]
+    return kwargs
 
 
 def pack(samples: list[RawSample], model) -> PackedBatch:
@@ -88,7 +123,8 @@ def pack(samples: list[RawSample], model) -> PackedBatch:
     positions, targets = [], []
     for s in samples:
         pos, _ = model.model.get_rope_index(
-            s.input_ids[None], mm_token_type_ids(s, config)[None], image_grid_thw=s.image_grid_thw
+            s.input_ids[None], mm_token_type_ids(s, config)[None], image_grid_thw=s.image_grid_thw,
+            video_grid_thw=s.video_grid_thw,
         )
         positions.append(pos[:, 0])
         shifted = torch.full_like(s.labels, IGNORE_INDEX)
@@ -96,6 +132,8 @@ def pack(samples: list[RawSample], model) -> PackedBatch:
         targets.append(shifted)
     pixels = [s.pixel_values for s in samples if s.pixel_values is not None]
     grids = [s.image_grid_thw for s in samples if s.image_grid_thw is not None]
+    video_pixels = [s.pixel_values_videos for s in samples if s.pixel_values_videos is not None]
+    video_grids = [s.video_grid_thw for s in samples if s.video_grid_thw is not None]
     return PackedBatch(
         input_ids=torch.cat([s.input_ids for s in samples]),
         targets=torch.cat(targets),
@@ -105,6 +143,8 @@ def pack(samples: list[RawSample], model) -> PackedBatch:
         pixel_values=torch.cat(pixels) if pixels else None,
         image_grid_thw=torch.cat(grids) if grids else None,
         sample_ids=[f"sample{i}" for i in range(len(samples))],
+        pixel_values_videos=torch.cat(video_pixels) if video_pixels else None,
+        video_grid_thw=torch.cat(video_grids) if video_grids else None,
     )
 
 
@@ -116,11 +156,8 @@ def reference_loss_and_grads(model, samples: list[RawSample]) -> tuple[float, di
     total = 0.0
     for s in samples:
         n = int((s.labels[1:] != IGNORE_INDEX).sum())
-        kwargs = {}
-        if s.pixel_values is not None:
-            kwargs = dict(pixel_values=s.pixel_values, image_grid_thw=s.image_grid_thw,
-                          mm_token_type_ids=mm_token_type_ids(s, model.config)[None])
-        out = model(input_ids=s.input_ids[None], labels=s.labels[None], use_cache=False, **kwargs)
+        out = model(input_ids=s.input_ids[None], labels=s.labels[None], use_cache=False,
+                    **vision_kwargs(s, model.config))
         (out.loss * n / n_total).backward()
         total += float(out.loss.detach()) * n / n_total
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
@@ -267,6 +304,9 @@ def plain_sample_loss(model: torch.nn.Module, sample) -> tuple[torch.Tensor, int
     kwargs = {}
     if sample.pixel_values is not None:
         kwargs = {"pixel_values": sample.pixel_values, "image_grid_thw": sample.image_grid_thw}
+    if sample.pixel_values_videos is not None:
+        kwargs.update(pixel_values_videos=sample.pixel_values_videos,
+                      video_grid_thw=sample.video_grid_thw)
     out = model(input_ids=torch.tensor([sample.input_ids]), labels=torch.tensor([sample.labels]),
                 mm_token_type_ids=sample.mm_token_type_ids[None], use_cache=False, **kwargs)
     return out.loss, sum(label != IGNORE_INDEX for label in sample.labels[1:])

@@ -2,11 +2,16 @@
 
 Five modes, each writing one JSON report:
 - step (default): forward+backward of `PackedVLM` on a synthetic pack of each length (optionally
-  with `--images` images of mixed sizes); no optimizer step. With `--pairs` the packs hold
-  preference pairs whose halves show the same prompt images, and every length runs twice: the
-  images held and encoded once for both halves (`pair_images` "shared", as vlmcp trains pairs)
-  and once per half (`pair_images` "twice", as a collator that encodes each half's images does);
-  their `vision_s` differ by the encoding saved.
+  with `--images` images of mixed sizes and `--videos` videos of `--frames` frames); no optimizer
+  step. With `--pairs` the packs hold preference pairs whose halves show the same prompt images,
+  and every length runs twice: the images held and encoded once for both halves (`pair_images`
+  "shared", as vlmcp trains pairs) and once per half (`pair_images` "twice", as a collator that
+  encodes each half's images does); their `vision_s` differ by the encoding saved. With
+  `--vision both` (the default with `--videos`) each length runs under split and under
+  replicated vision, and the row compares them: `vision_s_ratio` is the slowest rank's split
+  `vision_s` over the mean replicated `vision_s` (each rank's wall-clock seconds in the vision
+  tower's forward per step), `vision_cpu_s_ratio` the same for the rank processes' CPU seconds
+  there (`vision_cpu_s`: on a shared CPU, what the rank itself spent).
 - `--loss-only`: the lm_head + cross-entropy alone (`shard_loss_sum`, forward+backward) on random
   hidden states of each length.
 - `--find-max-len`: the longest single sample whose step's peak memory fits `--memory-budget-gb`.
@@ -87,6 +92,9 @@ class StepTask:
     pair_images: str = ""
     #: PackedVLM's memory switches: gradient_checkpointing, tiled_mlp, offload_activations.
     memory_options: tuple[tuple[str, bool], ...] = ()
+    videos: int = 0
+    frames: int = 0
+    video_grid: tuple[int, int] = (16, 16)
 
     def run(self, device: torch.device, sp: Any = None) -> dict[str, Any]:
         """This rank's numbers gathered over the world; returns the row (the same on every rank).
@@ -107,7 +115,9 @@ class StepTask:
             batch = synthetic_pairs(self.seq_len, self.samples // 2, config, self.images,
                                     shared=self.pair_images == "shared")
         else:
-            batch = synthetic_pack(self.seq_len, self.samples, config, self.images)
+            batch = synthetic_pack(self.seq_len, self.samples, config, self.images,
+                                   videos=self.videos, frames=self.frames,
+                                   video_group_hw=self.video_grid)
         row = {**measure_steps(module, batch, self, memory), "deltanet_kernel_ran": module.deltanet_kernel}
         return {**row, "pair_images": self.pair_images} if self.pair_images else row
 
@@ -122,7 +132,7 @@ def measure_steps(module: nn.Module, batch: PackedBatch, task: StepTask, memory:
     peak_reset = memory.reset_peak()
     times = []
     for step in range(task.warmup + task.steps):
-        vision_timer.total = 0.0
+        vision_timer.restart()
         started = time.perf_counter()
         with module.micro_batch():
             loss, _, _ = module(batch)
@@ -131,47 +141,64 @@ def measure_steps(module: nn.Module, batch: PackedBatch, task: StepTask, memory:
         _synchronize(memory.device)
         if step >= task.warmup:
             times.append(time.perf_counter() - started)
-            vision_timer.timed += vision_timer.total
+            vision_timer.keep()
     vision_timer.remove()
     peak_mb = memory.peak_mb()
-    mine = [model_mb, peak_mb, vision_timer.timed / max(task.steps, 1), *times]
+    steps = max(task.steps, 1)
+    mine = [model_mb, peak_mb, vision_timer.wall / steps, vision_timer.cpu / steps, *times]
     table = torch.zeros(comm.world_size(), len(mine), dtype=torch.float64)
     table[comm.rank()] = torch.tensor(mine, dtype=torch.float64)
     table = comm.all_reduce_sum(table)
     per_rank = [{"rank": r, "model_memory_mb": float(row[0]), "peak_memory_mb": float(row[1]),
                  "activation_memory_mb": float(row[1] - row[0]), "vision_s": float(row[2]),
-                 "step_time_s": float(row[3:].mean()) if task.steps else 0.0}
+                 "vision_cpu_s": float(row[3]),
+                 "step_time_s": float(row[4:].mean()) if task.steps else 0.0}
                 for r, row in enumerate(table)]
-    step_s = float(table[:, 3:].max(dim=0).values.mean()) if task.steps else 0.0
+    step_s = float(table[:, 4:].max(dim=0).values.mean()) if task.steps else 0.0
     image_tokens = int((batch.mm_token_type_ids == 1).sum())
     return {"seq_len": task.seq_len, "samples_per_pack": task.samples, "images": task.images,
-            "image_tokens": image_tokens, "step_time_s": step_s,
+            "image_tokens": image_tokens, "videos": task.videos, "frames": task.frames,
+            "video_tokens": int((batch.mm_token_type_ids == 2).sum()),
+            "vision": task.vision, "step_time_s": step_s,
             "tokens_per_s": task.seq_len / step_s if step_s else 0.0,
             "model_memory_mb": max(r["model_memory_mb"] for r in per_rank),
             "peak_memory_mb": max(r["peak_memory_mb"] for r in per_rank),
             "activation_memory_mb": max(r["activation_memory_mb"] for r in per_rank),
-            "vision_s": max(r["vision_s"] for r in per_rank), "per_rank": per_rank,
+            "vision_s": max(r["vision_s"] for r in per_rank),
+            "vision_cpu_s": max(r["vision_cpu_s"] for r in per_rank), "per_rank": per_rank,
             "fragmentation_mb": memory.fragmentation_mb(),
             "memory_kind": memory.kind, "peak_is_cumulative": not peak_reset}
 
 
 class _VisionTimer:
-    """Seconds spent inside `vision`'s forward, from forward pre/post hooks (CUDA: synchronized)."""
+    """Seconds spent inside `vision`'s forward, from forward pre/post hooks (CUDA: synchronized):
+    wall-clock, and this process's CPU time (on a shared CPU the CPU time is what the rank
+    itself spent, whatever else the cores ran). `wall` and `cpu` sum the kept steps."""
 
     def __init__(self, vision: nn.Module, device: torch.device) -> None:
         self.device = device
-        self.total = 0.0
-        self.timed = 0.0
-        self._started = 0.0
+        self.wall = self.cpu = 0.0
+        self._step = [0.0, 0.0]
+        self._started = (0.0, 0.0)
         self._hooks = [vision.register_forward_pre_hook(self._pre), vision.register_forward_hook(self._post)]
+
+    def restart(self) -> None:
+        """Start a step's count."""
+        self._step = [0.0, 0.0]
+
+    def keep(self) -> None:
+        """Add the step's count to the totals."""
+        self.wall += self._step[0]
+        self.cpu += self._step[1]
 
     def _pre(self, *_: Any) -> None:
         _synchronize(self.device)
-        self._started = time.perf_counter()
+        self._started = (time.perf_counter(), time.process_time())
 
     def _post(self, *_: Any) -> None:
         _synchronize(self.device)
-        self.total += time.perf_counter() - self._started
+        self._step[0] += time.perf_counter() - self._started[0]
+        self._step[1] += time.process_time() - self._started[1]
 
     def remove(self) -> None:
         for hook in self._hooks:
@@ -267,13 +294,13 @@ def _model_sizes(args: argparse.Namespace) -> tuple[int, int]:
 
 
 def _step_task(args: argparse.Namespace, model_dir: str, seq_len: int, samples: int, steps: int,
-               warmup: int, pair_images: str = "") -> StepTask:
+               warmup: int, vision: str | None = None, pair_images: str = "") -> StepTask:
     return StepTask(model_dir=model_dir, dtype=args.dtype, sp_size=args.sp_size or 1,
                     deltanet_cp=args.deltanet_cp, deltanet_kernel=args.deltanet_kernel,
-                    vision=args.vision, loss_chunk_mb=args.loss_chunk_mb,
-                    seq_len=seq_len,
-                    samples=samples, images=args.images, steps=steps, warmup=warmup,
-                    pair_images=pair_images, memory_options=_memory_options(args))
+                    vision=vision or args.vision, loss_chunk_mb=args.loss_chunk_mb,
+                    seq_len=seq_len, samples=samples, images=args.images, steps=steps,
+                    warmup=warmup, pair_images=pair_images, memory_options=_memory_options(args),
+                    videos=args.videos, frames=args.frames, video_grid=args.video_grid)
 
 
 def _memory_options(args: argparse.Namespace) -> tuple[tuple[str, bool], ...]:
@@ -282,26 +309,51 @@ def _memory_options(args: argparse.Namespace) -> tuple[tuple[str, bool], ...]:
             ("offload_activations", args.offload_activations))
 
 
+def _one_step_row(args: argparse.Namespace, model_dir: str, seq_len: int, device: torch.device,
+                  sp: Any, vision: str, pair_images: str = "") -> dict[str, Any]:
+    if device.type == "cpu" and not _launched():
+        task = _step_task(args, model_dir, seq_len, args.samples_per_pack, args.steps,
+                          args.warmup, vision, pair_images)
+        return {**run_fresh(task, task.sp_size, distributed=task.sp_size > 1),
+                "fresh_process": True}
+    return _in_process_step(args, model_dir, seq_len, device, sp, vision=vision,
+                            pair_images=pair_images)
+
+
+def _compared(split: dict[str, Any], replicated: dict[str, Any]) -> dict[str, Any]:
+    """One length's split and replicated rows side by side, with the vision time ratio."""
+    row = {"seq_len": split["seq_len"], "split": split, "replicated": replicated}
+    if "error" in split or "error" in replicated:
+        return row
+    for key in ("vision_s", "vision_cpu_s"):
+        mean = sum(r[key] for r in replicated["per_rank"]) / len(replicated["per_rank"])
+        row.update({f"split_{key}": [r[key] for r in split["per_rank"]],
+                    f"replicated_{key}": [r[key] for r in replicated["per_rank"]],
+                    f"{key}_ratio": split[key] / mean if mean else None})
+    return row
+
+
 def _bench_steps(args: argparse.Namespace, model_dir: str, device: torch.device, sp: Any) -> list[dict[str, Any]]:
     rows = []
     for seq_len in _lengths(args.seq_lens):
-        _check_pack(model_dir, seq_len, args.samples_per_pack, args.images, args.pairs)
+        _check_pack(args, model_dir, seq_len, args.samples_per_pack)
+        modes = ["split", "replicated"] if args.vision == "both" else [args.vision]
         for pair_images in ("shared", "twice") if args.pairs else ("",):
-            if device.type == "cpu" and not _launched():
-                task = _step_task(args, model_dir, seq_len, args.samples_per_pack, args.steps,
-                                  args.warmup, pair_images)
-                row = {**run_fresh(task, task.sp_size, distributed=task.sp_size > 1),
-                       "fresh_process": True}
-            else:
-                row = _in_process_step(args, model_dir, seq_len, device, sp,
-                                       pair_images=pair_images)
-            rows.append(row)
-            if "error" not in row:
-                logger.info("seq_len %d%s: %.3f s per forward+backward, %.0f tokens/s, model %.0f "
-                            "MiB, peak %.0f MiB, activations %.0f MiB, vision %.3f s", seq_len,
-                            f" (pair images {pair_images})" if pair_images else "",
-                            row["step_time_s"], row["tokens_per_s"], row["model_memory_mb"],
-                            row["peak_memory_mb"], row["activation_memory_mb"], row["vision_s"])
+            measured = [_one_step_row(args, model_dir, seq_len, device, sp, mode, pair_images)
+                        for mode in modes]
+            for row in measured:
+                if "error" not in row:
+                    logger.info("seq_len %d (%s vision%s): %.3f s per forward+backward, %.0f "
+                                "tokens/s, model %.0f MiB, peak %.0f MiB, activations %.0f MiB, "
+                                "vision %.3f s on the slowest rank", seq_len, row["vision"],
+                                f", pair images {pair_images}" if pair_images else "",
+                                row["step_time_s"], row["tokens_per_s"], row["model_memory_mb"],
+                                row["peak_memory_mb"], row["activation_memory_mb"],
+                                row["vision_s"])
+            rows.append(_compared(*measured) if len(measured) == 2 else measured[0])
+            if rows[-1].get("vision_s_ratio") is not None:
+                logger.info("seq_len %d: split / replicated vision time %.2f (wall), %.2f (CPU)",
+                            seq_len, rows[-1]["vision_s_ratio"], rows[-1]["vision_cpu_s_ratio"])
     return rows
 
 
@@ -326,29 +378,32 @@ def _bench_saved_bytes(args: argparse.Namespace, model_dir: str, device: torch.d
     return rows
 
 
-def _check_pack(model_dir: str, seq_len: int, samples: int, images: int, pairs: bool = False
-                ) -> None:
+def _check_pack(args: argparse.Namespace, model_dir: str, seq_len: int, samples: int) -> None:
     """Raise the ValueError of a pack that cannot be built, before any rank starts."""
-    if pairs and (samples % 2 or not images):
+    if args.pairs and (samples % 2 or not args.images):
         raise ValueError(f"--pairs needs an even --samples-per-pack (got {samples}) and --images "
                          "(the prompts' images the halves share)")
-    if images:
+    if args.pairs and args.videos:
+        raise ValueError("--pairs and --videos: the benched pairs share prompt images only")
+    if args.images or args.videos:
         from vlmcp.model.load import load_config
 
-        if pairs:
-            synthetic_pairs(seq_len, samples // 2, load_config(model_dir), images)
+        config = load_config(model_dir)
+        if args.pairs:
+            synthetic_pairs(seq_len, samples // 2, config, args.images)
         else:
-            synthetic_pack(seq_len, samples, load_config(model_dir), images)
+            synthetic_pack(seq_len, samples, config, args.images, videos=args.videos,
+                           frames=args.frames, video_group_hw=args.video_grid)
 
 
 def _in_process_step(args: argparse.Namespace, model_dir: str, seq_len: int, device: torch.device, sp: Any,
                      samples: int | None = None, steps: int | None = None, warmup: int | None = None,
-                     pair_images: str = "") -> dict[str, Any]:
+                     vision: str | None = None, pair_images: str = "") -> dict[str, Any]:
     """One length on the current world (launcher ranks, or one CUDA process). A CUDA
     out-of-memory error becomes a row with `error`."""
     task = _step_task(args, model_dir, seq_len, samples or args.samples_per_pack,
                       args.steps if steps is None else steps, args.warmup if warmup is None else warmup,
-                      pair_images)
+                      vision, pair_images)
     try:
         row = {**task.run(device, sp), "fresh_process": False}
     except torch.OutOfMemoryError as exc:
@@ -415,7 +470,7 @@ def find_max_len(args: argparse.Namespace, model_dir: str, device: torch.device,
     `--memory-budget-gb`, probing at most `--max-probes` lengths (`search_max_len`). Returns
     (length or None, the probes' rows in order)."""
     budget_mb = args.memory_budget_gb * 1024
-    _check_pack(model_dir, args.granularity, 1, args.images)
+    _check_pack(args, model_dir, args.granularity, 1)
     probes: list[dict[str, Any]] = []
 
     def fits(seq_len: int) -> bool:
@@ -460,6 +515,11 @@ def _resolve_args(args: argparse.Namespace, device: torch.device) -> None:
     args.vocab_size = args.vocab_size or DEFAULT_VOCAB
     args.hidden_size = args.hidden_size or DEFAULT_HIDDEN
     args.loss_chunk_mb = args.loss_chunk_mb or DEFAULT_LOSS_CHUNK_MB
+    args.vision = args.vision or ("both" if args.videos and not args.find_max_len else "split")
+    if args.videos and args.frames < 2:
+        problems.append("--videos needs --frames >= 2 (a temporal group is two frames)")
+    if args.find_max_len and args.vision == "both":
+        problems.append("--find-max-len measures one vision mode: give --vision split or replicated")
     if args.find_max_len and args.memory_budget_gb is None:
         problems.append("--find-max-len needs --memory-budget-gb")
     modes = [flag for flag, on in (("--find-max-len", args.find_max_len), ("--loss-only", args.loss_only),
@@ -547,7 +607,9 @@ def _bench_model(args: argparse.Namespace, model_dir: str, device: torch.device)
     report: dict[str, Any] = {"world_size": world, "sp_size": args.sp_size or 1,
                               "deltanet_cp": args.deltanet_cp, "deltanet_kernel": args.deltanet_kernel,
                               "vision": args.vision, "images": args.images, "pairs": args.pairs,
-                              "threads_per_rank": threads, **dict(_memory_options(args))}
+                              "videos": args.videos, "frames": args.frames,
+                              "video_grid": list(args.video_grid), "threads_per_rank": threads,
+                              **dict(_memory_options(args))}
     if args.saved_bytes:
         return {**report, "mode": "saved_bytes", "results": _bench_saved_bytes(args, model_dir, device, sp)}
     if not args.find_max_len:

@@ -14,7 +14,7 @@ import typing
 from dataclasses import fields, is_dataclass
 from typing import Any
 
-from vlmcp.config.schema import JobConfig, LoraSection, ModelSection
+from vlmcp.config.schema import JobConfig, LoraSection, ModelSection, VideoSection
 from vlmcp.data.sources import data_files
 from vlmcp.errors import DataSpecError
 
@@ -162,6 +162,7 @@ def cross_key_problems(job: JobConfig) -> list[str]:
                         "evaluation runs")
     problems.extend(_lora_checks(job.lora, job.model))
     problems.extend(_memory_feature_checks(job))
+    problems.extend(_video_checks(job.data.video))
     return problems
 
 
@@ -180,6 +181,18 @@ def _memory_feature_checks(job: JobConfig) -> list[str]:
         problems.append(f"config key 'train.tiled_mlp' is true with 'lora.dropout' {job.lora.dropout}: "
                         "TiledMLP recomputes the MLP in backward without replaying its dropout "
                         "masks; set lora.dropout to 0 or train.tiled_mlp to false")
+    return problems
+
+
+def _video_checks(video: VideoSection) -> list[str]:
+    """`data.video` rules beyond each key's range."""
+    problems = [f"config key 'data.video.{name}': must be > 0, got 0"
+                for name in ("fps", "frame_list_fps") if getattr(video, name) == 0]
+    for low, high in (("min_frames", "max_frames"), ("min_pixels", "max_pixels")):
+        a, b = getattr(video, low), getattr(video, high)
+        if a is not None and b is not None and a > b:
+            problems.append(f"config key 'data.video.{low}' ({a}) is above "
+                            f"'data.video.{high}' ({b})")
     return problems
 
 

@@ -51,6 +51,27 @@ class ModelSection:
 
 
 @dataclass
+class VideoSection:
+    fps: float | None = field(default=None, metadata=_key(
+        "frames sampled per second of video (null: video_preprocessor_config.json's fps)",
+        min=0.0))
+    min_frames: int | None = field(default=None, metadata=_key(
+        "fewest frames sampled from a video, when it has that many (null: the checkpoint's)",
+        min=1))
+    max_frames: int | None = field(default=None, metadata=_key(
+        "most frames sampled from a video (null: the checkpoint's)", min=1))
+    min_pixels: int | None = field(default=None, metadata=_key(
+        "lower bound of a video's sampled frames' pixels, all frames together (null: the "
+        "checkpoint's size.shortest_edge)", min=1))
+    max_pixels: int | None = field(default=None, metadata=_key(
+        "upper bound of a video's sampled frames' pixels, all frames together (null: the "
+        "checkpoint's size.longest_edge)", min=1))
+    frame_list_fps: float | None = field(default=None, metadata=_key(
+        "native frame rate of a video given as a list of frame images, when its record has no "
+        '"fps" (null: such a record is an error)', min=0.0))
+
+
+@dataclass
 class DataSection:
     train: str | list = field(default="", metadata=_key(
         "training data: a JSONL or JSON-array file, a list of them, or a weighted mixture "
@@ -62,8 +83,8 @@ class DataSection:
         "held-out data: a JSONL or JSON-array file or a list of them (not weighted; optional)",
         files="plain"))
     image_root: str | None = field(default=None, metadata=_key(
-        "directory that relative image paths of the data are relative to (null: each data "
-        "file's own directory); absolute image paths are used as they are"))
+        "directory that relative image and video paths of the data are relative to (null: each "
+        "data file's own directory); absolute paths are used as they are"))
     max_seq_len: int = field(default=4096, metadata=_key(
         "tokens per packed micro-batch (one pack of whole samples)", min=2))
     shuffle: bool = field(default=False, metadata=_key(
@@ -86,6 +107,8 @@ class DataSection:
     cache_dir: str | None = field(default=None, metadata=_key(
         "directory of the cached length index of data.train, relative to the current directory "
         "(null: $XDG_CACHE_HOME/vlmcp/index, else ~/.cache/vlmcp/index)"))
+    video: VideoSection = field(default_factory=VideoSection, metadata=_key(
+        "video sampling and pixel bounds over the checkpoint's video_preprocessor_config.json"))
 
 
 @dataclass

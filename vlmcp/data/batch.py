@@ -2,8 +2,9 @@
 
 Dimension legend: S = packed length (sum of seq_lens), B = samples in the pack (len(seq_lens)),
 N_patch = vision patches of the pack's distinct images, I = those images, I_use = image
-placeholder runs (one per image of each sample). Every tensor here is global (the whole pack);
-sharding over a sequence-parallel group happens later, in `vlmcp.parallel.shard`.
+placeholder runs (one per image of each sample), N_vpatch = vision patches of all videos, V =
+videos. Every tensor here is global (the whole pack); sharding over a sequence-parallel group
+happens later, in `vlmcp.parallel.shard`.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ class PackedBatch:
                        every sample has no target, so no sample is predicted from its neighbour.
     position_ids:      [3, S] MRoPE (t, h, w) positions, computed for each sample alone
                        (they restart at 0 at every sample start).
-    mm_token_type_ids: [S] 1 on image placeholder tokens, 0 elsewhere.
+    mm_token_type_ids: [S] 1 on image placeholder tokens, 2 on video placeholder tokens, 0
+                       elsewhere.
     seq_lens:          lengths of the samples in order; the one source of sample boundaries.
     pixel_values:      [N_patch, C*T*P*P] patches of every distinct image, in order, or None.
     image_grid_thw:    [I, 3] (t, h, w) patch grid of each distinct image, in order, or None.
@@ -46,6 +48,10 @@ class PackedBatch:
                        order; None when every image is shown once (then I_use == I, in order).
                        The two halves of a preference pair show the prompt's images: they are
                        held (and encoded) once.
+    pixel_values_videos: [N_vpatch, C*T*P*P] patches of every video, in placeholder order,
+                       temporal group after temporal group, or None.
+    video_grid_thw:    [V, 3] (groups, h, w) patch grid of each video, in placeholder order, or
+                       None; each group fills one run of h*w / merge**2 video placeholders.
     sample_ids:        "file:line" of each sample, for error messages.
     token_arrays:      per-token arrays by name (`TOKEN_ARRAYS` and a job's weight arrays), each
                        [S] fp32 and shifted like targets: token_arrays[k][t] belongs to the
@@ -68,6 +74,8 @@ class PackedBatch:
     image_index: torch.Tensor | None = None
     pairs: list[tuple[int, int]] = field(default_factory=list)
     sample_values: dict[str, torch.Tensor] = field(default_factory=dict)
+    pixel_values_videos: torch.Tensor | None = None
+    video_grid_thw: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

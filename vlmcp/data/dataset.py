@@ -1,10 +1,10 @@
 """A data file -> samples in memory: one sample for `vlmcp inspect`, whole files for tests.
 
-Records are read by `vlmcp.data.sources` (JSON Lines or a JSON array, by content). Images are
-decoded and patchified up front, when the file is read. Training and held-out data do not come
-through here: they are indexed (`vlmcp.data.index`) and their packs are loaded when needed
-(`vlmcp.data.stream`); `vlmcp validate` checks every record through that same index pass
-(`vlmcp.training.preflight`).
+Records are read by `vlmcp.data.sources` (JSON Lines or a JSON array, by content). Images and
+the sampled frames of videos are decoded and patchified up front, when the file is read. Training
+and held-out data do not come through here: they are indexed (`vlmcp.data.index`) and their packs
+are loaded when needed (`vlmcp.data.stream`); `vlmcp validate` checks every record through that
+same index pass (`vlmcp.training.preflight`).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def nth_samples(
 ) -> list[Sample]:
     """The samples of the record at 0-based `index` of the files taken in order (records counted
     across them, as read, before any mixture weight): one, or a pair's two halves; only that
-    record is parsed and only its images are decoded. Raises `DataError` (the record's, or one
+    record is parsed and only its media are decoded. Raises `DataError` (the record's, or one
     naming the files and how many samples they hold)."""
     count = 0
     for data_path in data_paths:

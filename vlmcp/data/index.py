@@ -3,14 +3,18 @@
 Packing needs only each sample's token count, so a first pass over the data records, per
 sample (a preference pair is one row, both halves together, so that packing keeps them in one
 pack): where it lies (file, line, byte offset and length), its tokens, its targets, and its
-(kept) images and their vision patches. Each image's placeholder count comes from its size as
-read from the file header (`vlmcp.data.image_size`); the text is tokenized to count it and then
-dropped. A sample is read back, tokenized again (deterministically) and its images decoded only
-when its pack is loaded (`vlmcp.data.stream`). The index holds 40 bytes per sample as numpy
-arrays; `vlmcp.data.index_cache` keeps it on disk between runs.
+(kept) images and videos and their vision patches. Each image's placeholder count comes from its
+size as read from the file header (`vlmcp.data.image_size`); each video's from its container
+metadata (frame count, fps, frame size: `vlmcp.data.video.probe_video`) through the same
+sampling and sizing rules the loader applies (`vlmcp.data.video_plan`), without decoding a
+frame. The text is tokenized to count it and then dropped. A sample is read back, tokenized
+again (deterministically) and its images and sampled video frames decoded only when its pack is
+loaded (`vlmcp.data.stream`). The index holds 60 bytes per sample as numpy arrays;
+`vlmcp.data.index_cache` keeps it on disk between runs.
 
-With `decode=True` (`vlmcp validate`) every image is decoded and patchified once, to prove it is
-readable, and the counts are taken from that real processing; no pixels are kept.
+With `decode=True` (`vlmcp validate`) every image and every sampled video frame is decoded and
+patchified once, to prove it is readable, and the counts are taken from that real processing; no
+pixels are kept.
 """
 
 from __future__ import annotations
@@ -28,13 +32,15 @@ from vlmcp.data.pairs import record_paths, record_samples, record_tokens
 from vlmcp.data.processor import VLProcessor
 from vlmcp.data.records import Span, locate_records, record_label
 from vlmcp.data.sources import is_json_array
+from vlmcp.data.video_records import plan_videos
 from vlmcp.errors import DataError
 
 #: Columns of the index: (name, numpy dtype).
 COLUMNS = (("file_id", np.int32), ("record", np.int32), ("line", np.int32), ("offset", np.int64),
            ("nbytes", np.int64),
            ("tokens", np.int32), ("targets", np.int32), ("images", np.int32),
-           ("patches", np.int32), ("token_arrays", np.int32), ("chosen_tokens", np.int32))
+           ("patches", np.int32), ("videos", np.int32), ("video_patches", np.int32),
+           ("token_arrays", np.int32), ("chosen_tokens", np.int32))
 
 
 @dataclass
@@ -47,6 +53,7 @@ class LengthIndex:
     targets: its predicted tokens.
     images, patches: its kept images and their vision patches (sum of t*h*w); a pair's prompt
              images once.
+    videos, video_patches: its kept videos and their vision patches (sum of groups*h*w).
     token_arrays: a bit mask of the per-token arrays and pair values it carries (bit k:
              `array_names[k]`).
     chosen_tokens: for a preference pair, the tokens of its chosen half (its row counts both
@@ -67,6 +74,8 @@ class LengthIndex:
     targets: np.ndarray
     images: np.ndarray
     patches: np.ndarray
+    videos: np.ndarray
+    video_patches: np.ndarray
     token_arrays: np.ndarray
     chosen_tokens: np.ndarray
     array_names: tuple[str, ...] = TOKEN_ARRAYS + PAIR_VALUES
@@ -116,30 +125,36 @@ def _array_mask(names: Iterable[str], mask_names: tuple[str, ...]) -> int:
     return sum(1 << mask_names.index(name) for name in names)
 
 
+def _count(grids: Sequence[Sequence[int]]) -> tuple[int, int]:
+    """(number of grids, their patches sum(t*h*w))."""
+    return len(grids), sum(int(t) * int(h) * int(w) for t, h, w in grids)
+
+
 def _row(record: object, source: str, base_dir: Path, processor: VLProcessor, max_seq_len: int,
-         truncate: bool, decode: bool, array_names: tuple[str, ...]
-         ) -> tuple[int, int, int, int, int, int]:
-    """(tokens, targets, images, patches, token-array mask, chosen tokens) of one record;
-    DataError when it cannot train."""
+         truncate: bool, decode: bool, array_names: tuple[str, ...]) -> tuple[int, ...]:
+    """(tokens, targets, images, patches, videos, video patches, token-array mask, chosen
+    tokens) of one record; DataError when it cannot train."""
     mask_names = array_names + PAIR_VALUES
     if decode:
         samples = record_samples(record, source, base_dir, processor, max_seq_len, truncate,
                                  array_names)
-        grid = samples[0].image_grid_thw
-        carried = set(samples[0].token_arrays) | (set(PAIR_VALUES) if samples[0].values else set())
+        first = samples[0]
+        grids = [] if first.image_grid_thw is None else first.image_grid_thw.tolist()
+        video_grids = [] if first.video_grid_thw is None else first.video_grid_thw.tolist()
+        carried = set(first.token_arrays) | (set(PAIR_VALUES) if first.values else set())
         return (sum(len(s) for s in samples),
                 sum(label != IGNORE_INDEX for s in samples for label in s.labels[1:]),
-                0 if grid is None else len(grid),
-                0 if grid is None else int(grid.prod(-1).sum()), _array_mask(carried, mask_names),
-                len(samples[0]) if len(samples) == 2 else 0)
+                *_count(grids), *_count(video_grids), _array_mask(carried, mask_names),
+                len(first) if len(samples) == 2 else 0)
     paths = record_paths(record, source, base_dir)
     grids = [header_grid(p, source, processor.image_processor) for p in paths]
+    plans = plan_videos(record, base_dir, source, processor)
     tokens = record_tokens(record, source, base_dir, processor, grids, max_seq_len, truncate,
-                           array_names)
+                           array_names, plans)
     first = tokens.halves[0]
     return (sum(len(t.input_ids) for t in tokens.halves),
-            sum(t.num_targets for t in tokens.halves), len(first.grids),
-            sum(t * h * w for t, h, w in first.grids), _array_mask(tokens.carried, mask_names),
+            sum(t.num_targets for t in tokens.halves), *_count(first.grids),
+            *_count([plan.grid for plan in first.videos]), _array_mask(tokens.carried, mask_names),
             len(first.input_ids) if tokens.is_pair else 0)
 
 
@@ -147,9 +162,10 @@ def build_index(files: Sequence[Path], processor: VLProcessor, max_seq_len: int,
                 truncate: bool = False, *, image_root: Path | None = None, decode: bool = False,
                 array_names: tuple[str, ...] = TOKEN_ARRAYS) -> tuple[LengthIndex, list[str]]:
     """The index of every usable sample of `files` (in file order), and one "source: problem"
-    line per bad record or file (all of them). image_root: what relative image paths are
-    relative to (None: each file's directory). With `decode`, images are decoded once each
-    (validation); else only their headers are read. array_names: the per-token arrays read from
+    line per bad record or file (all of them). image_root: what relative image and video paths
+    are relative to (None: each file's directory). With `decode`, images and the sampled video
+    frames are decoded once each (validation); else only image headers and video container
+    metadata are read. array_names: the per-token arrays read from
     tokens records (`LengthIndex.array_names`)."""
     columns = {name: array("q") for name, _ in COLUMNS}
     problems: list[str] = []

@@ -3,16 +3,18 @@
 One file per (data files, processor, settings): `<cache_dir>/index-<key>.npz`, where key is a
 SHA-256 over the absolute data file paths, a fingerprint of the processor (the tokenizer's
 serialized vocabulary, merges and added tokens, its chat template, the chat template kwargs and
-empty-think choice it renders with, the image processor's settings and the vision token ids), the
+empty-think choice it renders with, the image processor's settings, the video settings and the
+vision token ids), the
 index-affecting settings (max_seq_len, truncate, image_root) and the index format version. Inside, next to the arrays, each data file's
 size, mtime and SHA-256 of its bytes.
 
 A cached index is used when every data file has the recorded size and mtime (nothing is read), or
 else the same content (its bytes are hashed: a copied or touched file still hits). Images are not
-stamped: the index holds only their sizes, and a sample whose image changed size since the index
-was built fails when its pack is loaded, naming the image and this cache file (delete it, or run
-`vlmcp validate`, which rebuilds it). Writes are atomic (a temporary file renamed into place), so
-ranks or nodes that write the same index at once leave one whole file.
+stamped: the index holds only their sizes, and a sample whose image changed size since the index was
+built fails when its pack is loaded, naming the image and this cache file (delete it, or run `vlmcp
+validate`, which rebuilds it). Videos are not stamped either, for the same reason. Writes are atomic
+(a temporary file renamed into place), so ranks or nodes that write the same index at once leave one
+whole file.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ def processor_fingerprint(processor: VLProcessor) -> str:
         "chat_template": tokenizer.chat_template or "",
         "image_processor": processor.image_processor.to_json_string(),
         "ids": [processor.image_token_id, processor.vision_start_id, processor.vision_end_id,
-                processor.merge_size],
+                processor.merge_size, processor.video_token_id],
+        "video": repr(processor.video),
         "chat_template_kwargs": processor.chat_template_kwargs,
         "empty_think": processor.empty_think,
     }

@@ -81,8 +81,9 @@ def build_batch(samples: Sequence[Sample]) -> PackedBatch:
     pixel_values and image_grid_thw hold each distinct image once, in sample order: the rejected
     half of a preference pair shows its chosen half's images (their shared prompt's), and
     `image_index` points its placeholder runs at those. Both halves of every pair must be in
-    `samples` (`PackedBatch.pairs`). Per-token arrays and per-sample values are kept when every
-    sample carries them, the arrays shifted like the targets.
+    `samples` (`PackedBatch.pairs`). pixel_values_videos and video_grid_thw are concatenated in
+    sample order, which is placeholder order. Per-token arrays and per-sample values are kept when
+    every sample carries them, the arrays shifted like the targets.
     """
     shared = set.intersection(*(set(s.token_arrays) for s in samples)) if samples else set()
     valued = set.intersection(*(set(s.values) for s in samples)) if samples else set()
@@ -115,6 +116,7 @@ def build_batch(samples: Sequence[Sample]) -> PackedBatch:
                          "its rejected half")
     uses = [j for images in shown for j in images]
     distinct = sum(len(g) for g in grids)
+    with_videos = [s for s in samples if s.video_grid_thw is not None]
     return PackedBatch(
         input_ids=torch.tensor([t for s in samples for t in s.input_ids], dtype=torch.long),
         targets=torch.tensor([t for s in samples for t in shifted_targets(s.labels)],
@@ -131,6 +133,9 @@ def build_batch(samples: Sequence[Sample]) -> PackedBatch:
         pairs=pairs,
         sample_values={name: torch.tensor([s.values[name] for s in samples], dtype=torch.float64)
                        for name in sorted(valued)},
+        pixel_values_videos=torch.cat([s.pixel_values_videos for s in with_videos])
+        if with_videos else None,
+        video_grid_thw=torch.cat([s.video_grid_thw for s in with_videos]) if with_videos else None,
     )
 
 

@@ -40,9 +40,11 @@ from pathlib import Path
 from typing import Any
 
 from vlmcp.data.batch import IGNORE_INDEX, PAIR_VALUES, REF_LOGP, TOKEN_ARRAYS
-from vlmcp.data.formats import (IMAGE_MARKER, SHAREGPT_ROLES, Sample, Tokens, process_images,
-                                record_image_paths, sample_of, tokenize_record)
+from vlmcp.data.formats import (IMAGE_MARKER, SHAREGPT_ROLES, Sample, Tokens, parse_record,
+                                process_images, record_image_paths, sample_of, tokenize_record)
 from vlmcp.data.processor import VLProcessor
+from vlmcp.data.video_plan import VideoPlan
+from vlmcp.data.video_records import plan_videos
 from vlmcp.errors import DataError
 
 #: The keys of a tokens-format pair.
@@ -290,29 +292,37 @@ def record_paths(record: Any, source: str, base_dir: Path) -> list[Path]:
 
 def record_tokens(record: Any, source: str, base_dir: Path, processor: VLProcessor,
                   grids: list[tuple[int, int, int]], max_seq_len: int, truncate: bool,
-                  array_names: tuple[str, ...]) -> RecordTokens:
-    """`RecordTokens` of one decoded record whose images (`record_paths`) have `grids`."""
+                  array_names: tuple[str, ...], videos: list[VideoPlan]) -> RecordTokens:
+    """`RecordTokens` of one decoded record whose images (`record_paths`) have `grids` and whose
+    videos have the plans `videos` (`plan_videos`); a pair with videos is a DataError."""
     if is_pair_record(record):
+        _refuse_videos(videos, source)
         pair = tokenize_pair(record, source, base_dir, processor, grids, max_seq_len)
         return RecordTokens([pair.chosen, pair.rejected],
                             PAIR_VALUES if pair.reference is not None else ())
     tokens = tokenize_record(record, source, base_dir, processor, grids, max_seq_len, truncate,
-                             array_names)
+                             array_names, videos)
     return RecordTokens([tokens], tuple(tokens.arrays))
+
+
+def _refuse_videos(videos: list[VideoPlan], source: str) -> None:
+    if videos:
+        raise DataError(f"{source}: a preference pair cannot hold videos (its halves share the "
+                        "prompt's images only)")
 
 
 def record_samples(record: Any, source: str, base_dir: Path, processor: VLProcessor,
                    max_seq_len: int, truncate: bool = False,
                    array_names: tuple[str, ...] = TOKEN_ARRAYS) -> list[Sample]:
-    """The samples of one decoded record, images decoded once: one, or a pair's chosen and
-    rejected (`Sample.pair`, and the reference sums as `Sample.values[REF_LOGP]`)."""
+    """The samples of one decoded record, images decoded once: one (`parse_record`), or a pair's
+    chosen and rejected (`Sample.pair`, and the reference sums as `Sample.values[REF_LOGP]`)."""
+    if not is_pair_record(record):
+        return [parse_record(record, source, base_dir, processor, max_seq_len, truncate,
+                             array_names)]
+    _refuse_videos(plan_videos(record, base_dir, source, processor), source)
     paths = record_paths(record, source, base_dir)
     pixel_values, grid = process_images(paths, source, processor)
     grids = [] if grid is None else [tuple(row) for row in grid.tolist()]
-    if not is_pair_record(record):
-        tokens = tokenize_record(record, source, base_dir, processor, grids, max_seq_len,
-                                 truncate, array_names)
-        return [sample_of(tokens, pixel_values, source, processor)]
     pair = tokenize_pair(record, source, base_dir, processor, grids, max_seq_len)
     samples = []
     for index, (role, tokens) in enumerate(zip(HALVES, (pair.chosen, pair.rejected))):

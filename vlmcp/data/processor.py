@@ -1,4 +1,5 @@
-"""Tokenizer + image processor for a local Qwen3.5 checkpoint, without torchvision.
+"""Tokenizer, image processor and video settings for a local Qwen3.5 checkpoint, without
+torchvision.
 
 A published Qwen3.5 checkpoint directory holds config.json, *.safetensors, tokenizer.json,
 tokenizer_config.json (+ chat_template.jinja), preprocessor_config.json and
@@ -6,11 +7,18 @@ video_preprocessor_config.json. `AutoProcessor` cannot build `Qwen3VLProcessor` 
 torchvision (the video slot fails), and the preprocessor config names the torchvision-backed
 `Qwen2VLImageProcessorFast`. `load_processor` instead builds the tokenizer with `AutoTokenizer`
 and the PIL-backed `Qwen2VLImageProcessorPil`, taking every geometry and normalisation field from
-preprocessor_config.json (the PIL class defaults are Qwen2-VL's, not Qwen3.5's). Videos are not
-supported; video_preprocessor_config.json is ignored.
+preprocessor_config.json (the PIL class defaults are Qwen2-VL's, not Qwen3.5's).
 
-The PIL backend resizes with PIL's bicubic filter, the Fast class with torchvision's; pixels can
-differ slightly from the Fast processor's on images that need resizing.
+Videos take their sampling, geometry and normalisation from video_preprocessor_config.json
+(`vlmcp.data.video_plan.VideoSettings`, the job's `data.video` keys on top). Their frames go
+through the same PIL/numpy image path as images: each sampled frame is resized with PIL to the
+video's size, then rescaled, normalised and patchified by a `Qwen2VLImageProcessorPil` built with
+the video file's normalisation fields, and each temporal group's T frames are interleaved into
+one patch row (`VLProcessor.process_video`). A checkpoint without video_preprocessor_config.json
+trains text and images; a record with a video is then an error.
+
+The PIL backend resizes with PIL's bicubic filter, the Fast classes with torchvision's; pixels can
+differ slightly from theirs on images and frames that need resizing.
 """
 
 from __future__ import annotations
@@ -20,15 +28,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from vlmcp.data import json_text
-from vlmcp.errors import ProcessorError
+from vlmcp.data.video_plan import VideoPlan, VideoSettings, video_settings
+from vlmcp.errors import ProcessorError, VideoConfigError
 
 IMAGE_PAD = "<|image_pad|>"
+VIDEO_PAD = "<|video_pad|>"
 VISION_START = "<|vision_start|>"
 VISION_END = "<|vision_end|>"
 
@@ -51,7 +62,10 @@ _REQUIRED_FIELDS = ("patch_size", "temporal_patch_size", "merge_size", "image_me
 
 @dataclass
 class VLProcessor:
-    """What the data path needs from a checkpoint: tokenizer, image processor and vision ids."""
+    """What the data path needs from a checkpoint: tokenizer, image processor, video settings
+    and vision ids. `video` (and `frame_processor`, which normalises and patchifies video frames)
+    is None, and `video_token_id` may be None, for a checkpoint without
+    video_preprocessor_config.json or `<|video_pad|>`; `no_video` then says why."""
 
     tokenizer: PreTrainedTokenizerBase
     image_processor: Qwen2VLImageProcessorPil
@@ -59,6 +73,10 @@ class VLProcessor:
     vision_start_id: int
     vision_end_id: int
     merge_size: int
+    video_token_id: int | None = None
+    video: VideoSettings | None = None
+    frame_processor: Qwen2VLImageProcessorPil | None = None
+    no_video: str = ""
     #: Extra keyword arguments of every `apply_chat_template` call that renders a sample
     #: (`data.chat_template_kwargs`, e.g. {"enable_thinking": False}); template variables.
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -79,6 +97,30 @@ class VLProcessor:
         """Number of image placeholder tokens for one image of grid (t, h, w): t*h*w // merge**2."""
         t, h, w = (int(x) for x in grid_row)
         return t * h * w // self.merge_size**2
+
+    def process_video(self, frames: list[Image.Image], plan: VideoPlan) -> torch.Tensor:
+        """Patchify the decoded frames of `plan` (len(plan.indices) RGB frames, in order).
+
+        Returns pixel_values_videos [groups * h * w, C*T*P*P] float32, temporal group after
+        temporal group (group k is the row block [k*h*w, (k+1)*h*w)); within a row the channel
+        axis comes first, then the group's T frames, then the patch's pixels, as in
+        transformers' video processor.
+        """
+        settings = self.video
+        temporal, patch = settings.temporal_patch_size, settings.patch_size
+        if len(frames) != len(plan.indices):
+            raise ValueError(f"{len(frames)} frames for the {len(plan.indices)} of the plan")
+        size = (plan.width, plan.height)
+        frames = [frame if frame.size == size else frame.resize(size, settings.resample)
+                  for frame in frames]
+        out = self.frame_processor(frames, do_resize=False, return_tensors="np")["pixel_values"]
+        groups, rows = plan.grid[0], plan.grid[1] * plan.grid[2]
+        channels = out.shape[1] // (temporal * patch * patch)
+        # Every frame comes back as T copies; keep one and put a group's T frames side by side.
+        per_frame = out.reshape(len(frames), rows, channels, temporal, patch, patch)[:, :, :, 0]
+        per_group = per_frame.reshape(groups, temporal, rows, channels, patch, patch)
+        per_group = np.ascontiguousarray(per_group.transpose(0, 2, 3, 1, 4, 5))
+        return torch.from_numpy(per_group.reshape(groups * rows, -1))
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -122,7 +164,7 @@ def _token_id(tokenizer: PreTrainedTokenizerBase, token: str) -> int:
 
 
 def _check_against_model_config(
-    config: dict[str, Any], ids: dict[str, int], preprocessor: dict[str, Any]
+    config: dict[str, Any], ids: dict[str, int], preprocessor: dict[str, Any], name: str
 ) -> None:
     for key, token_id in ids.items():
         if key in config and config[key] != token_id:
@@ -130,22 +172,55 @@ def _check_against_model_config(
                 f"config.json {key}={config[key]} but the tokenizer maps it to {token_id}"
             )
     vision = config.get("vision_config", {})
-    for ours, theirs in (("merge_size", "spatial_merge_size"), ("patch_size", "patch_size")):
-        if theirs in vision and vision[theirs] != preprocessor[ours]:
+    for ours, theirs in (("merge_size", "spatial_merge_size"), ("patch_size", "patch_size"),
+                         ("temporal_patch_size", "temporal_patch_size")):
+        if theirs in vision and ours in preprocessor and vision[theirs] != preprocessor[ours]:
             raise ProcessorError(
-                f"preprocessor_config.json {ours}={preprocessor[ours]} but config.json "
+                f"{name} {ours}={preprocessor[ours]} but config.json "
                 f"vision_config.{theirs}={vision[theirs]}"
             )
 
 
+def _video_part(model_dir: Path, config: dict[str, Any], tokenizer: PreTrainedTokenizerBase,
+                video: dict[str, Any] | None
+                ) -> tuple[int | None, VideoSettings | None, Qwen2VLImageProcessorPil | None, str]:
+    """(video token id, settings, frame processor, why videos are unsupported) of a checkpoint.
+
+    video: the job's `data.video` section as a dict (its pixel, frame and fps overrides, and
+    frame_list_fps)."""
+    path = model_dir / "video_preprocessor_config.json"
+    video_id = tokenizer.convert_tokens_to_ids(VIDEO_PAD)
+    if video_id is None or video_id == tokenizer.unk_token_id:
+        return None, None, None, f"the tokenizer has no {VIDEO_PAD} token"
+    if not path.is_file():
+        return int(video_id), None, None, f"the checkpoint has no {path.name} ({model_dir})"
+    file_config = _read_json(path)
+    _check_against_model_config(config, {"video_token_id": int(video_id)}, file_config, path.name)
+    overrides = dict(video or {})
+    frame_list_fps = overrides.pop("frame_list_fps", None)
+    try:
+        settings = video_settings(file_config, overrides, frame_list_fps)
+    except VideoConfigError as e:
+        raise ProcessorError(f"{path}: {e}") from e
+    frame_processor = Qwen2VLImageProcessorPil(
+        patch_size=settings.patch_size, temporal_patch_size=settings.temporal_patch_size,
+        merge_size=settings.merge_size, do_resize=False,
+        size={"shortest_edge": settings.min_pixels, "longest_edge": settings.max_pixels},
+        **settings.frame_kwargs)
+    return int(video_id), settings, frame_processor, ""
+
+
 def load_processor(model_dir: str | Path, chat_template_kwargs: dict[str, Any] | None = None,
-                   empty_think: str = "target") -> VLProcessor:
+                   empty_think: str = "target", video: dict[str, Any] | None = None
+                   ) -> VLProcessor:
     """Build the `VLProcessor` of a local checkpoint directory (offline, no torchvision).
 
     `chat_template_kwargs` are given to every `apply_chat_template` call that renders a sample;
-    `empty_think` says whether an empty think block opening a reply is a "target" or "prompt".
-    Checks that the tokenizer's vision tokens match config.json's ids and that patch/merge sizes
-    match the vision config.
+    `empty_think` says whether an empty think block opening a reply is a "target" or "prompt";
+    `video` is the job's `data.video` section (fps, min/max frames, min/max pixels overriding
+    video_preprocessor_config.json where not None, and frame_list_fps). Checks that the
+    tokenizer's vision tokens match config.json's ids and that patch/merge sizes match the
+    vision config.
     """
     model_dir = Path(model_dir)
     preprocessor = _read_json(model_dir / "preprocessor_config.json")
@@ -156,8 +231,10 @@ def load_processor(model_dir: str | Path, chat_template_kwargs: dict[str, Any] |
         "vision_start_token_id": _token_id(tokenizer, VISION_START),
         "vision_end_token_id": _token_id(tokenizer, VISION_END),
     }
-    _check_against_model_config(config, ids, preprocessor)
+    _check_against_model_config(config, ids, preprocessor, "preprocessor_config.json")
     image_processor = Qwen2VLImageProcessorPil(**image_processor_kwargs(preprocessor))
+    video_id, settings, frame_processor, no_video = _video_part(model_dir, config, tokenizer,
+                                                                video)
     return VLProcessor(
         tokenizer=tokenizer,
         image_processor=image_processor,
@@ -167,4 +244,8 @@ def load_processor(model_dir: str | Path, chat_template_kwargs: dict[str, Any] |
         merge_size=int(preprocessor["merge_size"]),
         chat_template_kwargs=dict(chat_template_kwargs or {}),
         empty_think=empty_think,
+        video_token_id=video_id,
+        video=settings,
+        frame_processor=frame_processor,
+        no_video=no_video,
     )

@@ -4,8 +4,9 @@ Data flow for one micro-batch, on every rank of an SP group of size P (all ranks
 PackedBatch):
 
     pad to a multiple of P, this rank's input embeddings   [S_local, hidden]  (model.merge)
-        "split" (default): embed the shard's tokens, encode a patch-balanced share of the
-            images, all-to-all feature rows to the ranks holding their placeholders
+        "split" (default): embed the shard's tokens, encode a cost-balanced share of the
+            vision units (whole images, single video temporal groups: model.vision_routing),
+            all-to-all feature rows to the ranks holding their placeholders
         "replicated": embeddings + vision tower on the whole pack [S, hidden], keep the shard
     decoder layers on the shard                           [1, S_local, hidden]
         full attention: Ulysses all-to-all, causal per sample   (model.attention)
@@ -60,11 +61,11 @@ class PackedVLM(nn.Module):
     `objective` is the job's loss: one `LossTerm` or a `Loss` of several (default: plain
     token-mean CE); held as a `Loss`.
 
-    `vision_mode` is `parallel.vision`: "split" (default) spreads the image encoding over the SP
-    group and never builds the whole pack's embeddings; "replicated" runs embeddings and the
+    `vision_mode` is `parallel.vision`: "split" (default) spreads the image and video encoding over
+    the SP group and never builds the whole pack's embeddings; "replicated" runs embeddings and the
     vision tower on the whole pack on every rank (see model.merge). The vision tower is the module
-    `self.vision`; under "split" each rank calls it at most once per micro-batch (module hooks on
-    it time one rank's share).
+    `self.vision`; under "split" each rank calls it at most once per micro-batch (module hooks on it
+    time one rank's share).
 
     `tiled_mlp` (`train.tiled_mlp`): every decoder layer's MLP (a MoE layer's sparse block) runs
     through DeepSpeed's TiledMLP (model.tiled_mlp). `offload_activations`
@@ -112,6 +113,7 @@ class PackedVLM(nn.Module):
         self.objective = Loss.of(objective)
         config = hf_model.config
         self.image_token_id = config.image_token_id
+        self.video_token_id = config.video_token_id
         text_config = config.text_config
         self.conv_halo = text_config.linear_conv_kernel_dim - 1
         if getattr(text_config, "output_router_logits", False) and not router_aux_loss:
@@ -238,12 +240,13 @@ class PackedVLM(nn.Module):
         return logprobs, entropy
 
     def shard_embeddings(self, batch: PackedBatch, plan: ShardPlan) -> torch.Tensor:
-        """This rank's input embeddings, image features merged: [S_local, hidden]."""
+        """This rank's input embeddings, image and video features merged: [S_local, hidden]."""
         embed_tokens = self.language_model.embed_tokens
         if self.vision_mode == "split":
             return shard_first_embeddings(embed_tokens, self.vision, batch, plan, self.image_token_id,
-                                          self.vision_trainable)
-        embeds = merge_embeddings(embed_tokens, self.vision, batch, self.image_token_id, self.vision_trainable)
+                                          self.video_token_id, self.vision_trainable)
+        embeds = merge_embeddings(embed_tokens, self.vision, batch, self.image_token_id,
+                                  self.video_token_id, self.vision_trainable)
         return plan.shard(embeds, dim=0)
 
     def decode(self, hidden: torch.Tensor, positions: torch.Tensor, plan: ShardPlan) -> torch.Tensor:

@@ -150,7 +150,8 @@ SPECIAL_TOKENS = {
     TINY_SPECIAL_IDS["video_token_id"]: "<|video_pad|>",
 }
 
-#: Qwen-style ChatML template; string or typed content, an image entry renders one image pad.
+#: Qwen-style ChatML template; string or typed content, an image entry renders one image pad and
+#: a video entry one video pad, each between vision start and end (as Qwen3.5's template does).
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
     "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
@@ -160,6 +161,8 @@ CHAT_TEMPLATE = (
     "{%- for part in message['content'] -%}"
     "{%- if part['type'] == 'image' -%}"
     "{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] == 'video' -%}"
+    "{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
     "{%- elif part['type'] == 'text' -%}"
     "{{- part['text'] -}}"
     "{%- endif -%}"
@@ -189,6 +192,17 @@ TINY_PREPROCESSOR_CONFIG: dict[str, Any] = {
     "temporal_patch_size": 2,
     "merge_size": 2,
     "size": {"shortest_edge": 32 * 32, "longest_edge": 256 * 256},
+}
+
+#: Like a published Qwen3.5 video_preprocessor_config.json, with the tiny image bounds (which
+#: apply to all sampled frames of a video together) and Qwen3-VL's sampling defaults.
+TINY_VIDEO_PREPROCESSOR_CONFIG: dict[str, Any] = {
+    **{k: v for k, v in TINY_PREPROCESSOR_CONFIG.items() if k != "image_processor_type"},
+    "video_processor_type": "Qwen3VLVideoProcessor",
+    "fps": 2,
+    "min_frames": 4,
+    "max_frames": 768,
+    "do_sample_frames": True,
 }
 
 #: What the tiny BPE is trained on.
@@ -267,7 +281,6 @@ def build_tiny_checkpoint(
     (out_dir / "preprocessor_config.json").write_text(
         json.dumps(TINY_PREPROCESSOR_CONFIG, indent=2) + "\n"
     )
-    video = {**TINY_PREPROCESSOR_CONFIG, "video_processor_type": "Qwen3VLVideoProcessor"}
-    video.pop("image_processor_type")
-    (out_dir / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2) + "\n")
+    (out_dir / "video_preprocessor_config.json").write_text(
+        json.dumps(TINY_VIDEO_PREPROCESSOR_CONFIG, indent=2) + "\n")
     return out_dir

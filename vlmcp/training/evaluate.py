@@ -30,6 +30,7 @@ from torch import nn
 from vlmcp.data.batch import IGNORE_INDEX
 from vlmcp.data.formats import Sample
 from vlmcp.data.pack import first_fit
+from vlmcp.data.positions import IMAGE, VIDEO
 from vlmcp.data.stream import SampleReader
 from vlmcp.errors import DataError, PreflightError
 from vlmcp.config.schema import LossTerm
@@ -52,10 +53,43 @@ class GenerationPrompt:
     pixel_values: torch.Tensor | None
     image_grid_thw: torch.Tensor | None
     reference: list[int]
+    pixel_values_videos: torch.Tensor | None = None
+    video_grid_thw: torch.Tensor | None = None
+
+    def vision_inputs(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The image and video keyword arguments of `generate`, on `device`."""
+        inputs = {"pixel_values": self.pixel_values, "image_grid_thw": self.image_grid_thw,
+                  "pixel_values_videos": self.pixel_values_videos,
+                  "video_grid_thw": self.video_grid_thw}
+        return {key: value.to(device) for key, value in inputs.items() if value is not None}
+
+
+def _runs(mask: torch.Tensor) -> int:
+    """Maximal runs of True in a [L] bool mask."""
+    return int((mask & ~torch.cat([mask.new_zeros(1), mask[:-1]])).sum())
+
+
+def _prompt_part(pixels: torch.Tensor | None, grid: torch.Tensor | None, runs: int,
+                 runs_per_row: torch.Tensor | None
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The pixels and grid rows of the first `runs` placeholder runs (an image is one run of a
+    grid row, a video temporal group one of a row's t runs: `runs_per_row`)."""
+    if grid is None or runs == 0:
+        return None, None
+    rows, patches = [], 0
+    for row, count in zip(grid.tolist(), runs_per_row.tolist()):
+        if runs <= 0:
+            break
+        kept = min(count, runs)
+        rows.append([row[0] * kept // count, row[1], row[2]])
+        patches += rows[-1][0] * row[1] * row[2]
+        runs -= kept
+    return pixels[:patches], torch.tensor(rows, dtype=grid.dtype)
 
 
 def generation_prompt(sample: Sample, max_new_tokens: int) -> GenerationPrompt:
-    """Split a sample into its prompt (before the first target) and reference (first target run)."""
+    """Split a sample into its prompt (before the first target) and reference (first target
+    run); the prompt keeps the images and video temporal groups before the first target."""
     labels = sample.labels
     first = next(t for t, label in enumerate(labels) if label != IGNORE_INDEX)
     last = first
@@ -63,20 +97,21 @@ def generation_prompt(sample: Sample, max_new_tokens: int) -> GenerationPrompt:
         last += 1
     reference = sample.input_ids[first:min(last, first + max_new_tokens)]
     mm = sample.mm_token_type_ids[:first]
-    pixel_values, grid = sample.pixel_values, sample.image_grid_thw
-    if grid is not None:
-        runs = int((mm.diff(prepend=mm.new_zeros(1)) == 1).sum())
-        if runs == 0:
-            pixel_values, grid = None, None
-        elif runs < len(grid):
-            patches = int(grid[:runs].prod(-1).sum())
-            pixel_values, grid = pixel_values[:patches], grid[:runs]
+    image_grid, video_grid = sample.image_grid_thw, sample.video_grid_thw
+    pixel_values, grid = _prompt_part(
+        sample.pixel_values, image_grid, _runs(mm == IMAGE),
+        None if image_grid is None else torch.ones(len(image_grid), dtype=torch.long))
+    video_pixels, video_grid = _prompt_part(
+        sample.pixel_values_videos, video_grid, _runs(mm == VIDEO),
+        None if video_grid is None else video_grid[:, 0])
     return GenerationPrompt(
         input_ids=torch.tensor([sample.input_ids[:first]], dtype=torch.long),
         mm_token_type_ids=mm.unsqueeze(0).long(),
         pixel_values=pixel_values,
         image_grid_thw=grid,
         reference=list(reference),
+        pixel_values_videos=video_pixels,
+        video_grid_thw=video_grid,
     )
 
 
@@ -140,10 +175,6 @@ def generation_accuracy(hf_model: nn.Module, reader: SampleReader, count: int,
                 problems.append(f"evaluation: {exc}")
                 break
         prompt = generation_prompt(sample, max_new_tokens)
-        kwargs = {}
-        if prompt.pixel_values is not None:
-            kwargs = {"pixel_values": prompt.pixel_values.to(device),
-                      "image_grid_thw": prompt.image_grid_thw.to(device)}
         output = hf_model.generate(
             input_ids=prompt.input_ids.to(device),
             attention_mask=torch.ones_like(prompt.input_ids, device=device),
@@ -152,7 +183,7 @@ def generation_accuracy(hf_model: nn.Module, reader: SampleReader, count: int,
             do_sample=False,
             use_cache=True,
             synced_gpus=synced,
-            **kwargs,
+            **prompt.vision_inputs(device),
         )
         generated = output[0, prompt.input_ids.shape[1]:].tolist()
         if index < count:

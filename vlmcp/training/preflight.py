@@ -1,14 +1,15 @@
 """Every check a job must pass before training: `vlmcp validate`, and the start of every rank.
 
-One line per problem, each naming what to fix (a config key, or a "file:line" / "file[index]" of
-the data). Checked: the job schema (by `load_job`, before this), the checkpoint directory and its
+One line per problem, each naming what to fix (a config key, or a "file:line" / "file[index]" of the
+data). Checked: the job schema (by `load_job`, before this), the checkpoint directory and its
 processor, the sequence-parallel constraints of the model for the world size, the DeepSpeed config,
-every record of every file of data.train and data.eval (files, images, placeholder counts,
-lengths, targets; each weighted file contributing at least one sample per epoch), that a resume
-has a complete checkpoint to resume from, and that output_dir is writable.
+every record of every file of data.train and data.eval (files, images, videos, placeholder counts,
+lengths, targets; each weighted file contributing at least one sample per epoch), that a resume has
+a complete checkpoint to resume from, and that output_dir is writable.
 
 data.train and data.eval become length indexes (`vlmcp.data.index`), not samples in memory.
-`vlmcp validate` (`decode_images=True`) decodes every image once and rebuilds the cached indexes.
+`vlmcp validate` (`decode_images=True`) decodes every image and every sampled video frame once and
+rebuilds the cached indexes.
 A training rank that builds indexes (`index_role="build"`) loads the cached indexes or builds
 them from image headers; the others (`"skip"`) load them afterwards with `load_train_index` and
 `load_eval_index`.
@@ -24,7 +25,7 @@ import errno
 import logging
 import os
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -137,7 +138,7 @@ def _check_model(job: JobConfig, world_size: int, report: Preflight) -> None:
             report.problems.append(problem)
     try:
         report.processor = load_processor(model_dir, job.data.chat_template_kwargs,
-                                          job.data.empty_think)
+                                          job.data.empty_think, asdict(job.data.video))
     except (ProcessorError, OSError, ValueError) as exc:
         report.problems.append(f"config key 'model.path': {exc}")
 
