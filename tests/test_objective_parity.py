@@ -5,6 +5,11 @@ k3 KL penalty (tokens clipped on both sides), the objective's metrics, and `scor
 per-sample target logprobs and entropies. The reference computes each objective from its
 definition on plain transformers' log-softmax; it never calls vlmcp's objective code.
 
+One more case per SP size gives B and C (not A) per-token `temperatures` that vary inside each
+sample and `inference_logprobs`: its loss, gradients, entropy, train-inference mismatch metrics
+and scores equal the same computed on plain transformers' log_softmax(logits / tau) (A, without
+the arrays, at tau 1 and outside the mismatch metrics; at SP 4 it shares a pack with B and C).
+
 The hybrid model's pack puts an image's placeholders across a shard edge at SP 2 and 4. Each SP
 size runs all its cases in one set of processes (tests/sp_cases.engine_step)."""
 
@@ -21,7 +26,7 @@ from tests.helpers.parity import build_model, make_sample, mm_token_type_ids, pa
 from tests.helpers.sp_cases import engine_step
 from vlmcp.data.batch import IGNORE_INDEX
 from vlmcp.data.formats import Sample
-from vlmcp.data.pack import shifted_array
+from vlmcp.data.pack import build_batch
 from vlmcp.model.loss import CHECKPOINTED_CE_BYTES_PER_LOGIT, DEFAULT_LOSS_CHUNK_MB
 from vlmcp.model.objectives import Objective
 
@@ -48,7 +53,12 @@ OBJECTIVES = {
     "policy_gradient_sequence": Objective("policy_gradient", normalize="sequence"),
     "ppo_clip_kl_sequence": Objective("ppo_clip", normalize="sequence", clip_low=CLIP_LOW,
                                       clip_high=CLIP_HIGH, kl_coef=KL_COEF),
+    "policy_gradient_tempered": Objective("policy_gradient"),
 }
+#: The case whose samples B and C carry `temperatures` and `inference_logprobs`.
+TEMPERED = "policy_gradient_tempered"
+#: The samples that carry them.
+TEMPERED_SAMPLES = ("B", "C")
 
 
 def _forward_alone(model, sample):
@@ -59,11 +69,15 @@ def _forward_alone(model, sample):
     return model(input_ids=sample.input_ids[None], use_cache=False, **kwargs).logits[0]
 
 
-def _target_logprobs(model, sample):
-    """(logp [n], entropy [n], target positions t: labels[t] != -100, t >= 1), plain transformers."""
+def _target_logprobs(model, sample, temperatures=None):
+    """(logp [n], entropy [n], target positions t: labels[t] != -100, t >= 1), plain transformers;
+    with `temperatures` (aligned with labels) of log_softmax(logits / tau)."""
     logits = _forward_alone(model, sample)
     positions = [t for t in range(1, len(sample.labels)) if sample.labels[t] != IGNORE_INDEX]
-    logp_all = torch.log_softmax(logits[[t - 1 for t in positions]].float(), dim=-1)
+    logits = logits[[t - 1 for t in positions]].float()
+    if temperatures is not None:
+        logits = logits / temperatures[positions][:, None]
+    logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(1, sample.labels[positions][:, None])[:, 0]
     entropy = -(logp_all.exp() * logp_all).sum(1)
     return logp, entropy, positions
@@ -75,10 +89,18 @@ def _reference(model, samples, arrays, objective):
     n_tokens = sum(int((s.labels[1:] != IGNORE_INDEX).sum()) for s in samples)
     denominator = n_tokens if objective.normalize == "token" else len(samples)
     total, entropy_sum, clipped, ratio_sum, approx_kl, ref_kl = 0.0, 0.0, 0, 0.0, 0.0, 0.0
+    mismatch = {"diff": 0.0, "kl": 0.0, "targets": 0, "abs": 0.0}
     sides = {"low": 0, "high": 0}
     for sample, sample_arrays in zip(samples, arrays):
-        logp, entropy, positions = _target_logprobs(model, sample)
+        logp, entropy, positions = _target_logprobs(model, sample,
+                                                    sample_arrays.get("temperatures"))
         a = {k: v[positions] for k, v in sample_arrays.items()}
+        if "inference_logprobs" in a:
+            d = (logp.detach().double() - a["inference_logprobs"].double())
+            mismatch["diff"] += float(-d.sum())
+            mismatch["kl"] += float((torch.exp(d) - 1 - d).sum())
+            mismatch["targets"] += len(positions)
+            mismatch["abs"] += float(a["inference_logprobs"].abs().sum())
         if objective.type == "weighted_ce":
             losses = -a["loss_weights"] * logp
         elif objective.type == "policy_gradient":
@@ -106,6 +128,11 @@ def _reference(model, samples, arrays, objective):
     stats = {"entropy": entropy_sum / n_tokens, "clip_fraction": clipped / n_tokens,
              "ratio": ratio_sum / n_tokens, "approx_kl": approx_kl / n_tokens,
              "ref_kl": ref_kl / n_tokens}
+    if mismatch["targets"]:
+        stats.update({"mismatch_logprob_diff": mismatch["diff"] / mismatch["targets"],
+                      "mismatch_kl": mismatch["kl"] / mismatch["targets"],
+                      "mismatch_targets": mismatch["targets"],
+                      "mismatch_scale": mismatch["abs"] / mismatch["targets"]})
     return total, grads, stats, sides
 
 
@@ -131,6 +158,18 @@ def _as_sample(raw, model, arrays, name) -> Sample:
                   position_ids=positions[:, 0], source=f"{name}.jsonl:1", token_arrays=arrays)
 
 
+def _tempered_arrays(gen, model, sample):
+    """Advantages, per-token temperatures in [0.5, 1.5] and inference logprobs a small random
+    distance from the model's own tempered ones, aligned with labels."""
+    length = len(sample.labels)
+    temperatures = 0.5 + torch.rand(length, generator=gen)
+    logp, _, positions = _target_logprobs(model, sample, temperatures)
+    inference = torch.zeros(length)
+    inference[positions] = logp.detach() + 0.05 * torch.randn(len(positions), generator=gen)
+    return {"advantages": torch.randn(length, generator=gen), "temperatures": temperatures,
+            "inference_logprobs": inference}
+
+
 @functools.cache
 def _setup(tmp_root):
     model = build_model(num_key_value_heads=2).eval()
@@ -140,17 +179,26 @@ def _setup(tmp_root):
     raw = {name: make_sample(gen, model.config, length, grids) for name, (length, grids) in SAMPLES.items()}
     with torch.no_grad():
         arrays = {name: _arrays(gen, model, s) for name, s in raw.items()}
-    return model, checkpoint, raw, arrays
+        tempered = {name: (_tempered_arrays(gen, model, s) if name in TEMPERED_SAMPLES
+                           else {"advantages": arrays[name]["advantages"]})
+                    for name, s in raw.items()}
+    return model, checkpoint, raw, arrays, tempered
+
+
+def _case_arrays(name, arrays, tempered):
+    return tempered if name == TEMPERED else arrays
 
 
 def _packs(names_per_rank, model, raw, arrays):
+    """The packs of `names_per_rank`, each sample's arrays shifted in (via `build_batch`'s rules:
+    an array of `ARRAY_FILL` that only some samples carry is filled in for the others)."""
     packs = []
     for rank_micro in names_per_rank:
         rank_packs = []
         for names in rank_micro:
             batch = pack([raw[n] for n in names], model)
-            batch.token_arrays = {k: torch.cat([shifted_array(arrays[n][k]) for n in names])
-                                  for k in arrays[names[0]]}
+            batch.token_arrays = build_batch([_as_sample(raw[n], model, arrays[n], n)
+                                              for n in names]).token_arrays
             rank_packs.append(batch)
         packs.append(rank_packs)
     return packs
@@ -158,16 +206,17 @@ def _packs(names_per_rank, model, raw, arrays):
 
 @functools.cache
 def _results(sp: int, tmp_root):
-    model, checkpoint, raw, arrays = _setup(tmp_root)
+    model, checkpoint, raw, arrays, tempered = _setup(tmp_root)
     world, _, accum, layout = LAYOUTS[sp]
-    packs = _packs(layout, model, raw, arrays)
     order = [n for rank_micro in layout for names in rank_micro for n in names]
-    score = [_as_sample(raw[n], model, arrays[n], n) for n in order]
     cases = {}
     for i, (name, objective) in enumerate(OBJECTIVES.items()):
+        case_arrays = _case_arrays(name, arrays, tempered)
+        score = [_as_sample(raw[n], model, case_arrays[n], n) for n in order]
         cases[name] = dict(checkpoint=str(checkpoint), stage=STAGES[sp], mode="state", grad_accum=accum,
-                           packs=packs, loss_chunk_mb=CHUNK_MB[sp], objective=objective,
-                           score=score if i == 0 else None, score_max_len=54)
+                           packs=_packs(layout, model, raw, case_arrays),
+                           loss_chunk_mb=CHUNK_MB[sp], objective=objective,
+                           score=score if i == 0 or name == TEMPERED else None, score_max_len=54)
     return order, run_ranks(engine_step, world, sp, cases)
 
 
@@ -179,33 +228,51 @@ def tmp_root(tmp_path_factory):
 @pytest.mark.parametrize("name", list(OBJECTIVES))
 @pytest.mark.parametrize("sp", [1, 2, 4])
 def test_objective_step_equals_plain_transformers_per_sample(sp, name, tmp_root):
-    model, _, raw, arrays = _setup(tmp_root)
+    model, _, raw, arrays, tempered = _setup(tmp_root)
     order, per_rank = _results(sp, tmp_root)
     objective = OBJECTIVES[name]
+    case_arrays = _case_arrays(name, arrays, tempered)
     ref_loss, ref_grads, ref_stats, sides = _reference(model, [raw[n] for n in order],
-                                                       [arrays[n] for n in order], objective)
+                                                       [case_arrays[n] for n in order], objective)
     if objective.type == "ppo_clip":
         assert sides["low"] > 0 and sides["high"] > 0, sides
     for result in per_rank:
         assert abs(result[name]["loss"] - ref_loss) <= TOL * abs(ref_loss)
+        stats = result[name]["stats"]
         for key in objective.metric_keys():
-            assert abs(result[name]["stats"][key] - ref_stats[key]) <= TOL * abs(ref_stats[key]), key
+            assert abs(stats[key] - ref_stats[key]) <= TOL * abs(ref_stats[key]), key
+        if name == TEMPERED:
+            # engine_step divides every sum by the targets; the mismatch means divide by their own
+            # count, the targets of B and C.
+            targets = sum(int((raw[n].labels[1:] != IGNORE_INDEX).sum()) for n in order)
+            assert round(stats["mismatch_targets"] * targets) == ref_stats["mismatch_targets"]
+            # The mean difference cancels: its fp32 error is relative to the logprobs' size.
+            scales = {"mismatch_logprob_diff": ref_stats["mismatch_scale"],
+                      "mismatch_kl": ref_stats["mismatch_kl"]}
+            for key, scale in scales.items():
+                got = stats[key] / stats["mismatch_targets"]
+                assert abs(got - ref_stats[key]) <= TOL * scale, key
+        else:
+            assert stats["mismatch_targets"] == 0
         grads = result[name]["grads"]
         assert grads.keys() == {n for n in ref_grads if not n.startswith("model.visual")}
         for pname, grad in grads.items():
             assert rel_err(grad, ref_grads[pname]) <= TOL, pname
 
 
+@pytest.mark.parametrize("case", ["weighted_ce", TEMPERED], ids=["tau_1", "tau_per_token"])
 @pytest.mark.parametrize("sp", [1, 2, 4])
-def test_score_logprobs_equal_plain_transformers_per_sample(sp, tmp_root):
-    model, _, raw, _ = _setup(tmp_root)
+def test_score_logprobs_equal_plain_transformers_per_sample(sp, case, tmp_root):
+    model, _, raw, arrays, tempered = _setup(tmp_root)
     order, per_rank = _results(sp, tmp_root)
-    records = per_rank[0]["weighted_ce"]["scores"]
+    records = per_rank[0][case]["scores"]
     assert [r["index"] for r in records] == list(range(len(order)))
-    assert all(not r["weighted_ce"]["scores"] for r in per_rank[1:])
+    assert all(not r[case]["scores"] for r in per_rank[1:])
+    case_arrays = _case_arrays(case, arrays, tempered)
     with torch.no_grad():
         for record, name in zip(records, order):
-            logp, entropy, _ = _target_logprobs(model, raw[name])
+            logp, entropy, _ = _target_logprobs(model, raw[name],
+                                                case_arrays[name].get("temperatures"))
             got_logp = torch.tensor(record["logprobs"], dtype=torch.float64)
             got_entropy = torch.tensor(record["entropy"], dtype=torch.float64)
             assert rel_err(got_logp, logp.double()) <= TOL

@@ -259,6 +259,11 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     report = run_preflight(job, world_size, decode_images=True)
     if report.problems:
         return _report(report.problems)
+    if job.rollouts.dir:
+        print(f"ok: {args.job} (rollout steps from {job.rollouts.dir}, each checked when training "
+              f"reaches it; {len(report.eval_index or ())} eval samples; world {world_size}, "
+              f"sp_size {job.parallel.sp_size})")
+        return 0
     from vlmcp.data.mixture import draws_per_epoch
 
     drawn = sum(draws_per_epoch(report.train_file_sizes, report.train_weights))

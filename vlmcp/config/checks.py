@@ -14,7 +14,7 @@ import typing
 from dataclasses import fields, is_dataclass
 from typing import Any
 
-from vlmcp.config.schema import JobConfig, LoraSection, ModelSection
+from vlmcp.config.schema import JobConfig, LoraSection, ModelSection, RolloutsSection
 from vlmcp.data.sources import data_files
 from vlmcp.errors import DataSpecError
 
@@ -164,6 +164,34 @@ def cross_key_problems(job: JobConfig) -> list[str]:
         problems.append(f"config key 'loss.kl_coef' is {job.loss.kl_coef} but 'loss.type' is "
                         f"{job.loss.type!r}; the KL penalty applies to ppo_clip only")
     problems.extend(_lora_checks(job.lora, job.model))
+    problems.extend(_rollout_checks(job))
+    return problems
+
+
+def training_data_problems(job: JobConfig) -> list[str]:
+    """data.train is required unless rollouts.dir names the training data."""
+    if job.data.train or job.rollouts.dir:
+        return []
+    return ["missing required config key 'data.train'"]
+
+
+def _rollout_checks(job: JobConfig) -> list[str]:
+    """The rollouts keys that need rollouts.dir, or do not apply with it."""
+    rollouts = job.rollouts
+    if not rollouts.dir:
+        changed = [f.name for f in fields(RolloutsSection)
+                   if f.name != "dir" and getattr(rollouts, f.name)
+                   != getattr(RolloutsSection(), f.name)]
+        return [f"config key 'rollouts.{name}' is set but 'rollouts.dir' is not"
+                for name in changed]
+    problems = []
+    if job.train.grad_accum != 1:
+        problems.append("config key 'train.grad_accum' does not apply with 'rollouts.dir': each "
+                        "step runs as many micro-batches per rank as its samples pack into "
+                        "(data.max_seq_len)")
+    if rollouts.on_stale != "error" and rollouts.max_staleness is None:
+        problems.append("config key 'rollouts.on_stale' is set but 'rollouts.max_staleness' is "
+                        "not, so no step is ever stale")
     return problems
 
 

@@ -14,8 +14,18 @@ import torch
 #: Label value that carries no loss (the transformers convention).
 IGNORE_INDEX = -100
 
-#: The optional per-token arrays of the tokens data format (for `loss.type`), aligned with labels.
-TOKEN_ARRAYS = ("loss_weights", "advantages", "old_logprobs", "ref_logprobs")
+#: The optional per-token arrays of the tokens data format, aligned with labels: the inputs of
+#: `loss.type`, the inference engine's logprob of each sampled token (`inference_logprobs`, for
+#: the train-inference mismatch metrics) and the temperature it was sampled at (`temperatures`:
+#: the trainer's logprob of that token is log_softmax(logits / temperature)).
+TOKEN_ARRAYS = ("loss_weights", "advantages", "old_logprobs", "ref_logprobs", "inference_logprobs",
+                "temperatures")
+
+#: Arrays a pack keeps when only some of its samples carry them, with this value at the positions
+#: of the others: temperature 1 (plain log_softmax), or NaN for "no inference logprob here" (the
+#: mismatch metrics count only finite entries). Every other array is kept only when every sample
+#: of the pack carries it.
+ARRAY_FILL = {"temperatures": 1.0, "inference_logprobs": float("nan")}
 
 
 @dataclass
@@ -35,7 +45,8 @@ class PackedBatch:
     sample_ids:        "file:line" of each sample, for error messages.
     token_arrays:      per-token arrays by name (`TOKEN_ARRAYS`), each [S] fp32 and shifted like
                        targets: token_arrays[k][t] belongs to the prediction of targets[t]. Only
-                       arrays that every sample of the pack carries.
+                       arrays that every sample of the pack carries, and those of `ARRAY_FILL`
+                       that any sample carries (filled in for the others).
     """
 
     input_ids: torch.Tensor

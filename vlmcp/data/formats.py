@@ -19,11 +19,14 @@ Accepted record formats:
   already expanded. labels use the unshifted HF convention (labels[t] is input_ids[t] or -100);
   every maximal run of image tokens is one image and must hold t*h*w // merge**2 tokens.
   Optional per-token arrays for the token-level objectives (`loss.type`): ``"loss_weights"``,
-  ``"advantages"``, ``"old_logprobs"``, ``"ref_logprobs"``, each a list of numbers as long as
-  "labels" and aligned with it: entry t belongs to the prediction of labels[t] (made at position
-  t-1), so it is read only where labels[t] is a target. On targets every entry must be a finite
-  number; where labels[t] is -100 (and on image placeholders) an entry may be any number or null
-  and is ignored. Chat formats carry no per-token arrays (they train with `ce` only).
+  ``"advantages"``, ``"old_logprobs"``, ``"ref_logprobs"``; and from an inference engine
+  ``"inference_logprobs"`` (its logprob of each sampled token, for the train-inference mismatch
+  metrics) and ``"temperatures"`` (the temperature each token was sampled at: the trainer's
+  logprob of it is then log_softmax(logits / temperature); > 0). Each is a list of numbers as
+  long as "labels" and aligned with it: entry t belongs to the prediction of labels[t] (made at
+  position t-1), so it is read only where labels[t] is a target. On targets every entry must be a
+  finite number; where labels[t] is -100 (and on image placeholders) an entry may be any number or
+  null and is ignored. Chat formats carry no per-token arrays (they train with `ce` only).
 
 Chat formats are rendered once with the tokenizer's chat template, given the processor's
 ``chat_template_kwargs`` (``data.chat_template_kwargs``) as template variables (Qwen/ChatML:
@@ -372,6 +375,9 @@ def _token_arrays(record: dict[str, Any], labels: list[int], source: str
             elif not number or not math.isfinite(value):
                 raise _fail(source, f'"{name}"[{t}] is {json.dumps(value)} on a target token '
                                     "(labels[t] != -100); it must be a finite number")
+            elif name == "temperatures" and value <= 0:
+                raise _fail(source, f'"temperatures"[{t}] is {json.dumps(value)} on a target token; '
+                                    "a sampling temperature must be > 0")
             else:
                 out.append(float(value))
         arrays[name] = out

@@ -33,7 +33,7 @@ from vlmcp.errors import DataError
 COLUMNS = (("file_id", np.int32), ("record", np.int32), ("line", np.int32), ("offset", np.int64),
            ("nbytes", np.int64),
            ("tokens", np.int32), ("targets", np.int32), ("images", np.int32),
-           ("patches", np.int32), ("token_arrays", np.int8))
+           ("patches", np.int32), ("token_arrays", np.int16))
 
 
 @dataclass
@@ -90,6 +90,14 @@ class LengthIndex:
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {name: getattr(self, name) for name, _ in COLUMNS}
+
+    def without(self, dropped: Iterable[int]) -> LengthIndex:
+        """The index of every sample but those at the indices `dropped`, in the same order."""
+        keep = np.ones(len(self), dtype=bool)
+        keep[list(dropped)] = False
+        return LengthIndex(files=self.files, json_array=self.json_array,
+                           image_root=self.image_root,
+                           **{name: values[keep] for name, values in self.arrays().items()})
 
 
 def _array_mask(names: Iterable[str]) -> int:

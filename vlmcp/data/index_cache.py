@@ -36,7 +36,7 @@ from vlmcp.data.processor import VLProcessor
 logger = logging.getLogger(__name__)
 
 #: Bumped whenever the index's content or meaning changes.
-INDEX_VERSION = 2
+INDEX_VERSION = 3
 
 
 def default_cache_dir() -> Path:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from vlmcp.data.batch import IGNORE_INDEX, PackedBatch
+from vlmcp.data.batch import ARRAY_FILL, IGNORE_INDEX, PackedBatch
 from vlmcp.data.formats import Sample
 from vlmcp.data.mixture import epoch_draws
 
@@ -75,13 +75,22 @@ def shifted_array(values: torch.Tensor) -> torch.Tensor:
     return torch.cat([values[1:], values.new_zeros(1)])
 
 
+def _token_array(sample: Sample, name: str) -> torch.Tensor:
+    """The sample's per-token array `name` ([L] fp32), or `ARRAY_FILL[name]` everywhere."""
+    if name in sample.token_arrays:
+        return sample.token_arrays[name]
+    return torch.full((len(sample),), ARRAY_FILL[name], dtype=torch.float32)
+
+
 def build_batch(samples: Sequence[Sample]) -> PackedBatch:
     """Concatenate whole samples into one `PackedBatch` (S = sum of lengths).
 
     pixel_values and image_grid_thw are concatenated in sample order, which is placeholder order.
-    Per-token arrays are kept when every sample carries them, shifted like the targets.
+    Per-token arrays are kept when every sample carries them (those of `ARRAY_FILL` when any
+    sample does, filled in for the others), shifted like the targets.
     """
     shared = set.intersection(*(set(s.token_arrays) for s in samples)) if samples else set()
+    shared |= {name for s in samples for name in s.token_arrays if name in ARRAY_FILL}
     input_ids = [t for s in samples for t in s.input_ids]
     targets = [t for s in samples for t in shifted_targets(s.labels)]
     with_images = [s for s in samples if s.image_grid_thw is not None]
@@ -94,7 +103,7 @@ def build_batch(samples: Sequence[Sample]) -> PackedBatch:
         pixel_values=torch.cat([s.pixel_values for s in with_images]) if with_images else None,
         image_grid_thw=torch.cat([s.image_grid_thw for s in with_images]) if with_images else None,
         sample_ids=[s.source for s in samples],
-        token_arrays={name: torch.cat([shifted_array(s.token_arrays[name]) for s in samples])
+        token_arrays={name: torch.cat([shifted_array(_token_array(s, name)) for s in samples])
                       for name in sorted(shared)},
     )
 

@@ -24,7 +24,11 @@ Metrics (sums over target tokens here; the loop divides by the global target cou
 entropy of the policy on target tokens, and for ppo_clip the clipped fraction (tokens where the
 clipped term is the smaller one, so their gradient is zero), the mean ratio r, the approximate
 KL to the old policy, mean of (r - 1) - log r (k3 again, >= 0), and with kl_coef the mean k3 to
-the reference.
+the reference. Whatever the objective, data with `inference_logprobs` adds the train-inference
+mismatch sums (`model.mismatch`, divided by their own token count).
+
+logp is at each token's sampling temperature when the data gives `temperatures`
+(`model.token_logprobs`): log_softmax(logits / tau).
 """
 
 from __future__ import annotations
@@ -34,11 +38,13 @@ from dataclasses import dataclass
 import torch
 
 from vlmcp.data.batch import IGNORE_INDEX, PackedBatch
+from vlmcp.model.mismatch import MISMATCH_KEYS
 
 OBJECTIVES = ("ce", "weighted_ce", "policy_gradient", "ppo_clip")
 NORMALIZATIONS = ("token", "sequence")
-#: Order of the per-shard metric sums `Objective.token_losses` returns (all over target tokens).
-STAT_KEYS = ("entropy", "clip_fraction", "ratio", "approx_kl", "ref_kl")
+#: Order of the per-shard metric sums `Objective.token_losses` returns (over target tokens; the
+#: mismatch sums, `model.mismatch`, over the targets with an inference logprob).
+STAT_KEYS = ("entropy", "clip_fraction", "ratio", "approx_kl", "ref_kl", *MISMATCH_KEYS)
 #: Metric keys that only `ppo_clip` reports (`ref_kl` only with kl_coef > 0).
 PPO_KEYS = ("clip_fraction", "ratio", "approx_kl")
 

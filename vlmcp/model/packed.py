@@ -11,8 +11,10 @@ PackedBatch):
         full attention: Ulysses all-to-all, causal per sample   (model.attention)
         Gated DeltaNet: conv halo + state chain, or heads mode   (model.deltanet)
     final norm, lm_head + CE on this shard's targets             (model.loss)
-        or, for a token-level objective, per-token logprobs          (model.token_logprobs)
+        or, for a token-level objective or data with per-token temperatures or inference
+        logprobs, per-token logprobs at each token's temperature     (model.token_logprobs)
         and the objective on them                                    (model.objectives)
+        and the train-inference mismatch                             (model.mismatch)
     with model.router_aux_loss: router statistics of the shard's real tokens, summed over the
         SP group, give this rank's share of the load-balancing loss   (model.router_loss)
 
@@ -32,8 +34,9 @@ from vlmcp.model.attention import ATTENTION_KEY, register_attention
 from vlmcp.model.deltanet import install_deltanet_hooks
 from vlmcp.model.loss import DEFAULT_LOSS_CHUNK_MB, shard_ce_and_entropy
 from vlmcp.model.merge import merge_embeddings, shard_first_embeddings
+from vlmcp.model.mismatch import MISMATCH_KEYS, mismatch_sums
 from vlmcp.model.objectives import STAT_KEYS, Objective, sequence_weights
-from vlmcp.model.token_logprobs import shard_token_logprobs
+from vlmcp.model.token_logprobs import TokenLogprobs, shard_token_logprobs
 from vlmcp.model.router_loss import RouterAuxLoss
 from vlmcp.parallel.groups import SequenceParallel
 from vlmcp.parallel.modes import VISION_MODES
@@ -41,6 +44,11 @@ from vlmcp.parallel.shard import ShardPlan
 from vlmcp.model.vision import replicated_copy
 
 logger = logging.getLogger(__name__)
+
+#: Per-token arrays that need the per-token logprob path even under plain CE: the temperature
+#: enters the logprob itself, and the mismatch metrics compare logprobs token by token.
+_PER_TOKEN_ARRAYS = ("temperatures", "inference_logprobs")
+_MISMATCH_SLICE = slice(STAT_KEYS.index(MISMATCH_KEYS[0]), STAT_KEYS.index(MISMATCH_KEYS[-1]) + 1)
 
 
 class PackedVLM(nn.Module):
@@ -161,7 +169,8 @@ class PackedVLM(nn.Module):
         plan = self.plan(batch)
         hidden, router_share = self.shard_hidden(batch, plan)
         targets = plan.shard(batch.targets.to(hidden.device), dim=0, pad_value=IGNORE_INDEX)
-        if objective.plain_ce:
+        if objective.plain_ce and not any(name in batch.token_arrays
+                                          for name in _PER_TOKEN_ARRAYS):
             loss, count, entropy = shard_ce_and_entropy(hidden, targets, self.lm_head,
                                                         self.loss_chunk_mb)
             sums = torch.zeros(len(STAT_KEYS), dtype=torch.float64)
@@ -192,7 +201,7 @@ class PackedVLM(nn.Module):
         if missing:
             raise ValueError(f"loss.type {objective.type!r} needs per-token {missing} in every "
                              f"sample; the pack of samples {batch.sample_ids} lacks them")
-        scored = shard_token_logprobs(hidden, targets, self.lm_head, self.loss_chunk_mb)
+        scored = self._scored(batch, plan, hidden, targets)
         keep = scored.keep
         arrays = {name: plan.shard(batch.token_arrays[name].to(hidden.device), dim=0)[keep]
                   for name in objective.required_arrays}
@@ -200,17 +209,32 @@ class PackedVLM(nn.Module):
         if objective.normalize == "sequence":
             losses = losses * plan.shard(sequence_weights(batch).to(hidden.device), dim=0)[keep]
         sums[0] = float(scored.entropy.double().sum())
+        if "inference_logprobs" in batch.token_arrays:
+            inference = plan.shard(batch.token_arrays["inference_logprobs"].to(hidden.device),
+                                   dim=0)[keep]
+            sums[_MISMATCH_SLICE] = mismatch_sums(scored.logprobs, inference)
         return losses.sum() + scored.anchor, int(keep.sum()), sums
+
+    def _scored(self, batch: PackedBatch, plan: ShardPlan, hidden: torch.Tensor,
+                targets: torch.Tensor) -> TokenLogprobs:
+        """Per-token logprobs of the shard's targets ([S_local] hidden and targets), at the data's
+        per-token temperatures when the pack carries them."""
+        temperatures = batch.token_arrays.get("temperatures")
+        if temperatures is not None:
+            temperatures = plan.shard(temperatures.to(hidden.device), dim=0, pad_value=1.0)
+        return shard_token_logprobs(hidden, targets, self.lm_head, self.loss_chunk_mb,
+                                    temperatures)
 
     @torch.no_grad()
     def token_scores(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-position logprob of the target and policy entropy on this rank's shard, no
         backward: ([S_local] fp32, [S_local] fp32), NaN where the target is IGNORE_INDEX or
-        padding. Position t holds log pi(targets[t]), i.e. of the sample's label t+1."""
+        padding. Position t holds log pi(targets[t]), i.e. of the sample's label t+1, at its
+        sampling temperature when the pack carries `temperatures`."""
         plan = self.plan(batch)
         hidden, _ = self.shard_hidden(batch, plan)
         targets = plan.shard(batch.targets.to(hidden.device), dim=0, pad_value=IGNORE_INDEX)
-        scored = shard_token_logprobs(hidden, targets, self.lm_head, self.loss_chunk_mb)
+        scored = self._scored(batch, plan, hidden, targets)
         logprobs = torch.full(targets.shape, float("nan"), device=targets.device)
         entropy = logprobs.clone()
         logprobs[scored.keep] = scored.logprobs

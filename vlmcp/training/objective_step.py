@@ -5,6 +5,8 @@ The step's loss is sum_t c_t l_t / D (`model.objectives`): D is the global numbe
 tokens (`loss.normalize` "token") or of samples ("sequence") of the optimizer step, over SP, DP
 and the accumulation micro-batches. Metrics are means over the step's global target tokens:
 "entropy" always; "clip_fraction", "ratio", "approx_kl" for ppo_clip, and "ref_kl" with kl_coef.
+When the step's data carries `inference_logprobs`, "mismatch_logprob_diff" and "mismatch_kl"
+(`model.mismatch`) are means over the "mismatch_targets" tokens that have one.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from vlmcp.config import JobConfig
 from vlmcp.data.batch import PackedBatch
 from vlmcp.data.index import LengthIndex
+from vlmcp.model.mismatch import MISMATCH_KEYS
 from vlmcp.model.objectives import STAT_KEYS, Objective
 from vlmcp.parallel import comm
 
@@ -70,7 +73,12 @@ def step_counts(module: Any, batches: Sequence[PackedBatch], objective: Objectiv
     return StepCounts(targets, samples if objective.normalize == "sequence" else targets)
 
 
-def objective_metrics(sums: torch.Tensor, targets: int, objective: Objective) -> dict[str, float]:
+def objective_metrics(sums: torch.Tensor, targets: int, objective: Objective) -> dict[str, Any]:
     """Metrics row entries from the globally summed `STAT_KEYS` sums of a step."""
-    return {key: float(sums[STAT_KEYS.index(key)]) / max(targets, 1)
-            for key in objective.metric_keys()}
+    row: dict[str, Any] = {key: float(sums[STAT_KEYS.index(key)]) / max(targets, 1)
+                           for key in objective.metric_keys()}
+    diff, kl, count = (float(sums[STAT_KEYS.index(key)]) for key in MISMATCH_KEYS)
+    if count:
+        row.update({"mismatch_logprob_diff": diff / count, "mismatch_kl": kl / count,
+                    "mismatch_targets": int(count)})
+    return row

@@ -13,6 +13,10 @@ A training rank that builds indexes (`index_role="build"`) loads the cached inde
 them from image headers; the others (`"skip"`) load them afterwards with `load_train_index` and
 `load_eval_index`.
 Every training sample must carry the per-token arrays `loss.type` needs (read from the index).
+
+A rollout job (`rollouts.dir`) has no data.train to index: each rollout step is indexed and
+checked when training reaches it (`vlmcp.training.rollout_steps`); here only the rollout and
+publish directories are checked.
 """
 
 from __future__ import annotations
@@ -175,10 +179,10 @@ def _check_resume(job: JobConfig, report: Preflight) -> None:
                                "train.resume=true to continue it, or choose another output_dir")
 
 
-def _check_output_dir(job: JobConfig, report: Preflight) -> None:
-    """output_dir, or the nearest directory above it that exists, accepts a new file (a probe
+def _check_writable(key: str, directory: str, report: Preflight) -> None:
+    """`directory`, or the nearest directory above it that exists, accepts a new file (a probe
     file, removed again; nothing is created for a directory that does not exist yet)."""
-    out = Path(job.output_dir).absolute()
+    out = Path(directory).absolute()
     base = out
     while not base.exists():
         base = base.parent
@@ -189,8 +193,23 @@ def _check_output_dir(job: JobConfig, report: Preflight) -> None:
         os.close(handle)
         os.unlink(probe)
     except OSError as exc:
-        report.problems.append(f"config key 'output_dir': cannot write to {out}: "
+        report.problems.append(f"config key '{key}': cannot write to {out}: "
                                f"{exc.strerror or exc}")
+
+
+def _check_rollouts(job: JobConfig, report: Preflight) -> None:
+    """A rollout job: rollouts.dir instead of data.train, and the directories it names."""
+    rollouts = job.rollouts.dir
+    if job.data.train:
+        report.problems.append("config key 'data.train' is set but 'rollouts.dir' is too: a "
+                               "rollout job trains step N on rollouts.dir/step_N only (vlmcp "
+                               "score reads data.train; unset it for training)")
+    if Path(rollouts).exists() and not Path(rollouts).is_dir():
+        report.problems.append(f"config key 'rollouts.dir': {Path(rollouts).absolute()} is not a "
+                               "directory")
+    if job.data.shuffle and comm.rank() == 0:
+        logger.warning("data.shuffle does not apply to rollout steps: a step's gradient is the "
+                       "same in any sample order")
 
 
 def index_settings(job: JobConfig) -> dict[str, Any]:
@@ -222,7 +241,7 @@ def load_train_index(job: JobConfig, report: Preflight, *, may_build: bool,
     when `may_build`; problems are added to report.problems (the data's, then missing files,
     then mixture weights that draw nothing, then, when `training`, samples without the per-token
     arrays `loss.type` needs)."""
-    if report.processor is None:
+    if report.processor is None or (training and job.rollouts.dir):
         return
     files = data_files(job.data.train, "data.train")
     result, present = _index_files(job, report, files, may_build=may_build, rebuild=rebuild)
@@ -267,9 +286,13 @@ def run_preflight(job: JobConfig, world_size: int, *, index_role: str = "build",
     _check_model(job, world_size, report)
     _check_deepspeed(job, world_size, report)
     _check_lora(job, report)
-    _check_output_dir(job, report)
+    _check_writable("output_dir", job.output_dir, report)
+    if job.publish.dir:
+        _check_writable("publish.dir", job.publish.dir, report)
     if training:
         _check_resume(job, report)
+        if job.rollouts.dir:
+            _check_rollouts(job, report)
     if report.processor is not None and _check_image_root(job, report) and index_role != "skip":
         load_train_index(job, report, may_build=True, rebuild=decode_images, training=training)
         if training:

@@ -3,7 +3,8 @@
 Each sample's record is one JSON line, in data order: {"index": i, "logprobs": [...]} with the
 logprob of each target token in order (target t of a sample is label t+1 in the HF convention,
 so the list has one entry per label != -100 after the first token), plus "entropy": [...] (the
-policy's softmax entropy at the same positions) with --entropy.
+policy's softmax entropy at the same positions) with --entropy. A sample with per-token
+`temperatures` is scored at them: log_softmax(logits / tau), as the trainer computes it.
 
 The forward is training's: packed (first-fit, `data.max_seq_len`), SP-sharded, through the
 DeepSpeed engine (ZeRO-3 gathers as in training) under no_grad. The packs are dealt round-robin
@@ -106,6 +107,9 @@ def score(job: JobConfig, out: str | None = None, entropy: bool = False) -> Path
         raise ConfigError(["config key 'lora.r': vlmcp score runs the model at model.path without "
                            "trained adapters; score the merged model of `vlmcp export --merge` "
                            "with lora.r 0"])
+    if not job.data.train:
+        raise ConfigError(["config key 'data.train': vlmcp score scores the files of data.train "
+                           "(a rollout job's steps too: --set data.train=ROLLOUTS/step_N/FILE)"])
     preflight = start_checked(job, training=False)
     sp = SequenceParallel.initialize(job.parallel.sp_size)
     engine, _, _ = build_engine(job, preflight, sp)
