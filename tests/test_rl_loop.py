@@ -61,15 +61,15 @@ LOOP_STEPS = [(range(0, 6), 0, 0.0, None), (range(6, 12), 0, 0.0, 2),
               (range(24, 30), 4, 0.0, None)]
 
 
-def _rl_job(checkpoint, out, rollouts, weights, **sections):
+def _rl_job(checkpoint, out, rollouts_dir, weights_dir, **sections):
     job = tiny_job(checkpoint, Path("unused"), out,
                    data={"max_seq_len": 64, "num_workers": 1},
                    parallel={"sp_size": 2},
                    loss={"type": "policy_gradient"},
                    optimizer={"type": "adamw", "lr": 2e-3},
                    deepspeed={"zero_optimization": {"stage": 3}},
-                   rollouts={"dir": str(rollouts), "timeout_s": 120, "poll_s": 0.2},
-                   publish={"dir": str(weights), "every": 1})
+                   rollouts={"dir": str(rollouts_dir), "timeout_s": 120, "poll_s": 0.2},
+                   publish={"dir": str(weights_dir), "every": 1})
     del job["data"]["train"]
     for name, values in sections.items():
         job[name] = {**job.get(name, {}), **values}
@@ -90,11 +90,13 @@ def _producer(tmp_path, checkpoint, digits, rollouts, weights, steps) -> subproc
 
 
 def _finish(producer: subprocess.Popen, log: Path) -> None:
+    """Wait for the producer to end (it fails the test unless it exits 0); kill it after 120 s."""
     try:
         assert producer.wait(timeout=120) == 0, log.read_text()[-3000:]
-    finally:
-        if producer.poll() is None:
-            producer.kill()
+    except subprocess.TimeoutExpired:
+        producer.kill()
+        producer.wait()
+        raise
 
 
 def _training_rows(out: Path) -> dict[int, dict]:
@@ -120,11 +122,11 @@ def loop_run(tiny_checkpoint, digits_jsonl, tmp_path_factory):
     the newest 2 kept."""
     root = tmp_path_factory.mktemp("rl_loop")
     rollouts, weights, out = root / "rollouts", root / "weights", root / "out"
-    producer = _producer(root, tiny_checkpoint, digits_jsonl, rollouts, weights, LOOP_STEPS)
     job = write_job(root / "job.json", _rl_job(
         tiny_checkpoint, out, rollouts, weights, train={"max_steps": 5},
         rollouts={"max_staleness": 2, "on_stale": "skip", "on_bad_sample": "skip"},
         publish={"keep": 2}))
+    producer = _producer(root, tiny_checkpoint, digits_jsonl, rollouts, weights, LOOP_STEPS)
     try:
         result = run_vlmcp(["train", str(job)], launcher="torchrun", nproc=2, timeout=600)
     finally:
@@ -256,11 +258,11 @@ def test_lora_publishes_only_the_adapter_which_peft_loads_and_a_malformed_sample
     rollouts, weights, out = tmp_path / "rollouts", tmp_path / "weights", tmp_path / "out"
     steps = [(range(0, 4), 0, 0.0, None), (range(4, 8), 1, 0.0, None),
              (range(8, 12), 2, 0.0, 2)]
-    producer = _producer(tmp_path, tiny_checkpoint, digits_jsonl, rollouts, weights, steps)
     job = write_job(tmp_path / "job.json", _rl_job(
         tiny_checkpoint, out, rollouts, weights, train={"max_steps": 3},
         deepspeed={"zero_optimization": {"stage": 2}},
         optimizer={"lr": 1e-2}, lora={"r": 4, "alpha": 8}))
+    producer = _producer(tmp_path, tiny_checkpoint, digits_jsonl, rollouts, weights, steps)
     try:
         result = run_vlmcp(["train", str(job)], launcher="torchrun", nproc=2, timeout=600)
     finally:
@@ -325,7 +327,7 @@ def test_a_rollout_step_over_dp_2_is_one_exact_sgd_step_and_an_over_stale_step_i
     assert result.returncode == 1, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and f"{step_dir(rollouts, 2) / 'meta.json'}: policy_step 0 is 1 " \
-        "steps behind" in errors[0] and "rollouts.max_staleness=0" in errors[0], errors
+        "steps behind" in errors[0] and "rollouts.max_staleness=0" in errors[0], result.stderr[-4000:]
     assert newest_complete(out / "checkpoints")[0] == "step1"
 
     reference = _sgd_reference_update(checkpoint, samples, lr)

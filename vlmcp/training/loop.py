@@ -327,8 +327,18 @@ def _wait_for_rollout(run: Run, step: int, stop: StopSignals, watchdog: Watchdog
 
 
 def _train_loop(run: Run, stop: StopSignals, watchdog: Watchdog) -> None:
-    train_cfg = run.job.train
     progress = _progress(run)
+    try:
+        _run_steps(run, stop, watchdog, progress)
+    finally:
+        # Also when a step raises: the bar ends its line before the error lines are printed.
+        if progress is not None:
+            progress.close()
+    run.metrics.close()
+
+
+def _run_steps(run: Run, stop: StopSignals, watchdog: Watchdog, progress: Any) -> None:
+    train_cfg = run.job.train
     saver = _Saver(run, watchdog)
     guard = NonFiniteGuard(train_cfg.nonfinite, train_cfg.max_skipped_steps)
     run.engine.train()
@@ -375,6 +385,3 @@ def _train_loop(run: Run, stop: StopSignals, watchdog: Watchdog) -> None:
             logger.warning("stopped on a signal after step %d; resume with train.resume=true",
                            done)
             raise StopRequested(signum, done)
-    if progress is not None:
-        progress.close()
-    run.metrics.close()
