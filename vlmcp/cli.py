@@ -189,9 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--set", dest="overrides", action="append", default=[],
                       metavar="KEY.PATH=VALUE", help="override a key of the demo job; repeatable")
     demo.add_argument("--rl", action="store_true",
-                      help="policy-gradient variant: candidate answers per digit prompt with "
-                           "group-relative advantages from their correctness, loss.type "
-                           "policy_gradient, output in OUT/rl (vlmcp/demo/rl.py)")
+                      help="online RL instead: a short CE warm start, then this process samples "
+                           "answers from the newest published weights (transformers) and writes "
+                           "rollout steps while `vlmcp train` trains ppo_clip on them and "
+                           "publishes weights, one step off-policy; output in OUT/rl "
+                           "(vlmcp/demo/rl.py; --steps sets the RL steps)")
     return parser
 
 
