@@ -95,7 +95,7 @@ def test_rollout_keys_need_rollouts_dir_and_data_train_is_optional_with_it(tiny_
         "is ever stale"]
 
 
-def test_validate_checks_a_rollout_job_and_refuses_data_train_beside_rollouts(
+def test_validate_checks_a_rollout_job_and_refuses_data_train_or_a_zero2_offload_beside_it(
         tiny_checkpoint, tmp_path, capsys):
     raw = _job(tiny_checkpoint, tmp_path, rollouts={"dir": str(tmp_path / "rollouts")},
                publish={"dir": str(tmp_path / "weights")})
@@ -103,8 +103,11 @@ def test_validate_checks_a_rollout_job_and_refuses_data_train_beside_rollouts(
     assert main(["validate", str(write_job(tmp_path / "job.json", raw))]) == 0
     assert "rollout steps from" in capsys.readouterr().out
     raw["data"]["train"] = str(tmp_path / "train.jsonl")
+    raw["deepspeed"] = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     assert main(["validate", str(write_job(tmp_path / "job.json", raw))]) == 1
-    assert "config key 'data.train' is set but 'rollouts.dir' is too" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "config key 'data.train' is set but 'rollouts.dir' is too" in err
+    assert "a rollout job cannot run ZeRO-1/2 with offload_optimizer" in err
 
 
 def _record(**arrays) -> dict:

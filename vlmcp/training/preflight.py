@@ -45,6 +45,7 @@ from vlmcp.parallel import comm
 from vlmcp.parallel.constraints import check_sp_constraints
 from vlmcp.training.ds.zero3_sp import largest_tensor_numel, sp_exact_zero_settings
 from vlmcp.training.checkpoint import checkpoint_dir, checkpoint_tags, latest_tag, newest_complete
+from vlmcp.training.ds.blocks import offloads_optimizer
 from vlmcp.training.ds.config import fill_deepspeed_config, load_deepspeed_config, zero_stage
 from vlmcp.training.objective_step import objective_problems
 
@@ -207,6 +208,14 @@ def _check_rollouts(job: JobConfig, report: Preflight) -> None:
     if Path(rollouts).exists() and not Path(rollouts).is_dir():
         report.problems.append(f"config key 'rollouts.dir': {Path(rollouts).absolute()} is not a "
                                "directory")
+    config = report.ds_config
+    if config is not None and zero_stage(config) in (1, 2) and offloads_optimizer(config):
+        # DeepSpeed 0.19's ZeRO-1/2 offload takes a gradient-norm shortcut when its configured
+        # gradient_accumulation_steps is 1 (train.grad_accum with rollouts) and would clip by the
+        # last micro-batch's norm; a rollout step runs as many micro-batches as it packs into.
+        report.problems.append("config key 'rollouts.dir': a rollout job cannot run ZeRO-1/2 with "
+                               "offload_optimizer (the gradient norm of a step of several "
+                               "micro-batches would be wrong); use ZeRO-3, or no optimizer offload")
     if job.data.shuffle and comm.rank() == 0:
         logger.warning("data.shuffle does not apply to rollout steps: a step's gradient is the "
                        "same in any sample order")
