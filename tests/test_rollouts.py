@@ -4,12 +4,16 @@ data files are its *.jsonl / *.json in name order; the rollout and publish keys 
 ones that need rollouts.dir, data.train optional with it); per-token temperatures must be > 0 on
 targets, and a pack fills in the temperatures (1) and inference logprobs (NaN) of samples without
 them; the mismatch sums are exact for tiny differences; published steps are listed newest
-first, complete ones only."""
+first, complete ones only; waiting for a step sleeps between looks (no spinning), logs, and ends
+on the step, a stop signal or rollouts.timeout_s (no process group: the agreement is the
+identity)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import time
 
 import pytest
 import torch
@@ -24,6 +28,8 @@ from vlmcp.data.rollouts import STABLE, is_complete, read_meta, step_dir, step_f
 from vlmcp.errors import ConfigError, DataError
 from vlmcp.model.mismatch import mismatch_sums
 from vlmcp.training.publish import published_steps
+from vlmcp.training.rollout_steps import RolloutSteps, WaitOutcome
+from vlmcp.training.watchdog import Watchdog
 
 IDS = [1, 10, 11, 12, 13, 2]
 LABELS = [-100, -100, 11, 12, 13, 2]
@@ -156,3 +162,28 @@ def test_published_steps_are_the_complete_ones_newest_first(tmp_path):
         if stable:
             (tmp_path / name / STABLE).write_text("")
     assert published_steps(tmp_path) == [10, 2]
+
+
+def _waiting_steps(checkpoint, tmp_path, **rollouts):
+    raw = _job(checkpoint, tmp_path, rollouts={"dir": str(tmp_path / "rollouts"), **rollouts})
+    del raw["data"]["train"]
+    return RolloutSteps(job_from_dict(raw), processor=None, sp=None)
+
+
+def test_waiting_for_a_step_sleeps_ends_on_a_signal_or_the_timeout_and_logs(
+        tiny_checkpoint, tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    steps = _waiting_steps(tiny_checkpoint, tmp_path, timeout_s=1.0, poll_s=0.1)
+    with Watchdog(60, rank=0) as watchdog:
+        cpu, wall = time.process_time(), time.monotonic()
+        outcome = steps.wait(0, lambda: 0, watchdog)
+        cpu, wall = time.process_time() - cpu, time.monotonic() - wall
+        assert outcome.timed_out and outcome.signum == 0 and outcome.waited_s >= 1.0
+        assert wall >= 1.0 and cpu < 0.3 * wall, (cpu, wall)  # it slept, it did not spin
+        assert f"waiting for rollout step {step_dir(tmp_path / 'rollouts', 1)}" in caplog.text
+        assert steps.wait(0, lambda: 15, watchdog) == WaitOutcome(15, False, pytest.approx(0, abs=0.5))
+        (step_dir(tmp_path / "rollouts", 1)).mkdir(parents=True)
+        (step_dir(tmp_path / "rollouts", 1) / STABLE).write_text("")
+        arrived = steps.wait(0, lambda: 15, watchdog)
+        assert arrived.signum == 0 and not arrived.timed_out
+    assert "rollouts.timeout_s=1: no complete" in steps.timeout_problem(0, 1.0)
