@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from vlmcp.bench.run import search_max_len
-from vlmcp.bench.inputs import image_grids, synthetic_pack
+from vlmcp.bench.inputs import image_grids, synthetic_pack, synthetic_pairs
 from vlmcp.cli import build_parser, main
 from vlmcp.data.batch import IGNORE_INDEX
 from vlmcp.model.loss import CE_BYTES_PER_LOGIT
@@ -28,10 +28,10 @@ def test_bench_parses_every_flag():
         "--out", "x.json", "--sp-size", "2", "--deltanet-cp", "heads", "--samples-per-pack", "1",
         "--moe", "--vocab-size", "248320", "--hidden-size", "256", "--images", "8",
         "--loss-chunk-mb", "128", "--loss-only", "--find-max-len", "--memory-budget-gb", "4",
-        "--granularity", "2048", "--max-probes", "6"])
+        "--granularity", "2048", "--max-probes", "6", "--pairs"])
     assert (args.seq_lens, args.steps, args.warmup, args.dtype, args.sp_size) == ("16384,65536", 2, 1, "bfloat16", 2)
     assert (args.vocab_size, args.hidden_size, args.images, args.loss_chunk_mb) == (248320, 256, 8, 128.0)
-    assert args.loss_only and args.find_max_len and args.moe
+    assert args.loss_only and args.find_max_len and args.moe and args.pairs
     assert (args.memory_budget_gb, args.granularity, args.max_probes) == (4.0, 2048, 6)
 
 
@@ -46,6 +46,21 @@ def test_synthetic_pack_places_every_image_and_keeps_targets_off_placeholders():
     assert not bool(torch.isin(batch.targets[batch.targets != IGNORE_INDEX],
                                torch.tensor([config.image_token_id])).any())
     assert sorted(image_grids(8)) != [image_grids(8)[0]] * 8  # mixed sizes
+
+
+def test_synthetic_pairs_hold_the_shared_prompt_images_once_and_the_unshared_twice():
+    config = tiny_qwen3_5_config()
+    grids = torch.tensor(image_grids(3))
+    shared = synthetic_pairs(1024, 2, config, images=3)
+    twice = synthetic_pairs(1024, 2, config, images=3, shared=False)
+    assert shared.pairs == [(0, 1), (2, 3)] and not twice.pairs
+    assert torch.equal(shared.input_ids, twice.input_ids)
+    assert shared.pixel_values.shape[0] == int(grids.prod(dim=1).sum())
+    assert twice.pixel_values.shape[0] == 2 * int(grids.prod(dim=1).sum())
+    assert shared.image_index.tolist() == [0, 1, 0, 1, 2, 2] and twice.image_index is None
+    chosen, rejected = shared.input_ids.split(shared.seq_lens)[:2]
+    prompt = 1 + next(t for t, target in enumerate(shared.targets.tolist()) if target != IGNORE_INDEX)
+    assert torch.equal(chosen[:prompt], rejected[:prompt]) and not torch.equal(chosen, rejected)
 
 
 def test_max_len_search_finds_the_boundary_within_its_probe_limit():

@@ -1,6 +1,8 @@
 """The shard-first merge plan, without processes: images are balanced over ranks by patch count,
 and routing every rank's encoded rows by the plan's counts (the all-to-all done by hand here)
-puts each image feature row at its own placeholder, on the rank whose shard holds it."""
+puts each image feature row at its own placeholder, on the rank whose shard holds it; an image
+shown twice (a preference pair's prompt image) is encoded once and serves both uses, and a pack
+that holds it once embeds exactly like one that holds two copies (split and replicated vision)."""
 
 from __future__ import annotations
 
@@ -91,3 +93,57 @@ def test_placeholders_that_disagree_with_the_images_or_the_shards_are_an_error()
         ImageRouting.build(torch.tensor([(1, 4, 4)]), torch.arange(5), 4, 2, 0, MERGE)
     with pytest.raises(ValueError, match="placeholder at position 8 lies beyond the 2 shards of 4 tokens"):
         ImageRouting.build(torch.tensor([(1, 4, 4)]), torch.arange(5, 9), 4, 2, 0, MERGE)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_an_image_shown_twice_is_encoded_once_and_its_rows_reach_both_uses(size):
+    """A pair's prompt image (4 rows) shown by both halves, another image once: the uses' rows,
+    routed from the one encoding of each distinct image, land on every placeholder in order."""
+    grids, image_index = [(1, 4, 4), (1, 2, 4)], [0, 1, 0]
+    positions = [*range(2, 6), 9, 10, *range(14, 18)]
+    local_len = -(-19 // size)
+    rows = [4, 2]
+    distinct_first = [0, 4]
+    plans = [ImageRouting.build(torch.tensor(grids), torch.tensor(positions), local_len, size, r,
+                                MERGE, torch.tensor(image_index)) for r in range(size)]
+    assert sorted(i for plan in plans for i in plan.images) == [0, 1]
+    sent = []
+    for plan in plans:
+        encoded = [distinct_first[i] + j for i in plan.images for j in range(rows[i])]
+        order = plan.send_index.tolist() if plan.send_index is not None else range(len(encoded))
+        out = [encoded[k] for k in order]
+        chunks, start = [], 0
+        for count in plan.send_counts:
+            chunks.append(out[start:start + count])
+            start += count
+        sent.append(chunks)
+    # the feature row each placeholder must get: image 0's rows, image 1's, image 0's again
+    wanted = [0, 1, 2, 3, 4, 5, 0, 1, 2, 3]
+    for r, plan in enumerate(plans):
+        arrived = [row for s in range(size) for row in sent[s][r]]
+        received = [arrived[k] for k in plan.recv_order.tolist()]
+        assert received == [w for w, pos in zip(wanted, positions) if pos // local_len == r]
+
+
+@pytest.mark.parametrize("vision_mode", ["split", "replicated"])
+def test_a_pack_that_holds_a_shown_twice_image_once_embeds_like_one_with_two_copies(vision_mode):
+    from tests.helpers.parity import build_model
+    from vlmcp.bench.inputs import synthetic_pairs
+    from vlmcp.model.merge import merge_embeddings, shard_first_embeddings
+    from vlmcp.parallel.shard import ShardPlan
+
+    model = build_model()
+    config = model.config
+    shared = synthetic_pairs(1024, 2, config, images=3)
+    twice = synthetic_pairs(1024, 2, config, images=3, shared=False)
+    assert shared.image_index is not None and twice.image_index is None
+    embed, vision = model.model.language_model.embed_tokens, model.model.visual
+    with torch.no_grad():
+        if vision_mode == "split":
+            embeds = [shard_first_embeddings(embed, vision, batch, ShardPlan.build(batch.seq_lens),
+                                             config.image_token_id, False)
+                      for batch in (shared, twice)]
+        else:
+            embeds = [merge_embeddings(embed, vision, batch, config.image_token_id, False)
+                      for batch in (shared, twice)]
+    assert torch.allclose(embeds[0], embeds[1], rtol=0, atol=1e-6)

@@ -1,7 +1,10 @@
 """Per-token arrays of the tokens format: read aligned with labels, shifted with the targets into
 the pack, cut with the labels; each bad input is one clear error naming file:line before any rank
-starts (`vlmcp validate` runs the same preflight every rank runs first); `vlmcp score` writes one
-line per sample in data order."""
+starts (`vlmcp validate` runs the same preflight every rank runs first), read from the length
+index: a missing array (of an objective, of mis, of a term's weights), a single sample under a
+preference loss or a pair under another, dpo without reference sums; an option that does not
+apply to its loss type is a config error naming the key; a reference score file that does not
+match the data names its line; `vlmcp score` writes one line per sample in data order."""
 
 from __future__ import annotations
 
@@ -111,3 +114,108 @@ def test_score_refuses_a_lora_job_whose_adapters_are_not_at_model_path(make_json
                                                     tmp_path / "out", lora={"r": 4}))
     assert main(["score", str(job)]) == 1
     assert "config key 'lora.r'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("loss,key", [
+    ({"type": "policy_gradient", "clip_high": 0.3}, "loss.clip_high"),
+    ({"type": "cispo", "clip_ratio_c": 3.0}, "loss.clip_ratio_c"),
+    ({"type": "dpo", "normalize": "sequence"}, "loss.normalize"),
+    ({"type": "simpo", "reference_logps": "initial"}, "loss.reference_logps"),
+    ({"type": "dppo", "gamma": 1.0}, "loss.gamma"),
+    ({"type": "ce", "mismatch": "tis"}, "loss.mismatch"),
+    ({"type": "policy_gradient", "mismatch": "tis", "mismatch_low": 0.5}, "loss.mismatch_low"),
+    ({"type": "policy_gradient", "mismatch": "mis", "mismatch_reduce": "mean"},
+     "loss.mismatch_reduce"),
+    ({"type": "policy_gradient", "normalize": "constant"}, "loss.normalize_constant"),
+    ({"type": "policy_gradient", "normalize_constant": 100.0}, "loss.normalize_constant"),
+    ({"type": "ppo_clip", "clip_ratio_c": 1.0}, "loss.clip_ratio_c"),
+    ({"type": "ce", "weights": "mask"}, "loss.weights"),
+    ({"terms": [{"type": "ppo_clip"}], "kl_coef": 0.1}, "loss.kl_coef"),
+    ({"terms": [{"type": "ce"}, {"type": "opd", "clip_low": 0.1}]}, "loss.terms[1].clip_low"),
+    ({"terms": [{"type": "ce"}, {"type": "dpo"}]}, "loss.terms[1].type"),
+    ({"terms": [{"type": "ce", "clip_lo": 0.1}]}, "loss.terms[0].clip_lo"),
+])
+def test_an_option_that_does_not_apply_or_lacks_its_setting_is_a_config_error_naming_the_key(
+        loss, key, tiny_checkpoint, tmp_path):
+    raw = tiny_job(tiny_checkpoint, tmp_path / "d.jsonl", tmp_path / "out", loss=loss)
+    with pytest.raises(ConfigError) as info:
+        job_from_dict(raw)
+    assert f"'{key}'" in str(info.value)
+
+
+def _pair(**extra) -> dict:
+    return {"prompt_input_ids": [1, 10, 11], "chosen_input_ids": [12, 2],
+            "rejected_input_ids": [13, 2], **extra}
+
+
+def _errors(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+
+
+def test_validate_names_each_sample_a_preference_loss_cannot_train(make_jsonl, tiny_checkpoint,
+                                                                   tmp_path, capsys):
+    data = make_jsonl([_pair(ref_chosen_logp=-1.0, ref_rejected_logp=-2.0), _pair(),
+                       _record()])
+    job = write_job(tmp_path / "dpo.json", tiny_job(tiny_checkpoint, data, tmp_path / "out",
+                                                    loss={"type": "dpo"}))
+    assert main(["validate", str(job)]) == 1
+    errors = _errors(capsys)
+    assert len(errors) == 2, errors
+    assert errors[0].startswith(f"error: {data}:3: ") and "trains on preference pairs" in errors[0]
+    assert errors[1].startswith(f"error: {data}:2: ") and "needs the reference logprob sums" \
+        in errors[1] and "loss.reference_logps" in errors[1]
+    scored = write_job(tmp_path / "initial.json", tiny_job(
+        tiny_checkpoint, make_jsonl([_pair(), _pair()], name="pairs.jsonl"), tmp_path / "out",
+        loss={"type": "dpo", "reference_logps": "initial"}))
+    assert main(["validate", str(scored)]) == 0
+    simpo = write_job(tmp_path / "simpo.json", tiny_job(
+        tiny_checkpoint, make_jsonl([_pair()], name="one.jsonl"), tmp_path / "out",
+        loss={"type": "simpo"}))
+    assert main(["validate", str(simpo)]) == 0
+    capsys.readouterr()
+    ce = write_job(tmp_path / "ce.json", tiny_job(tiny_checkpoint, data, tmp_path / "out"))
+    assert main(["validate", str(ce)]) == 1
+    errors = _errors(capsys)
+    assert [e.split(": ")[1] for e in errors] == [f"{data}:1", f"{data}:2"]
+    assert all("trains with loss.type dpo, ipo or simpo, not 'ce'" in e for e in errors)
+
+
+def test_validate_names_each_sample_without_the_arrays_of_mis_and_of_a_terms_weights(
+        make_jsonl, tiny_checkpoint, tmp_path, capsys):
+    with_mu = _record(inference_logprobs=[0, 0, -1.4, -2.1, -0.6, -2.9],
+                      sft_weights=[0, 0, 1, 0, 1, 1])
+    data = make_jsonl([with_mu, _record(), _record(sft_weights=[0, 0, 1, 1, 1, 1])])
+    job = write_job(tmp_path / "mis.json", tiny_job(tiny_checkpoint, data, tmp_path / "out", loss={
+        "terms": [{"type": "ppo_clip", "mismatch": "mis"},
+                  {"type": "ce", "weights": "sft_weights"}]}))
+    assert main(["validate", str(job)]) == 1
+    errors = _errors(capsys)
+    assert len(errors) == 3, errors
+    mis = [e for e in errors if "'inference_logprobs'" in e]
+    assert [e.split(": ")[1] for e in mis] == [f"{data}:2", f"{data}:3"]
+    assert all("loss.terms[0].type 'ppo_clip' with loss.terms[0].mismatch 'mis'" in e for e in mis)
+    (weights,) = [e for e in errors if "'sft_weights'" in e]
+    assert weights.startswith(f"error: {data}:2: ") and "with loss.terms[1].weights" in weights
+
+
+def test_a_reference_score_file_that_does_not_match_data_train_names_its_line(
+        make_jsonl, tiny_processor, tmp_path):
+    from vlmcp.data.index import build_index
+    from vlmcp.training.reference import read_reference
+
+    data = make_jsonl([_pair(), _record(), _pair()])
+    index, _ = build_index([data], tiny_processor, 64)
+    scores = tmp_path / "ref.jsonl"
+    good = {"index": 0, "chosen": {"logprobs": [-1.0, -2.0], "logprob_sum": -3.0},
+            "rejected": {"logprobs": [-0.5, -0.5], "logprob_sum": -1.0}}
+    scores.write_text("\n".join(json.dumps(r) for r in [
+        good, {**good, "index": 1}, {**good, "index": 2, "chosen": {"logprobs": [-1.0]}}]) + "\n")
+    sums, problems = read_reference(scores, index)
+    assert sums is None and len(problems) == 3, problems
+    assert problems[0].startswith(f"config key 'loss.reference_logps': {scores}:2: row 1 ")
+    assert "is not a preference pair" in problems[0]
+    assert problems[1].startswith(f"config key 'loss.reference_logps': {scores}:3: ")
+    assert f"has no scores of {data}:3" in problems[2]
+    scores.write_text(json.dumps(good) + "\n" + json.dumps({**good, "index": 2}) + "\n")
+    sums, problems = read_reference(scores, index)
+    assert not problems and sums[0].tolist() == [-3.0, -1.0] and math.isnan(sums[1, 0])

@@ -1,17 +1,27 @@
-"""Token-level objectives and scoring under SP = 1 (DP 2), 2 (grad accumulation 2) and 4 equal
-plain transformers with each sample forwarded alone (fp32, rel <= 1e-5): the step loss and every
-gradient of weighted_ce, policy_gradient (token and sequence normalisation) and ppo_clip with a
-k3 KL penalty (tokens clipped on both sides), the objective's metrics, and `score_samples`'
-per-sample target logprobs and entropies. The reference computes each objective from its
-definition on plain transformers' log-softmax; it never calls vlmcp's objective code.
+"""Every objective under SP = 1 (DP 2 x grad accumulation 2, ZeRO-0), 2 (grad accumulation 2,
+ZeRO-2) and 4 (ZeRO-3, 4-row loss chunks through the partitioned head) equals plain transformers
+with each sample forwarded alone: the step loss, every gradient and the
+metrics of weighted_ce, policy_gradient (token, sequence and constant normalisation), ppo_clip
+(k3 penalty; dual clip), the mismatch corrections tis and mis at token and sequence level, dppo,
+gspo, cispo, opd, a three-term loss, and dpo, ipo and simpo on preference pairs (one LoRA dpo
+case at SP 2); the train-inference mismatch metrics of every token case (its data carries
+inference_logprobs); one more case whose samples B and C (not the others) carry per-token
+`temperatures` that vary inside each sample and `inference_logprobs`: its loss, gradients,
+entropy and mismatch metrics (over B and C only) are those of plain transformers'
+log_softmax(logits / tau), with the other samples at tau 1 (at SP 4 they share a pack with B and
+C, which fills their arrays in); and `score_samples`' per-sample logprobs (also at per-token
+temperatures), entropies and pair sums. The reference
+(tests/helpers/objective_reference.py) builds each objective from its definition on plain
+transformers' log-softmax; it never calls vlmcp's objective code. Bounds are fair: a value that
+is not within rel 1e-5 of plain transformers in fp32 (two fp32 kernels round differently: the
+DeltaNet gate gradients) is held to the float64 reference (float64_truth) within rel 1e-5 plus
+the distance of plain transformers in fp32 from it. Each case with sides asserts that tokens are
+really clipped, dropped, clamped or masked on each of them.
 
-One more case per SP size gives B and C (not A) per-token `temperatures` that vary inside each
-sample and `inference_logprobs`: its loss, gradients, entropy, train-inference mismatch metrics
-and scores equal the same computed on plain transformers' log_softmax(logits / tau) (A, without
-the arrays, at tau 1 and outside the mismatch metrics; at SP 4 it shares a pack with B and C).
-
-The hybrid model's pack puts an image's placeholders across a shard edge at SP 2 and 4. Each SP
-size runs all its cases in one set of processes (tests/sp_cases.engine_step)."""
+The hybrid model's token packs put an image's placeholders across a shard edge at SP 2 and 4,
+and at SP 4 sample B spans three ranks. Pair P's halves lie on different SP ranks at SP 2 (its
+prompt image is encoded once, by rank 0, and serves both). Each SP size runs all its objectives
+in one set of processes, on one engine (tests/helpers/sp_cases.engine_step "runs")."""
 
 from __future__ import annotations
 
@@ -22,152 +32,149 @@ import pytest
 import torch
 
 from tests.helpers.distributed import run_ranks
-from tests.helpers.parity import build_model, make_sample, mm_token_type_ids, pack, rel_err
+from tests.helpers.objective_reference import (Reference, float64_truth, reference_pairs,
+                                               reference_step, target_logprobs)
+from tests.helpers.parity import (RawSample, build_model, make_sample, mm_token_type_ids, rel_err,
+                                  seed_adapter_weights)
 from tests.helpers.sp_cases import engine_step
-from vlmcp.data.batch import IGNORE_INDEX
+from vlmcp.config import LossTerm
+from vlmcp.data.batch import IGNORE_INDEX, REF_LOGP
 from vlmcp.data.formats import Sample
 from vlmcp.data.pack import build_batch
 from vlmcp.model.loss import CHECKPOINTED_CE_BYTES_PER_LOGIT, DEFAULT_LOSS_CHUNK_MB
-from vlmcp.model.objectives import Objective
+from vlmcp.model.loss_terms import Loss
 
 pytestmark = pytest.mark.e2e
 
 TOL = 1e-5
 CLIP_LOW, CLIP_HIGH, KL_COEF = 0.2, 0.25, 0.1
 
-#: The samples (length, image grids). In the order C, B, A, B's 16 placeholders lie at 21..36:
-#: across the shard edge at 27 (SP 2, packs [C, B] and [A]) and at 34 (SP 4, one pack [C, B, A]).
-SAMPLES = {"A": (11, []), "B": (37, [(1, 8, 8)]), "C": (17, [(1, 2, 2), (1, 2, 2)])}
-#: world, SP size, grad accumulation, per DP rank, per micro-batch, the sample names.
-LAYOUTS = {1: (2, 1, 1, [[["C", "B"]], [["A"]]]),
-           2: (2, 2, 2, [[["C", "B"], ["A"]]]),
-           4: (4, 4, 1, [[["C", "B", "A"]]])}
+#: The samples (length, image grids). In the order C, B, A, D, E, B's 16 placeholders lie at
+#: 21..36: across the shard edge at 27 (SP 2, packs [C, B] and [A, D, E]) and at 22 (SP 4, one
+#: pack of 87 tokens, where B covers ranks 0, 1 and 2).
+SAMPLES = {"A": (11, []), "B": (37, [(1, 8, 8)]), "C": (17, [(1, 2, 2), (1, 2, 2)]), "D": (9, []),
+           "E": (13, [])}
+#: Per sample: the bias b of logp - old_logprobs (gspo's sequence ratio below, inside and above
+#: its range) and c of log w = old_logprobs - inference_logprobs (the mismatch weight masked or
+#: clamped above, kept, masked below).
+OLD_BIAS = {"A": -0.2, "B": 0.2, "C": 0.0, "D": 0.0, "E": 0.0}
+MISMATCH_BIAS = {"A": 0.0, "B": 1.0, "C": -1.0, "D": 0.2, "E": -0.2}
+#: Preference pairs: prompt length, prompt image grids, chosen and rejected completion lengths.
+PAIRS = {"P": (9, [(1, 4, 4)], 6, 6), "Q": (5, [], 5, 7), "R": (8, [(1, 2, 4)], 4, 5),
+         "S": (6, [], 3, 6)}
+#: world, SP size, grad accumulation, per DP rank, per micro-batch, the sample names; then the
+#: same for the pairs. At SP 2, P's chosen half is rank 0's shard and its rejected half rank 1's.
+LAYOUTS = {1: (2, 1, 2, [[["C", "B"], ["A"]], [["D"], ["E"]]], [[["P"], ["Q"]], [["R"], ["S"]]]),
+           2: (2, 2, 2, [[["C", "B"], ["A", "D", "E"]]], [[["P"], ["Q", "R", "S"]]]),
+           4: (4, 4, 1, [[["C", "B", "A", "D", "E"]]], [[["P", "Q", "R", "S"]]])}
 #: ZeRO stage per SP size; at SP 4 the partitioned lm_head runs 4-row loss chunks (the ranks hold
 #: different target counts and must still make the same module calls).
 STAGES = {1: 0, 2: 2, 4: 3}
 CHUNK_MB = {1: DEFAULT_LOSS_CHUNK_MB, 2: DEFAULT_LOSS_CHUNK_MB,
             4: 4 * 512 * CHECKPOINTED_CE_BYTES_PER_LOGIT / 2**20}
-OBJECTIVES = {
-    "weighted_ce": Objective("weighted_ce"),
-    "policy_gradient_token": Objective("policy_gradient"),
-    "policy_gradient_sequence": Objective("policy_gradient", normalize="sequence"),
-    "ppo_clip_kl_sequence": Objective("ppo_clip", normalize="sequence", clip_low=CLIP_LOW,
-                                      clip_high=CLIP_HIGH, kl_coef=KL_COEF),
-    "policy_gradient_tempered": Objective("policy_gradient"),
-}
-#: The case whose samples B and C carry `temperatures` and `inference_logprobs`.
+LORA = dict(r=4, alpha=8.0, target_modules=["in_proj_qkv", "out_proj", "q_proj", "o_proj",
+                                             "gate_proj", "down_proj"])
+
+
+#: The case whose samples `TEMPERED_SAMPLES` carry per-token `temperatures` and
+#: `inference_logprobs` (`_tempered_arrays`; every sample carries advantages).
 TEMPERED = "policy_gradient_tempered"
-#: The samples that carry them.
 TEMPERED_SAMPLES = ("B", "C")
 
 
-def _forward_alone(model, sample):
-    kwargs = {}
-    if sample.pixel_values is not None:
-        kwargs = dict(pixel_values=sample.pixel_values, image_grid_thw=sample.image_grid_thw,
-                      mm_token_type_ids=mm_token_type_ids(sample, model.config)[None])
-    return model(input_ids=sample.input_ids[None], use_cache=False, **kwargs).logits[0]
+def _objectives(dppo_delta: float) -> dict[str, list[LossTerm]]:
+    """Every token-level case: name -> its terms (one, or several)."""
+    ppo = dict(clip_low=CLIP_LOW, clip_high=CLIP_HIGH)
+    return {
+        "weighted_ce": [LossTerm("weighted_ce")],
+        "policy_gradient_token": [LossTerm("policy_gradient")],
+        "policy_gradient_sequence": [LossTerm("policy_gradient", normalize="sequence")],
+        "policy_gradient_constant": [LossTerm("policy_gradient", normalize="constant",
+                                              normalize_constant=5 * 40.0)],
+        "ppo_clip_kl_sequence": [LossTerm("ppo_clip", normalize="sequence", kl_coef=KL_COEF,
+                                          **ppo)],
+        "ppo_clip_dual_clip": [LossTerm("ppo_clip", clip_ratio_c=1.4, **ppo)],
+        "policy_gradient_tis_token": [LossTerm("policy_gradient", mismatch="tis",
+                                               mismatch_cap=1.5)],
+        "policy_gradient_tis_sequence_sum": [LossTerm("policy_gradient", mismatch="tis",
+                                                      mismatch_level="sequence",
+                                                      mismatch_reduce="sum", mismatch_cap=2.0)],
+        "ppo_clip_mis_token": [LossTerm("ppo_clip", mismatch="mis", mismatch_low=0.6,
+                                        mismatch_high=1.6, **ppo)],
+        "policy_gradient_mis_sequence_mean": [LossTerm(
+            "policy_gradient", normalize="sequence", mismatch="mis", mismatch_level="sequence",
+            mismatch_reduce="mean", mismatch_low=0.5, mismatch_high=2.0)],
+        "dppo": [LossTerm("dppo", delta_low=dppo_delta, delta_high=dppo_delta, kl_tau=0.05)],
+        "gspo": [LossTerm("gspo", normalize="sequence", clip_low=0.08, clip_high=0.08)],
+        "cispo": [LossTerm("cispo", **ppo)],
+        "opd": [LossTerm("opd")],
+        "three_terms": [LossTerm("ppo_clip", **ppo),
+                        LossTerm("ce", weights="sft_weights", coef=0.5),
+                        LossTerm("opd", weights="distill_weights", normalize="sequence",
+                                 coef=0.3)],
+        TEMPERED: [LossTerm("policy_gradient")],
+    }
 
 
-def _target_logprobs(model, sample, temperatures=None):
-    """(logp [n], entropy [n], target positions t: labels[t] != -100, t >= 1), plain transformers;
-    with `temperatures` (aligned with labels) of log_softmax(logits / tau)."""
-    logits = _forward_alone(model, sample)
-    positions = [t for t in range(1, len(sample.labels)) if sample.labels[t] != IGNORE_INDEX]
-    logits = logits[[t - 1 for t in positions]].float()
-    if temperatures is not None:
-        logits = logits / temperatures[positions][:, None]
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(1, sample.labels[positions][:, None])[:, 0]
-    entropy = -(logp_all.exp() * logp_all).sum(1)
-    return logp, entropy, positions
+PAIR_OBJECTIVES = {"dpo": LossTerm("dpo", beta=0.1), "ipo": LossTerm("ipo", beta=0.1),
+                   "simpo": LossTerm("simpo", beta=2.0, gamma=0.5)}
+#: What each case must cover (coverage counts of the reference that must be > 0).
+COVERAGE = {
+    "ppo_clip_kl_sequence": ("clip_low", "clip_high"),
+    "ppo_clip_dual_clip": ("clip_low", "clip_high", "dual_clip"),
+    "policy_gradient_tis_token": ("is_clamped", "is_unclamped"),
+    "policy_gradient_tis_sequence_sum": ("is_clamped", "is_unclamped"),
+    "ppo_clip_mis_token": ("is_masked_low", "is_masked_high", "is_kept", "clip_low",
+                           "clip_high"),
+    "policy_gradient_mis_sequence_mean": ("is_masked_low", "is_masked_high", "is_kept"),
+    "dppo": ("dropped_low", "dropped_high", "kept"),
+    "gspo": ("clip_low", "clip_high"),
+    "cispo": ("clip_low", "clip_high"),
+    "three_terms": ("clip_low", "clip_high"),
+}
 
 
-def _reference(model, samples, arrays, objective):
-    """The step loss, gradients and metrics of `objective`, from its definition."""
-    model = copy.deepcopy(model)
-    n_tokens = sum(int((s.labels[1:] != IGNORE_INDEX).sum()) for s in samples)
-    denominator = n_tokens if objective.normalize == "token" else len(samples)
-    total, entropy_sum, clipped, ratio_sum, approx_kl, ref_kl = 0.0, 0.0, 0, 0.0, 0.0, 0.0
-    mismatch = {"diff": 0.0, "kl": 0.0, "targets": 0, "abs": 0.0}
-    sides = {"low": 0, "high": 0}
-    for sample, sample_arrays in zip(samples, arrays):
-        logp, entropy, positions = _target_logprobs(model, sample,
-                                                    sample_arrays.get("temperatures"))
-        a = {k: v[positions] for k, v in sample_arrays.items()}
-        if "inference_logprobs" in a:
-            d = (logp.detach().double() - a["inference_logprobs"].double())
-            mismatch["diff"] += float(-d.sum())
-            mismatch["kl"] += float((torch.exp(d) - 1 - d).sum())
-            mismatch["targets"] += len(positions)
-            mismatch["abs"] += float(a["inference_logprobs"].abs().sum())
-        if objective.type == "weighted_ce":
-            losses = -a["loss_weights"] * logp
-        elif objective.type == "policy_gradient":
-            losses = -a["advantages"] * logp
-        else:
-            ratio = torch.exp(logp - a["old_logprobs"])
-            adv = a["advantages"]
-            bounded = torch.where(adv > 0, torch.clamp(ratio, max=1 + CLIP_HIGH),
-                                  torch.clamp(ratio, min=1 - CLIP_LOW))
-            losses = -torch.minimum(ratio * adv, bounded * adv)
-            d = a["ref_logprobs"] - logp
-            losses = losses + KL_COEF * (torch.exp(d) - d - 1)
-            is_clipped = bounded * adv < ratio * adv
-            clipped += int(is_clipped.sum())
-            sides["high"] += int((is_clipped & (adv > 0)).sum())
-            sides["low"] += int((is_clipped & (adv < 0)).sum())
-            ratio_sum += float(ratio.detach().sum())
-            approx_kl += float(((ratio - 1) - torch.log(ratio)).detach().sum())
-            ref_kl += float((torch.exp(d) - d - 1).detach().sum())
-        per_sample = losses.sum() / (len(positions) if objective.normalize == "sequence" else 1)
-        (per_sample / denominator).backward()
-        total += float(per_sample.detach()) / denominator
-        entropy_sum += float(entropy.detach().sum())
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    stats = {"entropy": entropy_sum / n_tokens, "clip_fraction": clipped / n_tokens,
-             "ratio": ratio_sum / n_tokens, "approx_kl": approx_kl / n_tokens,
-             "ref_kl": ref_kl / n_tokens}
-    if mismatch["targets"]:
-        stats.update({"mismatch_logprob_diff": mismatch["diff"] / mismatch["targets"],
-                      "mismatch_kl": mismatch["kl"] / mismatch["targets"],
-                      "mismatch_targets": mismatch["targets"],
-                      "mismatch_scale": mismatch["abs"] / mismatch["targets"]})
-    return total, grads, stats, sides
-
-
-def _arrays(gen, model, sample):
-    """Per-token arrays aligned with labels: weights, advantages, and old / ref logprobs a random
-    log-ratio away from the model's own (so some ppo ratios leave the clip range on each side)."""
+def _arrays(gen, model, sample, name):
+    """Per-token arrays aligned with labels: weights, advantages, and old, inference, reference
+    and teacher logprobs some way from the model's own (see OLD_BIAS and MISMATCH_BIAS)."""
     length = len(sample.labels)
-    logp, _, positions = _target_logprobs(model, sample)
+    logp, _, positions = target_logprobs(model, sample)
     own = torch.zeros(length)
     own[positions] = logp.detach()
+    old = own - (torch.rand(length, generator=gen) - 0.5) * 0.6 - OLD_BIAS[name]
     return {"loss_weights": torch.rand(length, generator=gen) * 2,
             "advantages": torch.randn(length, generator=gen),
-            "old_logprobs": own - (torch.rand(length, generator=gen) - 0.5) * 1.2,
-            "ref_logprobs": own - (torch.rand(length, generator=gen) - 0.5) * 0.6}
+            "old_logprobs": old,
+            "inference_logprobs": old - (torch.rand(length, generator=gen) - 0.5) * 0.6
+            - MISMATCH_BIAS[name],
+            "ref_logprobs": own - (torch.rand(length, generator=gen) - 0.5) * 0.6,
+            "teacher_logprobs": own + torch.randn(length, generator=gen) * 0.5,
+            "sft_weights": (torch.rand(length, generator=gen) < 0.5).float(),
+            "distill_weights": (torch.rand(length, generator=gen) < 0.6).float()
+            * (0.5 + torch.rand(length, generator=gen))}
 
 
-def _as_sample(raw, model, arrays, name) -> Sample:
-    positions, _ = model.model.get_rope_index(raw.input_ids[None], mm_token_type_ids(raw, model.config)[None],
+def _make_pair(gen, config, prompt_len, grids, chosen_len, rejected_len):
+    """(chosen, rejected) RawSamples sharing one random prompt (with its images) and its pixels;
+    every completion token is a target."""
+    prompt = make_sample(gen, config, prompt_len, grids)
+    halves = []
+    for length in (chosen_len, rejected_len):
+        completion = torch.randint(8, config.text_config.vocab_size, (length,), generator=gen)
+        ids = torch.cat([prompt.input_ids, completion])
+        labels = torch.cat([torch.full((prompt_len,), IGNORE_INDEX), completion])
+        halves.append(RawSample(ids, labels, prompt.pixel_values, prompt.image_grid_thw))
+    return tuple(halves)
+
+
+def _as_sample(raw, model, arrays, source, pair=None, values=None) -> Sample:
+    mm = mm_token_type_ids(raw, model.config)
+    positions, _ = model.model.get_rope_index(raw.input_ids[None], mm[None],
                                               image_grid_thw=raw.image_grid_thw)
     return Sample(input_ids=raw.input_ids.tolist(), labels=raw.labels.tolist(), image_paths=[],
                   pixel_values=raw.pixel_values, image_grid_thw=raw.image_grid_thw,
-                  mm_token_type_ids=mm_token_type_ids(raw, model.config).long(),
-                  position_ids=positions[:, 0], source=f"{name}.jsonl:1", token_arrays=arrays)
-
-
-def _tempered_arrays(gen, model, sample):
-    """Advantages, per-token temperatures in [0.5, 1.5] and inference logprobs a small random
-    distance from the model's own tempered ones, aligned with labels."""
-    length = len(sample.labels)
-    temperatures = 0.5 + torch.rand(length, generator=gen)
-    logp, _, positions = _target_logprobs(model, sample, temperatures)
-    inference = torch.zeros(length)
-    inference[positions] = logp.detach() + 0.05 * torch.randn(len(positions), generator=gen)
-    return {"advantages": torch.randn(length, generator=gen), "temperatures": temperatures,
-            "inference_logprobs": inference}
+                  mm_token_type_ids=mm.long(), position_ids=positions[:, 0], source=source,
+                  token_arrays=arrays, pair=pair, values=values or {})
 
 
 @functools.cache
@@ -177,47 +184,91 @@ def _setup(tmp_root):
     model.save_pretrained(checkpoint)
     gen = torch.Generator().manual_seed(7)
     raw = {name: make_sample(gen, model.config, length, grids) for name, (length, grids) in SAMPLES.items()}
+    pairs = {name: _make_pair(gen, model.config, *spec) for name, spec in PAIRS.items()}
     with torch.no_grad():
-        arrays = {name: _arrays(gen, model, s) for name, s in raw.items()}
-        tempered = {name: (_tempered_arrays(gen, model, s) if name in TEMPERED_SAMPLES
-                           else {"advantages": arrays[name]["advantages"]})
-                    for name, s in raw.items()}
-    return model, checkpoint, raw, arrays, tempered
+        arrays = {name: _arrays(gen, model, s, name) for name, s in raw.items()}
+        reference = {}
+        for name, halves in pairs.items():
+            sums = [float(target_logprobs(model, half)[0].double().sum()) for half in halves]
+            reference[name] = tuple(s + float(torch.randn((), generator=gen)) for s in sums)
+        gaps = []
+        for name, s in raw.items():
+            logp, _, positions = target_logprobs(model, s)
+            gaps.append((logp.exp() - arrays[name]["inference_logprobs"][positions].exp()).abs())
+    objectives = _objectives(dppo_delta=float(torch.cat(gaps).median()))
+    return model, checkpoint, raw, arrays, pairs, reference, objectives
 
 
-def _case_arrays(name, arrays, tempered):
-    return tempered if name == TEMPERED else arrays
+@functools.cache
+def _tempered_arrays(tmp_root):
+    """Per sample: its advantages, and for `TEMPERED_SAMPLES` per-token temperatures in
+    [0.5, 1.5] and inference logprobs a small random distance from the model's own at those
+    temperatures, aligned with labels."""
+    model, _, raw, arrays, *_ = _setup(tmp_root)
+    gen = torch.Generator().manual_seed(11)
+    tempered = {}
+    with torch.no_grad():
+        for name, sample in raw.items():
+            tempered[name] = {"advantages": arrays[name]["advantages"]}
+            if name in TEMPERED_SAMPLES:
+                length = len(sample.labels)
+                temperatures = 0.5 + torch.rand(length, generator=gen)
+                logp, _, positions = target_logprobs(model, sample, temperatures)
+                inference = torch.zeros(length)
+                inference[positions] = logp + 0.05 * torch.randn(len(positions), generator=gen)
+                tempered[name].update(temperatures=temperatures, inference_logprobs=inference)
+    return tempered
 
 
-def _packs(names_per_rank, model, raw, arrays):
-    """The packs of `names_per_rank`, each sample's arrays shifted in (via `build_batch`'s rules:
-    an array of `ARRAY_FILL` that only some samples carry is filled in for the others)."""
-    packs = []
-    for rank_micro in names_per_rank:
-        rank_packs = []
-        for names in rank_micro:
-            batch = pack([raw[n] for n in names], model)
-            batch.token_arrays = build_batch([_as_sample(raw[n], model, arrays[n], n)
-                                              for n in names]).token_arrays
-            rank_packs.append(batch)
-        packs.append(rank_packs)
-    return packs
+def _case_arrays(name, tmp_root):
+    """The per-token arrays of each sample in the token case `name`."""
+    return _tempered_arrays(tmp_root) if name == TEMPERED else _setup(tmp_root)[3]
+
+
+def _token_packs(layout, model, raw, arrays):
+    return [[build_batch([_as_sample(raw[n], model, arrays[n], f"{n}.jsonl:1") for n in names])
+             for names in rank_micro] for rank_micro in layout]
+
+
+def _pair_rows(names, model, pairs, reference):
+    """The pair samples of `names`, one row (chosen, rejected) per pair."""
+    rows = []
+    for name in names:
+        halves = [_as_sample(half, model, {}, f"{name}.jsonl:1", role, {REF_LOGP: ref})
+                  for half, role, ref in zip(pairs[name], ("chosen", "rejected"), reference[name])]
+        rows.append(halves)
+    return rows
+
+
+def _pair_packs(layout, model, pairs, reference):
+    return [[build_batch([s for row in _pair_rows(names, model, pairs, reference) for s in row])
+             for names in rank_micro] for rank_micro in layout]
 
 
 @functools.cache
 def _results(sp: int, tmp_root):
-    model, checkpoint, raw, arrays, tempered = _setup(tmp_root)
-    world, _, accum, layout = LAYOUTS[sp]
+    model, checkpoint, raw, arrays, pairs, reference, objectives = _setup(tmp_root)
+    world, _, accum, layout, pair_layout = LAYOUTS[sp]
+    tempered = _tempered_arrays(tmp_root)
+    packs = _token_packs(layout, model, raw, arrays)
+    tempered_packs = _token_packs(layout, model, raw, tempered)
+    pair_packs = _pair_packs(pair_layout, model, pairs, reference)
     order = [n for rank_micro in layout for names in rank_micro for n in names]
-    cases = {}
-    for i, (name, objective) in enumerate(OBJECTIVES.items()):
-        case_arrays = _case_arrays(name, arrays, tempered)
-        score = [_as_sample(raw[n], model, case_arrays[n], n) for n in order]
-        cases[name] = dict(checkpoint=str(checkpoint), stage=STAGES[sp], mode="state", grad_accum=accum,
-                           packs=_packs(layout, model, raw, case_arrays),
-                           loss_chunk_mb=CHUNK_MB[sp], objective=objective,
-                           score=score if i == 0 or name == TEMPERED else None, score_max_len=54)
-    return order, run_ranks(engine_step, world, sp, cases)
+    pair_order = [n for rank_micro in pair_layout for names in rank_micro for n in names]
+    runs = {name: (Loss(tuple(terms)), tempered_packs if name == TEMPERED else packs)
+            for name, terms in objectives.items()}
+    runs.update({name: (Loss((term,)), pair_packs) for name, term in PAIR_OBJECTIVES.items()})
+    score_rows = {name: [[_as_sample(raw[n], model, case_arrays[n], f"{n}.jsonl:1")]
+                         for n in order]
+                  for name, case_arrays in (("weighted_ce", arrays), (TEMPERED, tempered))}
+    score_rows["dpo"] = _pair_rows(pair_order, model, pairs, reference)
+    base = dict(checkpoint=str(checkpoint), stage=STAGES[sp], mode="state", grad_accum=accum,
+                loss_chunk_mb=CHUNK_MB[sp], score_max_len=54)
+    cases = {"objectives": dict(base, runs=runs, scores=score_rows)}
+    if sp == 2:
+        cases["lora"] = dict(base, lora=LORA, runs={"dpo": (Loss((PAIR_OBJECTIVES["dpo"],)),
+                                                            pair_packs)})
+    return order, pair_order, run_ranks(engine_step, world, sp, cases)
 
 
 @pytest.fixture(scope="module")
@@ -225,55 +276,174 @@ def tmp_root(tmp_path_factory):
     return tmp_path_factory.mktemp("objective_parity")
 
 
-@pytest.mark.parametrize("name", list(OBJECTIVES))
+class _References:
+    """A reference in fp32, and in float64 (float64_truth) only when a comparison needs it."""
+
+    def __init__(self, reference, model, *args, adapt=lambda ref: ref):
+        self._compute = lambda m: adapt(reference(m, *args))
+        self._model = model
+        self.fp32 = self._compute(model)
+        self._truth = None
+
+    @property
+    def truth(self):
+        if self._truth is None:
+            with float64_truth():
+                self._truth = self._compute(copy.deepcopy(self._model).double())
+        return self._truth
+
+
+@functools.cache
+def _token_references(name, tmp_root):
+    model, _, raw, _, _, _, objectives = _setup(tmp_root)
+    arrays = _case_arrays(name, tmp_root)
+    names = list(SAMPLES)
+    return _References(reference_step, model, [raw[n] for n in names],
+                       [arrays[n] for n in names], objectives[name])
+
+
+def _scale(key: str, ref: Reference) -> float:
+    """The magnitude a metric's rounding scales with: its own, or for a difference of two nearly
+    equal values (a margin of two rewards, the mean of mu - logp) its operands'."""
+    stats = ref.stats
+    if key == "rewards/margins":
+        return abs(stats["rewards/chosen"]) + abs(stats["rewards/rejected"])
+    return ref.scales.get(key, abs(stats[key]))
+
+
+def _assert_step_close(result, refs, expected_keys):
+    """`result` within TOL of plain transformers in fp32; where not (two fp32 computations that
+    round differently), within TOL of the float64 reference plus fp32's own distance from it."""
+    fp32 = refs.fp32
+
+    def check(got, pick, scale, what):
+        """got: vlmcp's value; pick(ref): the reference's; scale(ref): its magnitude."""
+        if _abs_err(got, pick(fp32)) <= TOL * scale(fp32):
+            return
+        truth = refs.truth
+        allowed = TOL * scale(truth) + _abs_err(pick(fp32), pick(truth))
+        assert _abs_err(got, pick(truth)) <= allowed, what
+
+    check(result["loss"], lambda r: r.loss, lambda r: abs(r.loss), "loss")
+    assert set(result["stats"]) == set(fp32.stats)
+    for key in fp32.stats:
+        check(result["stats"][key], lambda r: r.stats[key],
+              lambda r: _scale(key, r) + 1e-12 / TOL, key)
+    grads = result["grads"]
+    assert grads.keys() == expected_keys
+    for pname, grad in grads.items():
+        check(grad, lambda r: r.grads[pname], lambda r: float(r.grads[pname].norm()), pname)
+
+
+def _abs_err(a, b) -> float:
+    """|a - b| of numbers, the norm of the difference of tensors (in float64)."""
+    if isinstance(a, torch.Tensor):
+        return float((a.double() - b.double()).norm())
+    return abs(a - b)
+
+
+@pytest.mark.parametrize("name", list(_objectives(0.0)))
 @pytest.mark.parametrize("sp", [1, 2, 4])
-def test_objective_step_equals_plain_transformers_per_sample(sp, name, tmp_root):
-    model, _, raw, arrays, tempered = _setup(tmp_root)
-    order, per_rank = _results(sp, tmp_root)
-    objective = OBJECTIVES[name]
-    case_arrays = _case_arrays(name, arrays, tempered)
-    ref_loss, ref_grads, ref_stats, sides = _reference(model, [raw[n] for n in order],
-                                                       [case_arrays[n] for n in order], objective)
-    if objective.type == "ppo_clip":
-        assert sides["low"] > 0 and sides["high"] > 0, sides
+def test_token_objective_step_equals_plain_transformers_per_sample(sp, name, tmp_root):
+    refs = _token_references(name, tmp_root)
+    for side in COVERAGE.get(name, ()):
+        assert refs.fp32.coverage[side] > 0, (side, dict(refs.fp32.coverage))
+    raw = _setup(tmp_root)[2]
+    carriers = TEMPERED_SAMPLES if name == TEMPERED else list(SAMPLES)
+    assert refs.fp32.stats["mismatch_targets"] == sum(
+        int((raw[n].labels[1:] != IGNORE_INDEX).sum()) for n in carriers)
+    _, _, per_rank = _results(sp, tmp_root)
+    trained = {n for n in refs.fp32.grads if not n.startswith("model.visual")}
     for result in per_rank:
-        assert abs(result[name]["loss"] - ref_loss) <= TOL * abs(ref_loss)
-        stats = result[name]["stats"]
-        for key in objective.metric_keys():
-            assert abs(stats[key] - ref_stats[key]) <= TOL * abs(ref_stats[key]), key
-        if name == TEMPERED:
-            # engine_step divides every sum by the targets; the mismatch means divide by their own
-            # count, the targets of B and C.
-            targets = sum(int((raw[n].labels[1:] != IGNORE_INDEX).sum()) for n in order)
-            assert round(stats["mismatch_targets"] * targets) == ref_stats["mismatch_targets"]
-            # The mean difference cancels: its fp32 error is relative to the logprobs' size.
-            scales = {"mismatch_logprob_diff": ref_stats["mismatch_scale"],
-                      "mismatch_kl": ref_stats["mismatch_kl"]}
-            for key, scale in scales.items():
-                got = stats[key] / stats["mismatch_targets"]
-                assert abs(got - ref_stats[key]) <= TOL * scale, key
-        else:
-            assert stats["mismatch_targets"] == 0
-        grads = result[name]["grads"]
-        assert grads.keys() == {n for n in ref_grads if not n.startswith("model.visual")}
-        for pname, grad in grads.items():
-            assert rel_err(grad, ref_grads[pname]) <= TOL, pname
+        _assert_step_close(result[f"objectives/{name}"], refs, trained)
 
 
-@pytest.mark.parametrize("case", ["weighted_ce", TEMPERED], ids=["tau_1", "tau_per_token"])
+@pytest.mark.parametrize("name", list(PAIR_OBJECTIVES))
 @pytest.mark.parametrize("sp", [1, 2, 4])
-def test_score_logprobs_equal_plain_transformers_per_sample(sp, case, tmp_root):
-    model, _, raw, arrays, tempered = _setup(tmp_root)
-    order, per_rank = _results(sp, tmp_root)
-    records = per_rank[0][case]["scores"]
+def test_pair_objective_step_equals_plain_transformers_per_half(sp, name, tmp_root):
+    refs = _pair_references(name, False, tmp_root)
+    _, _, per_rank = _results(sp, tmp_root)
+    trained = {n for n in refs.fp32.grads if not n.startswith("model.visual")}
+    for result in per_rank:
+        _assert_step_close(result[f"objectives/{name}"], refs, trained)
+
+
+@functools.cache
+def _pair_references(name, lora, tmp_root):
+    """The fp32 and float64 references of a pair objective (`lora`: on PEFT adapters)."""
+    from peft import LoraConfig, get_peft_model
+
+    model, _, _, _, pairs, reference, _ = _setup(tmp_root)
+    if lora:
+        model = get_peft_model(copy.deepcopy(model), LoraConfig(
+            r=LORA["r"], lora_alpha=LORA["alpha"], target_modules=LORA["target_modules"]))
+        seed_adapter_weights(model)
+    names = list(PAIRS)
+
+    def unprefixed(ref):
+        ref.grads = {n.removeprefix("base_model.model."): g for n, g in ref.grads.items()}
+        return ref
+
+    return _References(reference_pairs, model, [pairs[n] for n in names],
+                       [reference[n] for n in names], PAIR_OBJECTIVES[name], adapt=unprefixed)
+
+
+def test_lora_dpo_step_equals_peft_on_plain_transformers(tmp_root):
+    refs = _pair_references("dpo", True, tmp_root)
+    _, _, per_rank = _results(2, tmp_root)
+    adapters = set(refs.fp32.grads)
+    assert adapters and all("lora_" in n for n in adapters)
+    for result in per_rank:
+        _assert_step_close(result["lora/dpo"], refs, adapters)
+
+
+def test_pair_halves_on_different_sp_ranks_share_one_image_encoding(tmp_root):
+    _, _, per_rank = _results(2, tmp_root)
+    calls = [result["objectives/dpo"]["tower_calls"] for result in per_rank]
+    # the step's micro-batch 1 is pair P alone (its prompt image, encoded by rank 0 for both
+    # halves), micro-batch 2 holds Q, R and S (R's image); scoring then packs [P, Q] and [R, S]:
+    # each pack encodes its one image once, on one rank
+    encoded = [grids for rank_calls in calls for grids, blank in rank_calls if not blank]
+    assert sorted(encoded) == [[(1, 2, 4)], [(1, 2, 4)], [(1, 4, 4)], [(1, 4, 4)]]
+
+
+@pytest.mark.parametrize("sp", [1, 2, 4])
+def test_score_logprobs_and_pair_sums_equal_plain_transformers(sp, tmp_root):
+    model, _, raw, _, pairs, _, _ = _setup(tmp_root)
+    order, pair_order, per_rank = _results(sp, tmp_root)
+    records = per_rank[0]["objectives/weighted_ce"]["scores"]
     assert [r["index"] for r in records] == list(range(len(order)))
-    assert all(not r[case]["scores"] for r in per_rank[1:])
-    case_arrays = _case_arrays(case, arrays, tempered)
+    assert all(not r["objectives/weighted_ce"]["scores"] for r in per_rank[1:])
     with torch.no_grad():
         for record, name in zip(records, order):
-            logp, entropy, _ = _target_logprobs(model, raw[name],
-                                                case_arrays[name].get("temperatures"))
-            got_logp = torch.tensor(record["logprobs"], dtype=torch.float64)
-            got_entropy = torch.tensor(record["entropy"], dtype=torch.float64)
-            assert rel_err(got_logp, logp.double()) <= TOL
-            assert rel_err(got_entropy, entropy.double()) <= TOL
+            logp, entropy, _ = target_logprobs(model, raw[name])
+            assert rel_err(torch.tensor(record["logprobs"], dtype=torch.float64),
+                           logp.double()) <= TOL
+            assert rel_err(torch.tensor(record["entropy"], dtype=torch.float64),
+                           entropy.double()) <= TOL
+            assert abs(record["logprob_sum"] - float(logp.double().sum())) \
+                <= TOL * abs(float(logp.sum()))
+        pair_records = per_rank[0]["objectives/dpo"]["scores"]
+        assert [r["index"] for r in pair_records] == list(range(len(pair_order)))
+        for record, name in zip(pair_records, pair_order):
+            for half, key in zip(pairs[name], ("chosen", "rejected")):
+                total = float(target_logprobs(model, half)[0].double().sum())
+                assert abs(record[key]["logprob_sum"] - total) <= TOL * abs(total)
+
+
+@pytest.mark.parametrize("sp", [1, 2, 4])
+def test_score_logprobs_at_per_token_temperatures_equal_plain_transformers(sp, tmp_root):
+    model, _, raw, *_ = _setup(tmp_root)
+    tempered = _tempered_arrays(tmp_root)
+    order, _, per_rank = _results(sp, tmp_root)
+    records = per_rank[0][f"objectives/{TEMPERED}"]["scores"]
+    assert [r["index"] for r in records] == list(range(len(order)))
+    assert all(not r[f"objectives/{TEMPERED}"]["scores"] for r in per_rank[1:])
+    with torch.no_grad():
+        for record, name in zip(records, order):
+            logp, entropy, _ = target_logprobs(model, raw[name],
+                                               tempered[name].get("temperatures"))
+            assert rel_err(torch.tensor(record["logprobs"], dtype=torch.float64),
+                           logp.double()) <= TOL
+            assert rel_err(torch.tensor(record["entropy"], dtype=torch.float64),
+                           entropy.double()) <= TOL

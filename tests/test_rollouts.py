@@ -1,9 +1,10 @@
 """The rollout directory and the publish directory without processes: a step is complete only
 with its STABLE marker, meta.json gives the policy lag (a bad one is an error naming it), a step's
 data files are its *.jsonl / *.json in name order; the rollout and publish keys are checked (the
-ones that need rollouts.dir, data.train optional with it); per-token temperatures must be > 0 on
-targets, and a pack fills in the temperatures (1) and inference logprobs (NaN) of samples without
-them; the mismatch sums are exact for tiny differences; published steps are listed newest
+ones that need rollouts.dir, data.train optional with it, loss.reference_logps refused with it);
+per-token temperatures must be > 0 on targets, and a pack fills in the temperatures (1) and
+inference logprobs (NaN) of samples without them (a loss that needs inference logprobs still
+needs them on every sample); the mismatch sums are exact for tiny differences; published steps are listed newest
 first, complete ones only; waiting for a step sleeps between looks (no spinning), logs, and ends
 on the step, a stop signal or rollouts.timeout_s (no process group: the agreement is the
 identity)."""
@@ -20,13 +21,14 @@ import torch
 
 from tests.helpers.launching import tiny_job, write_job
 from vlmcp.cli import main
-from vlmcp.config import job_from_dict
+from vlmcp.config import LossTerm, job_from_dict
 from vlmcp.data.dataset import load_samples
 from vlmcp.data.index import build_index
 from vlmcp.data.pack import build_batch
 from vlmcp.data.rollouts import STABLE, is_complete, read_meta, step_dir, step_files
 from vlmcp.errors import ConfigError, DataError
-from vlmcp.model.mismatch import mismatch_sums
+from vlmcp.model.loss_terms import Loss
+from vlmcp.model.mismatch import mismatch_count, mismatch_sums
 from vlmcp.training.publish import published_steps
 from vlmcp.training.rollout_steps import RolloutSteps, WaitOutcome
 from vlmcp.training.watchdog import Watchdog
@@ -99,6 +101,12 @@ def test_rollout_keys_need_rollouts_dir_and_data_train_is_optional_with_it(tiny_
         "config key 'train.grad_accum' does not apply with 'rollouts.dir'",
         "config key 'rollouts.on_stale' is set but 'rollouts.max_staleness' is not, so no step "
         "is ever stale"]
+    raw = _job(tiny_checkpoint, tmp_path, rollouts={"dir": "r"},
+               loss={"type": "dpo", "reference_logps": "initial"})
+    with pytest.raises(ConfigError) as info:
+        job_from_dict(raw)
+    assert [p.split(":")[0] for p in info.value.problems] == [
+        "config key 'loss.reference_logps' does not apply with 'rollouts.dir'"]
 
 
 def test_validate_checks_a_rollout_job_and_refuses_data_train_or_a_zero2_offload_beside_it(
@@ -140,14 +148,20 @@ def test_a_pack_fills_in_temperatures_and_inference_logprobs_of_samples_without_
     index, problems = build_index([path], tiny_processor, max_seq_len=64)
     assert problems == [] and index.lacking("temperatures").tolist() == [1]
     assert len(index.without([1])) == 1 and index.without([0]).line.tolist() == [2]
+    assert index.without([0]).array_names == index.array_names
+    # a loss that needs inference_logprobs needs them on every sample: the fill does not count
+    Loss.of(LossTerm("policy_gradient")).check_batch(batch)
+    with pytest.raises(ValueError, match=r"needs per-token \['inference_logprobs'\]"):
+        Loss.of(LossTerm("dppo")).check_batch(batch)
 
 
 def test_mismatch_sums_skip_absent_inference_logprobs_and_keep_a_tiny_kl():
     d = 2.0**-20  # exact in fp32 next to 1: k3 = exp(d) - 1 - d = d^2 / 2 + d^3 / 6 + ...
     logp = torch.tensor([-1.0 + d, -2.0, -3.0])
     mu = torch.tensor([-1.0, float("nan"), -2.5])
-    diff, kl, count = mismatch_sums(logp, mu).tolist()
-    assert count == 2
+    diff, kl = mismatch_sums(logp, mu).tolist()
+    assert mismatch_count(mu) == 2
+    assert mismatch_sums(logp, None).tolist() == [0.0, 0.0] and mismatch_count(None) == 0
     assert diff == pytest.approx(-d + 0.5, rel=1e-12)
     assert kl == pytest.approx(d * d / 2 + math.exp(-0.5) - 1 + 0.5, rel=1e-9)
     tiny = mismatch_sums(logp[:1], mu[:1])

@@ -213,3 +213,81 @@ def test_policy_gradient_sgd_step_with_sequence_normalisation_matches_plain_tran
     (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert abs(row["loss"] - ref_loss) <= 1e-5 * abs(ref_loss)
     assert row["entropy"] > 0 and "clip_fraction" not in row
+
+
+def _digit_pairs_jsonl(digits_dir, out_path, count=4):
+    """TRL conversational pairs of the digits prompts: chosen the right digit, rejected the next
+    one (image paths absolute)."""
+    lines = []
+    for line in (digits_dir / "train.jsonl").read_text().splitlines()[:count]:
+        record = json.loads(line)
+        user, answer = record["messages"]
+        wrong = str((int(answer["content"]) + 1) % 10)
+        lines.append({"prompt": [user], "chosen": [answer],
+                      "rejected": [{"role": "assistant", "content": wrong}],
+                      "images": [str(digits_dir / p) for p in record["images"]]})
+    out_path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return out_path
+
+
+def _reference_dpo_update(checkpoint, halves, beta):
+    """-LR * d/dw of the mean DPO loss over the pairs, plain transformers, each half alone, with
+    the reference sums of the initial policy itself (the same weights), and those sums."""
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(
+        str(checkpoint), dtype=torch.float32, attn_implementation="sdpa")
+    pairs = len(halves) // 2
+    total, sums = 0.0, []
+    for chosen, rejected in zip(halves[::2], halves[1::2]):
+        logps = []
+        for s in (chosen, rejected):
+            loss, n = plain_sample_loss(model, s)
+            logps.append(-loss * n)
+        sums.append([float(x.detach()) for x in logps])
+        h = beta * ((logps[0] - logps[0].detach()) - (logps[1] - logps[1].detach()))
+        loss = -torch.nn.functional.logsigmoid(h) / pairs
+        loss.backward()
+        total += float(loss.detach())
+    return total, sums, {name: -LR * p.grad for name, p in model.named_parameters()
+                         if p.grad is not None}
+
+
+def test_dpo_sgd_step_on_trl_pairs_with_initial_reference_matches_plain_transformers(
+        lively_checkpoint, digits_jsonl, tmp_path):
+    """`vlmcp train` with loss.type dpo and reference_logps "initial" on TRL pairs with images,
+    SP 2, 2 accumulation steps: the run scores its initial policy (OUTPUT_DIR/reference_logps.jsonl
+    equals plain transformers' sums), then its exported weights and the logged loss and TRL
+    metrics equal plain transformers' step, each half forwarded alone."""
+    checkpoint = lively_checkpoint
+    processor = load_processor(checkpoint)
+    data = _digit_pairs_jsonl(digits_jsonl, tmp_path / "pairs.jsonl")
+    halves = load_samples(data, processor, max_seq_len=10_000)
+    lengths = [len(c) + len(r) for c, r in zip(halves[::2], halves[1::2])]
+    out = tmp_path / "out"
+    beta = 0.5
+    job = write_job(tmp_path / "job.json", tiny_job(
+        checkpoint, data, out, data={"max_seq_len": _seq_len_for(lengths, 2)},
+        parallel={"sp_size": 2}, loss={"type": "dpo", "beta": beta, "reference_logps": "initial"},
+        optimizer={"type": "sgd", "lr": LR, "momentum": 0.0, "weight_decay": 0.0},
+        train={"max_steps": 1, "grad_accum": 2, "grad_clip": 0.0}))
+    assert_ok(run_vlmcp(["train", str(job)], launcher="torchrun", nproc=WORLD))
+
+    ref_loss, ref_sums, reference = _reference_dpo_update(checkpoint, halves, beta)
+    scored = [json.loads(line) for line in (out / "reference_logps.jsonl").read_text().splitlines()]
+    assert [r["index"] for r in scored] == list(range(len(lengths)))
+    for record, (chosen, rejected) in zip(scored, ref_sums):
+        assert abs(record["chosen"]["logprob_sum"] - chosen) <= 1e-5 * abs(chosen)
+        assert abs(record["rejected"]["logprob_sum"] - rejected) <= 1e-5 * abs(rejected)
+    before = load_file(checkpoint / "model.safetensors")
+    after = Qwen3_5ForConditionalGeneration.from_pretrained(str(out / "final"),
+                                                            dtype=torch.float32).state_dict()
+    for key, w0 in before.items():
+        if key.startswith("model.visual."):
+            continue
+        update, ref = after[key] - w0, reference[key]
+        error = float((update - ref).norm())
+        allowed = 1e-5 * float(ref.norm()) + ROUNDING * float(w0.norm())
+        assert error <= allowed, f"{key}: |update - ref| = {error:.3e} > {allowed:.3e}"
+    (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert abs(row["loss"] - ref_loss) <= 1e-5 * ref_loss
+    assert abs(row["rewards/margins"]) < 1e-4 and row["logps/chosen"] < 0
+    assert {"rewards/chosen", "rewards/rejected", "rewards/accuracies"} <= set(row)

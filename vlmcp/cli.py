@@ -83,8 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "template with data.chat_template_kwargs and data.empty_think, truncation) and "
                     "print it with its target tokens in [[...]] (green on a terminal) and each "
                     "image's placeholders collapsed to <|image_pad|>xN, after a summary: source "
-                    "file:line, tokens, targets, and each image's grid and token count. One "
-                    "process, no GPU, no DeepSpeed; only the sample's own images are decoded.")
+                    "file:line, tokens, targets, and each image's grid and token count (a "
+                    "preference pair: its chosen, then its rejected half; --json: an object "
+                    "{\"chosen\": ..., \"rejected\": ...}). One process, no GPU, no DeepSpeed; "
+                    "only the sample's own images are decoded.")
     _add_job_args(inspect)
     inspect.add_argument("--sample", type=int, default=0, metavar="N",
                          help="0-based index of the sample in data.train (default 0)")
@@ -142,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="equal-length samples each pack is split into")
     bench.add_argument("--images", type=int, default=0,
                        help="images of mixed sizes in each pack; reports per-rank vision_s")
+    bench.add_argument("--pairs", action="store_true",
+                       help="the packs hold preference pairs (--samples-per-pack / 2) whose halves "
+                            "show the same prompt --images; each length runs with the images "
+                            "encoded once for both halves (pair_images \"shared\", as vlmcp "
+                            "trains) and once per half (\"twice\"): compare their vision_s")
     bench.add_argument("--sp-size", type=int, default=None,
                        help="sequence-parallel size (default: 1, or the launcher's world size)")
     bench.add_argument("--deltanet-cp", choices=DELTANET_MODES, default=DELTANET_MODES[0])
@@ -278,10 +285,11 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     job = load_job(args.job, args.overrides)
-    from vlmcp.data.dataset import nth_sample
+    from vlmcp.data.dataset import nth_samples
     from vlmcp.data.inspection import format_report, inspect_sample
     from vlmcp.data.processor import load_processor
     from vlmcp.data.sources import data_files
+    from vlmcp.training.objective_step import token_array_names
 
     if args.sample < 0:
         return _report([f"--sample {args.sample}: must be >= 0"])
@@ -292,13 +300,14 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         return _report([f"config key 'model.path': {exc}"])
     paths = [job.resolve_input(f.path) for f in data_files(job.data.train)]
     image_root = job.resolve_input(job.data.image_root) if job.data.image_root is not None else None
-    sample = nth_sample(paths, args.sample, processor, job.data.max_seq_len, job.data.truncate,
-                        image_root)
-    report = inspect_sample(sample, processor)
+    samples = nth_samples(paths, args.sample, processor, job.data.max_seq_len, job.data.truncate,
+                          image_root, token_array_names(job))
+    reports = [inspect_sample(sample, processor) for sample in samples]
     if args.json:
-        print(json.dumps(report, indent=1))
+        shown = reports[0] if len(reports) == 1 else {r["pair"]: r for r in reports}
+        print(json.dumps(shown, indent=1))
     else:
-        print(format_report(report, color=sys.stdout.isatty()))
+        print("\n\n".join(format_report(r, color=sys.stdout.isatty()) for r in reports))
     return 0
 
 

@@ -15,13 +15,13 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForCo
 from vlmcp.config import LoraSection
 from vlmcp.model.lora import apply_lora
 from vlmcp.model.loss import scale_for_deepspeed
-from vlmcp.model.objectives import STAT_KEYS
+from vlmcp.model.loss_terms import Loss
 from vlmcp.model.packed import PackedVLM
 from vlmcp.model.router_loss import router_objective
 from vlmcp.parallel import comm
 from vlmcp.training.ds.zero3_sp import largest_tensor_numel, sp_exact_zero_settings
 from vlmcp.parallel.groups import SequenceParallel
-from vlmcp.training.objective_step import step_counts
+from vlmcp.training.objective_step import objective_metrics, step_counts
 from vlmcp.data.pack import build_batch
 from vlmcp.training.score import score_samples
 from tests.helpers.parity import seed_adapter_weights
@@ -48,27 +48,33 @@ def _counted(forward, calls: list):
     return run
 
 
-def _record_tower_calls(vision: torch.nn.Module, calls: list) -> None:
-    """Append (image grids, blank) to `calls` on every vision tower call; blank marks the all-zero
-    dummy image."""
+def _record_tower_calls(vision: torch.nn.Module, calls: list):
+    """Append (image grids, blank) to `calls` on every vision tower call (blank marks the all-zero
+    dummy image); returns the hook's handle."""
 
     def record(module, args, kwargs):
         calls.append(([tuple(g) for g in kwargs["grid_thw"].tolist()], not bool(args[0].any())))
 
-    vision.register_forward_pre_hook(record, with_kwargs=True)
+    return vision.register_forward_pre_hook(record, with_kwargs=True)
 
 
 def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
     """For each case {checkpoint, stage, mode, grad_accum, vision, packs: list per DP rank of lists
-    of PackedBatch, optionally lora: LoraSection keys, objective (model.objectives.Objective) and
-    score (Samples to run `score_samples` on after the step, with score_max_len), partition_all
+    of PackedBatch, optionally lora: LoraSection keys, objective (a LossTerm or model.loss_terms.Loss) and
+    score (rows of Samples, one or a pair's two, to run `score_samples` on after the step, with
+    score_max_len), partition_all
     (ZeRO-3 partitions every parameter, however small)}: one DeepSpeed
-    step; returns the step loss, the metric sums (STAT_KEYS) / global targets, every trainable
+    step; returns the step loss, the metrics (training/objective_step.objective_metrics), every trainable
     parameter's full gradient (HF names) as DeepSpeed holds them at the accumulation boundary,
     and the score records. A LoRA case injects vlmcp's adapters (then `seed_adapter_weights`)
     before the engine is built, as `vlmcp train` does. With `router_aux`, the step also trains
     the router aux loss, whose mean over the step's micro-batches (DP x accumulation) comes back as
-    "router_aux"."""
+    "router_aux".
+
+    A case with "runs" ({run name: (objective, packs)}) instead runs one step per run on the one
+    engine it builds (SGD at lr 0 leaves the weights as they were) and returns a result per
+    "case/run" name: many objectives for the price of one engine; "scores" ({run name: rows})
+    scores after those runs."""
     sp = SequenceParallel.initialize(sp_size)
     results = {}
     for name, case in cases.items():
@@ -94,49 +100,64 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
             model=module, optimizer=torch.optim.SGD(params, lr=0.0), config=config, mpu=sp.mpu
         )
         engine.train()
-        calls = []
-        mlp = module.language_model.layers[0].mlp
-        mlp.forward = _counted(mlp.forward, calls)
-        tower_calls = []
-        _record_tower_calls(module.vision, tower_calls)
-        micro_batches = case["packs"][sp.dp_rank]
-        counts = step_counts(module, micro_batches, module.objective)
-        loss_total, router_total = torch.zeros(()), torch.zeros(())
-        stat_total = torch.zeros(len(STAT_KEYS), dtype=torch.float64)
-        for batch in micro_batches:
-            loss_sum, _, router_share, stats = engine(batch, stats=True)
-            loss_total += loss_sum.detach()
-            stat_total += stats
-            if router_share is not None:
-                router_total += router_share.detach()
-            engine.backward(scale_for_deepspeed(loss_sum, counts.denominator, sp.dp_size, case["grad_accum"])
-                            + router_objective(router_share, module.router_aux_coef))
-            if not engine.is_gradient_accumulation_boundary():
-                engine.step()
-        grads = {
-            ("model." + n if n.startswith(("language_model.", "visual.")) else n): safe_get_full_grad(p).detach().float().clone()
-            for n, p in engine.module.named_parameters()
-            if p.requires_grad
-        }
-        engine.step()
-        scores = None
-        if case.get("score"):
-            samples = case["score"]
-            scores = score_samples(engine, [len(s) for s in samples],
-                                   lambda pack: build_batch([samples[i] for i in pack]),
-                                   case["score_max_len"], sp, entropy=True)
-        results[name] = {
-            "loss": float(comm.all_reduce_sum(loss_total)) / counts.denominator,
-            "stats": dict(zip(STAT_KEYS, (comm.all_reduce_sum(stat_total) / counts.targets).tolist())),
-            "scores": scores,
-            "router_aux": float(comm.all_reduce_sum(router_total)) / (sp.dp_size * case["grad_accum"]),
-            "grads": grads,
-            "layer0_mlp_calls": len(calls),
-            "tower_calls": tower_calls,
-        }
+        runs = case.get("runs") or {None: (module.objective, case["packs"])}
+        for run, (objective, packs) in runs.items():
+            rows = case.get("score") if run is None else case.get("scores", {}).get(run)
+            result = _one_step(engine, module, Loss.of(objective), packs[sp.dp_rank], case, rows,
+                               sp)
+            results[name if run is None else f"{name}/{run}"] = result
         del engine, module, model
         if keep_alive is not None:
             unset_hf_deepspeed_config()
             del keep_alive
         gc.collect()
     return results
+
+
+def _one_step(engine, module: PackedVLM, objective: Loss, micro_batches: list, case: dict,
+              rows: list | None, sp: SequenceParallel) -> dict:
+    """One optimizer step of `engine` on this rank's `micro_batches` with `objective`, then
+    `score_samples` on `rows` (rows of Samples) when given."""
+    calls = []
+    mlp = module.language_model.layers[0].mlp
+    forward = mlp.forward
+    mlp.forward = _counted(forward, calls)
+    tower_calls = []
+    hook = _record_tower_calls(module.vision, tower_calls)
+    counts = step_counts(module, micro_batches, objective)
+    loss_total, router_total = torch.zeros(()), torch.zeros(())
+    stat_total = torch.zeros(len(objective.stat_specs()), dtype=torch.float64)
+    for batch in micro_batches:
+        loss_sum, _, router_share, stats = engine(batch, stats=True, objective=objective,
+                                                  denominators=counts.shard_denominators)
+        loss_total += loss_sum.detach()
+        stat_total += stats
+        if router_share is not None:
+            router_total += router_share.detach()
+        engine.backward(scale_for_deepspeed(loss_sum, counts.denominator, sp.dp_size, case["grad_accum"])
+                        + router_objective(router_share, module.router_aux_coef))
+        if not engine.is_gradient_accumulation_boundary():
+            engine.step()
+    grads = {
+        ("model." + n if n.startswith(("language_model.", "visual.")) else n): safe_get_full_grad(p).detach().float().clone()
+        for n, p in engine.module.named_parameters()
+        if p.requires_grad
+    }
+    engine.step()
+    scores = None
+    if rows:
+        scores = score_samples(engine, [sum(len(s) for s in row) for row in rows],
+                               lambda pack: build_batch([s for i in pack for s in rows[i]]),
+                               case["score_max_len"], sp, entropy=True,
+                               chosen_lengths=[len(row[0]) if len(row) == 2 else 0 for row in rows])
+    mlp.forward = forward
+    hook.remove()
+    return {
+        "loss": float(comm.all_reduce_sum(loss_total)) / counts.denominator,
+        "stats": objective_metrics(comm.all_reduce_sum(stat_total), counts, objective),
+        "scores": scores,
+        "router_aux": float(comm.all_reduce_sum(router_total)) / (sp.dp_size * case["grad_accum"]),
+        "grads": grads,
+        "layer0_mlp_calls": len(calls),
+        "tower_calls": tower_calls,
+    }

@@ -2,7 +2,11 @@
 
 Three modes, each writing one JSON report:
 - step (default): forward+backward of `PackedVLM` on a synthetic pack of each length (optionally
-  with `--images` images of mixed sizes); no optimizer step.
+  with `--images` images of mixed sizes); no optimizer step. With `--pairs` the packs hold
+  preference pairs whose halves show the same prompt images, and every length runs twice: the
+  images held and encoded once for both halves (`pair_images` "shared", as vlmcp trains pairs)
+  and once per half (`pair_images` "twice", as a collator that encodes each half's images does);
+  their `vision_s` differ by the encoding saved.
 - `--loss-only`: the lm_head + cross-entropy alone (`shard_loss_sum`, forward+backward) on random
   hidden states of each length.
 - `--find-max-len`: the longest single sample whose step's peak memory fits `--memory-budget-gb`.
@@ -41,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlmcp.bench.inputs import synthetic_pack
+from vlmcp.bench.inputs import synthetic_pack, synthetic_pairs
 from vlmcp.bench.procs import Memory, MemoryLimitExceeded, run_fresh
 from vlmcp.data.batch import PackedBatch
 from vlmcp.device import compute_device
@@ -73,6 +77,8 @@ class StepTask:
     images: int
     steps: int
     warmup: int
+    #: "" (plain samples), or the pairs' images "shared" or encoded "twice" (`synthetic_pairs`).
+    pair_images: str = ""
 
     def run(self, device: torch.device, sp: Any = None) -> dict[str, Any]:
         """This rank's numbers gathered over the world; returns the row (the same on every rank).
@@ -87,8 +93,14 @@ class StepTask:
                            deltanet_cp=self.deltanet_cp, vision_mode=self.vision,
                            loss_chunk_mb=self.loss_chunk_mb)
         module.train()
-        batch = synthetic_pack(self.seq_len, self.samples, module.hf_model.config, self.images)
-        return measure_steps(module, batch, self, memory)
+        config = module.hf_model.config
+        if self.pair_images:
+            batch = synthetic_pairs(self.seq_len, self.samples // 2, config, self.images,
+                                    shared=self.pair_images == "shared")
+        else:
+            batch = synthetic_pack(self.seq_len, self.samples, config, self.images)
+        row = measure_steps(module, batch, self, memory)
+        return {**row, "pair_images": self.pair_images} if self.pair_images else row
 
 
 def measure_steps(module: nn.Module, batch: PackedBatch, task: StepTask, memory: Memory) -> dict[str, Any]:
@@ -243,45 +255,60 @@ def _model_sizes(args: argparse.Namespace) -> tuple[int, int]:
 
 
 def _step_task(args: argparse.Namespace, model_dir: str, seq_len: int, samples: int, steps: int,
-               warmup: int) -> StepTask:
+               warmup: int, pair_images: str = "") -> StepTask:
     return StepTask(model_dir=model_dir, dtype=args.dtype, sp_size=args.sp_size or 1,
                     deltanet_cp=args.deltanet_cp, vision=args.vision, loss_chunk_mb=args.loss_chunk_mb,
                     seq_len=seq_len,
-                    samples=samples, images=args.images, steps=steps, warmup=warmup)
+                    samples=samples, images=args.images, steps=steps, warmup=warmup,
+                    pair_images=pair_images)
 
 
 def _bench_steps(args: argparse.Namespace, model_dir: str, device: torch.device, sp: Any) -> list[dict[str, Any]]:
     rows = []
     for seq_len in _lengths(args.seq_lens):
-        _check_pack(model_dir, seq_len, args.samples_per_pack, args.images)
-        if device.type == "cpu" and not _launched():
-            task = _step_task(args, model_dir, seq_len, args.samples_per_pack, args.steps, args.warmup)
-            row = {**run_fresh(task, task.sp_size, distributed=task.sp_size > 1), "fresh_process": True}
-        else:
-            row = _in_process_step(args, model_dir, seq_len, device, sp)
-        rows.append(row)
-        if "error" not in row:
-            logger.info("seq_len %d: %.3f s per forward+backward, %.0f tokens/s, model %.0f MiB, "
-                        "peak %.0f MiB, activations %.0f MiB", seq_len, row["step_time_s"],
-                        row["tokens_per_s"], row["model_memory_mb"], row["peak_memory_mb"],
-                        row["activation_memory_mb"])
+        _check_pack(model_dir, seq_len, args.samples_per_pack, args.images, args.pairs)
+        for pair_images in ("shared", "twice") if args.pairs else ("",):
+            if device.type == "cpu" and not _launched():
+                task = _step_task(args, model_dir, seq_len, args.samples_per_pack, args.steps,
+                                  args.warmup, pair_images)
+                row = {**run_fresh(task, task.sp_size, distributed=task.sp_size > 1),
+                       "fresh_process": True}
+            else:
+                row = _in_process_step(args, model_dir, seq_len, device, sp,
+                                       pair_images=pair_images)
+            rows.append(row)
+            if "error" not in row:
+                logger.info("seq_len %d%s: %.3f s per forward+backward, %.0f tokens/s, model %.0f "
+                            "MiB, peak %.0f MiB, activations %.0f MiB, vision %.3f s", seq_len,
+                            f" (pair images {pair_images})" if pair_images else "",
+                            row["step_time_s"], row["tokens_per_s"], row["model_memory_mb"],
+                            row["peak_memory_mb"], row["activation_memory_mb"], row["vision_s"])
     return rows
 
 
-def _check_pack(model_dir: str, seq_len: int, samples: int, images: int) -> None:
+def _check_pack(model_dir: str, seq_len: int, samples: int, images: int, pairs: bool = False
+                ) -> None:
     """Raise the ValueError of a pack that cannot be built, before any rank starts."""
+    if pairs and (samples % 2 or not images):
+        raise ValueError(f"--pairs needs an even --samples-per-pack (got {samples}) and --images "
+                         "(the prompts' images the halves share)")
     if images:
         from vlmcp.model.load import load_config
 
-        synthetic_pack(seq_len, samples, load_config(model_dir), images)
+        if pairs:
+            synthetic_pairs(seq_len, samples // 2, load_config(model_dir), images)
+        else:
+            synthetic_pack(seq_len, samples, load_config(model_dir), images)
 
 
 def _in_process_step(args: argparse.Namespace, model_dir: str, seq_len: int, device: torch.device, sp: Any,
-                     samples: int | None = None, steps: int | None = None, warmup: int | None = None) -> dict[str, Any]:
+                     samples: int | None = None, steps: int | None = None, warmup: int | None = None,
+                     pair_images: str = "") -> dict[str, Any]:
     """One length on the current world (launcher ranks, or one CUDA process). A CUDA
     out-of-memory error becomes a row with `error`."""
     task = _step_task(args, model_dir, seq_len, samples or args.samples_per_pack,
-                      args.steps if steps is None else steps, args.warmup if warmup is None else warmup)
+                      args.steps if steps is None else steps, args.warmup if warmup is None else warmup,
+                      pair_images)
     try:
         row = {**task.run(device, sp), "fresh_process": False}
     except torch.OutOfMemoryError as exc:
@@ -392,6 +419,9 @@ def _resolve_args(args: argparse.Namespace, device: torch.device) -> None:
         problems.append("--find-max-len needs --memory-budget-gb")
     if args.find_max_len and args.loss_only:
         problems.append("--find-max-len and --loss-only are separate modes")
+    if args.pairs and (args.find_max_len or args.loss_only):
+        problems.append("--pairs is a flag of the step benchmark, not of --find-max-len or "
+                        "--loss-only")
     if device.type == "cpu" and _launched() and (args.find_max_len or args.loss_only):
         problems.append("--find-max-len and --loss-only start their own processes on CPU: run them "
                         "without a launcher")
@@ -447,7 +477,7 @@ def _bench_model(args: argparse.Namespace, model_dir: str, device: torch.device)
     threads = torch.get_num_threads() if _launched() else max(1, torch.get_num_threads() // world)
     report: dict[str, Any] = {"world_size": world, "sp_size": args.sp_size or 1,
                               "deltanet_cp": args.deltanet_cp, "vision": args.vision, "images": args.images,
-                              "threads_per_rank": threads}
+                              "pairs": args.pairs, "threads_per_rank": threads}
     if not args.find_max_len:
         return {**report, "mode": "step", "results": _bench_steps(args, model_dir, device, sp)}
     max_len, probes = find_max_len(args, model_dir, device, sp)

@@ -160,9 +160,6 @@ def cross_key_problems(job: JobConfig) -> list[str]:
     if job.eval.generate and not job.train.eval_every:
         problems.append("config key 'eval.generate' is true but 'train.eval_every' is 0, so no "
                         "evaluation runs")
-    if job.loss.kl_coef > 0 and job.loss.type != "ppo_clip":
-        problems.append(f"config key 'loss.kl_coef' is {job.loss.kl_coef} but 'loss.type' is "
-                        f"{job.loss.type!r}; the KL penalty applies to ppo_clip only")
     problems.extend(_lora_checks(job.lora, job.model))
     problems.extend(_rollout_checks(job))
     return problems
@@ -192,6 +189,11 @@ def _rollout_checks(job: JobConfig) -> list[str]:
     if rollouts.on_stale != "error" and rollouts.max_staleness is None:
         problems.append("config key 'rollouts.on_stale' is set but 'rollouts.max_staleness' is "
                         "not, so no step is ever stale")
+    if job.loss.reference_logps is not None:
+        problems.append("config key 'loss.reference_logps' does not apply with 'rollouts.dir': "
+                        "it scores data.train (or names a score of it); the pairs of a rollout "
+                        "step carry their reference sums in the records (ref_chosen_logp, "
+                        "ref_rejected_logp)")
     return problems
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from vlmcp.config.checks import build_section, cross_key_problems, training_data_problems
 from vlmcp.config.launch_env import apply_launch_env
+from vlmcp.config.loss_checks import loss_problems
 from vlmcp.config.overrides import apply_overrides
 from vlmcp.config.schema import JobConfig
 from vlmcp.data import json_text
@@ -38,13 +39,14 @@ def job_from_dict(raw: Any, job_dir: str | Path = ".",
     problems: list[str] = []
     job = build_section(JobConfig, raw, "", problems)
     problems.extend(training_data_problems(job))
+    job.explicit_keys = frozenset(_leaf_keys(raw))
     if not problems:
         problems.extend(cross_key_problems(job))
+        problems.extend(loss_problems(job.loss, job.explicit_keys))
     if problems:
         raise ConfigError(problems)
     job.job_dir = str(job_dir)
     job.deepspeed_overrides = dict(deepspeed_overrides or {})
-    job.explicit_keys = frozenset(_leaf_keys(raw))
     if environ is not None:
         apply_launch_env(job, environ)
     return job

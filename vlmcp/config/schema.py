@@ -166,23 +166,90 @@ class EvalSection:
         "null for all", min=1))
 
 
+#: Values of `loss.type`: token-level objectives, then the preference (pair) objectives.
+TOKEN_OBJECTIVES = ("ce", "weighted_ce", "policy_gradient", "ppo_clip", "dppo", "gspo", "cispo",
+                    "opd")
+PAIR_OBJECTIVES = ("dpo", "ipo", "simpo")
+
+
 @dataclass
-class LossSection:
+class LossTerm:
+    """One objective and its options: the `loss` section itself, or one of its `loss.terms`.
+    Which option applies to which type: `vlmcp.config.loss_checks`; definitions: docs/losses.md."""
+
     type: str = field(default="ce", metadata=_key(
-        "training objective per target token: ce, weighted_ce (per-token loss_weights), "
-        "policy_gradient (-A log pi, per-token advantages) or ppo_clip (clipped ratio against "
-        "per-token old_logprobs, with advantages)",
-        choices=["ce", "weighted_ce", "policy_gradient", "ppo_clip"]))
+        "training objective: per target token ce, weighted_ce (per-token loss_weights), "
+        "policy_gradient (-A log pi), ppo_clip, dppo, gspo, cispo (against per-token "
+        "old_logprobs or inference_logprobs, with advantages), opd (on-policy distillation from "
+        "per-token teacher_logprobs); per preference pair dpo, ipo, simpo",
+        choices=list(TOKEN_OBJECTIVES + PAIR_OBJECTIVES)))
     normalize: str = field(default="token", metadata=_key(
-        "token: divide by the step's global target count; sequence: mean over each sample's "
-        "tokens, then over the step's samples", choices=["token", "sequence"]))
+        "token: divide by the step's global target count (of the term's weights, when it has "
+        "them); sequence: mean over each sample's targets, then over the step's samples; "
+        "constant: divide by loss.normalize_constant (Dr. GRPO); preference objectives take "
+        "the mean over the step's pairs", choices=["token", "sequence", "constant"]))
+    normalize_constant: float | None = field(default=None, metadata=_key(
+        "normalize constant: the step's fixed divisor (Dr. GRPO: samples x max length)",
+        min=1e-12))
+    weights: str | None = field(default=None, metadata=_key(
+        "name of a per-token weight array of the data (ending in _weights) that multiplies this "
+        "objective's per-token loss; token normalisation then counts the targets whose weight "
+        "is not 0 (null: every target, weight 1)"))
+    coef: float = field(default=1.0, metadata=_key(
+        "scalar factor of this objective (of each term in loss.terms)"))
     clip_low: float = field(default=0.2, metadata=_key(
-        "ppo_clip: the ratio is clipped below at 1 - clip_low", min=0.0, max=1.0))
+        "ppo_clip, gspo, cispo: the ratio is clipped below at 1 - clip_low", min=0.0, max=1.0))
     clip_high: float = field(default=0.2, metadata=_key(
-        "ppo_clip: the ratio is clipped above at 1 + clip_high", min=0.0))
+        "ppo_clip, gspo, cispo: the ratio is clipped above at 1 + clip_high", min=0.0))
+    clip_ratio_c: float | None = field(default=None, metadata=_key(
+        "ppo_clip dual clip: for advantages < 0 the token loss is capped at -clip_ratio_c x A "
+        "(> 1, e.g. 3); null: off", min=1.0))
     kl_coef: float = field(default=0.0, metadata=_key(
         "ppo_clip: weight of the k3 KL penalty against per-token ref_logprobs; 0 disables it",
         min=0.0))
+    delta_low: float = field(default=0.2, metadata=_key(
+        "dppo: a token with A < 0 is dropped when pi - mu < -delta_low (probabilities)",
+        min=0.0))
+    delta_high: float = field(default=0.2, metadata=_key(
+        "dppo: a token with A > 0 is dropped when pi - mu > delta_high (probabilities)",
+        min=0.0))
+    kl_tau: float = field(default=0.0, metadata=_key(
+        "dppo: weight of the (log pi - log mu)^2 penalty", min=0.0))
+    mismatch: str = field(default="none", metadata=_key(
+        "train-inference mismatch correction of a policy objective with w = pi_old / mu "
+        "(per-token old_logprobs and inference_logprobs): tis multiplies the token loss by "
+        "min(w, mismatch_cap), mis by w where mismatch_low <= w <= mismatch_high and 0 "
+        "elsewhere (w not differentiated)", choices=["none", "tis", "mis"]))
+    mismatch_level: str = field(default="token", metadata=_key(
+        "w per token, or per sequence: exp of the sum or mean (mismatch_reduce) of log w over "
+        "the sample's targets", choices=["token", "sequence"]))
+    mismatch_reduce: str = field(default="sum", metadata=_key(
+        "mismatch_level sequence: the sample's log w is the sum or the mean over its targets",
+        choices=["sum", "mean"]))
+    mismatch_cap: float = field(default=2.0, metadata=_key(
+        "tis: the cap C of min(w, C)", min=1e-12))
+    mismatch_low: float = field(default=0.5, metadata=_key(
+        "mis: the lowest w that is kept", min=0.0))
+    mismatch_high: float = field(default=2.0, metadata=_key(
+        "mis: the highest w that is kept", min=1e-12))
+    beta: float = field(default=0.1, metadata=_key(
+        "dpo, ipo, simpo: the temperature beta", min=1e-12))
+    gamma: float = field(default=0.5, metadata=_key(
+        "simpo: the target reward margin gamma", min=0.0))
+    reference_logps: str | None = field(default=None, metadata=_key(
+        "dpo, ipo: where each pair's reference logprob sums come from: null: the data's "
+        "ref_chosen_logp / ref_rejected_logp; \"initial\": vlmcp scores data.train with the "
+        "initial policy before the first step (kept in output_dir/reference_logps.jsonl for "
+        "resumes); else the path of a `vlmcp score` output of data.train by the reference "
+        "model"))
+
+
+@dataclass
+class LossSection(LossTerm):
+    terms: list[dict] = field(default_factory=list, metadata=_key(
+        "several objectives at once, each an object of the keys above (type, weights, coef, "
+        "normalize, its options): the loss is the sum over terms of coef x (sum of weight x "
+        "token loss) / the term's own global count; when set, no other loss key may be"))
 
 
 @dataclass
@@ -205,7 +272,7 @@ class RolloutsSection:
         "counted in the log and its metrics row)", choices=["error", "skip"]))
     on_bad_sample: str = field(default="error", metadata=_key(
         "a sample of a rollout step that cannot train (malformed, too long, lacking an array "
-        "loss.type needs): stop with an error naming step_N/file:line, or train the step "
+        "or the pair form the loss needs): stop with an error naming step_N/file:line, or train the step "
         "without it (counted)", choices=["error", "skip"]))
 
 

@@ -1,8 +1,9 @@
 """The packed micro-batch: the one structure the data path hands to the model.
 
-Dimension legend: S = packed length (sum of seq_lens), N_patch = vision patches of all images in
-the pack, I = images in the pack. Every tensor here is global (the whole pack); sharding over a
-sequence-parallel group happens later, in `vlmcp.parallel.shard`.
+Dimension legend: S = packed length (sum of seq_lens), B = samples in the pack (len(seq_lens)),
+N_patch = vision patches of the pack's distinct images, I = those images, I_use = image
+placeholder runs (one per image of each sample). Every tensor here is global (the whole pack);
+sharding over a sequence-parallel group happens later, in `vlmcp.parallel.shard`.
 """
 
 from __future__ import annotations
@@ -15,17 +16,26 @@ import torch
 IGNORE_INDEX = -100
 
 #: The optional per-token arrays of the tokens data format, aligned with labels: the inputs of
-#: `loss.type`, the inference engine's logprob of each sampled token (`inference_logprobs`, for
-#: the train-inference mismatch metrics) and the temperature it was sampled at (`temperatures`:
-#: the trainer's logprob of that token is log_softmax(logits / temperature)).
-TOKEN_ARRAYS = ("loss_weights", "advantages", "old_logprobs", "ref_logprobs", "inference_logprobs",
-                "temperatures")
+#: `loss.type` (`inference_logprobs`, the inference engine's logprob of each sampled token, also
+#: feeds the train-inference mismatch metrics), and the temperature each token was sampled at
+#: (`temperatures`: the trainer's logprob of that token is log_softmax(logits / temperature)).
+#: A job may add weight arrays of its own names (`loss.terms[k].weights`, ending in "_weights").
+TOKEN_ARRAYS = ("loss_weights", "advantages", "old_logprobs", "ref_logprobs",
+                "inference_logprobs", "teacher_logprobs", "temperatures")
 
 #: Arrays a pack keeps when only some of its samples carry them, with this value at the positions
 #: of the others: temperature 1 (plain log_softmax), or NaN for "no inference logprob here" (the
-#: mismatch metrics count only finite entries). Every other array is kept only when every sample
-#: of the pack carries it.
+#: mismatch metrics count only finite entries; an objective that needs the array needs it on
+#: every sample, `model.loss_terms.Loss.check_batch`). Every other array is kept only when every
+#: sample of the pack carries it.
 ARRAY_FILL = {"temperatures": 1.0, "inference_logprobs": float("nan")}
+
+#: Per-pair values of a preference pair record: the reference policy's summed target logprob of
+#: each half (`loss.type` dpo / ipo).
+PAIR_VALUES = ("ref_chosen_logp", "ref_rejected_logp")
+
+#: `PackedBatch.sample_values` key: the reference logprob sum of each sample (a pair's half).
+REF_LOGP = "ref_logp"
 
 
 @dataclass
@@ -40,13 +50,22 @@ class PackedBatch:
                        (they restart at 0 at every sample start).
     mm_token_type_ids: [S] 1 on image placeholder tokens, 0 elsewhere.
     seq_lens:          lengths of the samples in order; the one source of sample boundaries.
-    pixel_values:      [N_patch, C*T*P*P] patches of every image, in placeholder order, or None.
-    image_grid_thw:    [I, 3] (t, h, w) patch grid of each image, in placeholder order, or None.
+    pixel_values:      [N_patch, C*T*P*P] patches of every distinct image, in order, or None.
+    image_grid_thw:    [I, 3] (t, h, w) patch grid of each distinct image, in order, or None.
+    image_index:       [I_use] long, the distinct image each placeholder run shows, in placeholder
+                       order; None when every image is shown once (then I_use == I, in order).
+                       The two halves of a preference pair show the prompt's images: they are
+                       held (and encoded) once.
     sample_ids:        "file:line" of each sample, for error messages.
-    token_arrays:      per-token arrays by name (`TOKEN_ARRAYS`), each [S] fp32 and shifted like
-                       targets: token_arrays[k][t] belongs to the prediction of targets[t]. Only
-                       arrays that every sample of the pack carries, and those of `ARRAY_FILL`
-                       that any sample carries (filled in for the others).
+    token_arrays:      per-token arrays by name (`TOKEN_ARRAYS` and a job's weight arrays), each
+                       [S] fp32 and shifted like targets: token_arrays[k][t] belongs to the
+                       prediction of targets[t]. Only arrays that every sample of the pack
+                       carries, and those of `ARRAY_FILL` that any sample carries (filled in for
+                       the others).
+    pairs:             (chosen, rejected) sample indices of each preference pair of the pack; both
+                       halves of a pair are always in the same pack.
+    sample_values:     per-sample values by name, each [B] float64 (`REF_LOGP`: a pair half's
+                       reference logprob sum). Only values that every sample of the pack carries.
     """
 
     input_ids: torch.Tensor
@@ -58,6 +77,9 @@ class PackedBatch:
     image_grid_thw: torch.Tensor | None = None
     sample_ids: list[str] = field(default_factory=list)
     token_arrays: dict[str, torch.Tensor] = field(default_factory=dict)
+    image_index: torch.Tensor | None = None
+    pairs: list[tuple[int, int]] = field(default_factory=list)
+    sample_values: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

@@ -12,7 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from vlmcp.data.formats import Sample, parse_record
+from vlmcp.data.batch import TOKEN_ARRAYS
+from vlmcp.data.formats import Sample
+from vlmcp.data.pairs import record_samples
 from vlmcp.data.processor import VLProcessor
 from vlmcp.data.sources import iter_records
 from vlmcp.errors import DataError
@@ -22,7 +24,8 @@ def iter_samples(
     data_path: str | Path, processor: VLProcessor, max_seq_len: int, truncate: bool = False,
     image_root: str | Path | None = None,
 ) -> Iterator[Sample | DataError]:
-    """Each record's `Sample`, or the `DataError` it raised, in file order.
+    """Each record's `Sample`s (a preference pair's chosen, then its rejected half), or the
+    `DataError` it raised, in file order.
 
     image_root: what relative image paths are relative to (default: the data file's directory).
     A file-level problem (missing, unreadable, malformed array, no samples) is one `DataError`.
@@ -34,18 +37,22 @@ def iter_samples(
             yield record
             continue
         try:
-            yield parse_record(record, source, base_dir, processor, max_seq_len, truncate)
+            samples = record_samples(record, source, base_dir, processor, max_seq_len, truncate)
         except DataError as e:
             yield e
+            continue
+        yield from samples
 
 
-def nth_sample(
+def nth_samples(
     data_paths: Sequence[str | Path], index: int, processor: VLProcessor, max_seq_len: int,
     truncate: bool = False, image_root: str | Path | None = None,
-) -> Sample:
-    """The sample at 0-based `index` of the files taken in order (records counted across them, as
-    read, before any mixture weight); only that record is parsed and only its images are decoded.
-    Raises `DataError` (the record's, or one naming the files and how many samples they hold)."""
+    array_names: tuple[str, ...] = TOKEN_ARRAYS,
+) -> list[Sample]:
+    """The samples of the record at 0-based `index` of the files taken in order (records counted
+    across them, as read, before any mixture weight): one, or a pair's two halves; only that
+    record is parsed and only its images are decoded. Raises `DataError` (the record's, or one
+    naming the files and how many samples they hold)."""
     count = 0
     for data_path in data_paths:
         path = Path(data_path)
@@ -54,7 +61,8 @@ def nth_sample(
                 raise record
             if count == index:
                 base_dir = Path(image_root) if image_root is not None else path.parent
-                return parse_record(record, source, base_dir, processor, max_seq_len, truncate)
+                return record_samples(record, source, base_dir, processor, max_seq_len,
+                                      truncate, array_names)
             count += 1
     names = ", ".join(str(p) for p in data_paths)
     raise DataError(f"{names}: no sample {index} (the data holds {count})")

@@ -19,14 +19,16 @@ Accepted record formats:
   already expanded. labels use the unshifted HF convention (labels[t] is input_ids[t] or -100);
   every maximal run of image tokens is one image and must hold t*h*w // merge**2 tokens.
   Optional per-token arrays for the token-level objectives (`loss.type`): ``"loss_weights"``,
-  ``"advantages"``, ``"old_logprobs"``, ``"ref_logprobs"``; and from an inference engine
-  ``"inference_logprobs"`` (its logprob of each sampled token, for the train-inference mismatch
-  metrics) and ``"temperatures"`` (the temperature each token was sampled at: the trainer's
-  logprob of it is then log_softmax(logits / temperature); > 0). Each is a list of numbers as
-  long as "labels" and aligned with it: entry t belongs to the prediction of labels[t] (made at
-  position t-1), so it is read only where labels[t] is a target. On targets every entry must be a
-  finite number; where labels[t] is -100 (and on image placeholders) an entry may be any number or
-  null and is ignored. Chat formats carry no per-token arrays (they train with `ce` only).
+  ``"advantages"``, ``"old_logprobs"``, ``"ref_logprobs"``, ``"inference_logprobs"`` (the
+  inference engine's logprob of each sampled token; also for the train-inference mismatch
+  metrics), ``"teacher_logprobs"`` and the weight arrays a job names (`loss.terms`); and
+  ``"temperatures"`` (the temperature each token was sampled at: the trainer's logprob of it is
+  then log_softmax(logits / temperature); > 0). Each is a list of numbers as long as "labels" and
+  aligned with it: entry t belongs to the prediction of labels[t] (made at position t-1), so it
+  is read only where labels[t] is a target. On targets every entry must be a finite number; where
+  labels[t] is -100 (and on image placeholders) an entry may be any number or null and is
+  ignored. Chat formats carry no per-token arrays (they train with `ce` only).
+* preference pairs (`vlmcp.data.pairs`): one record, two samples (chosen and rejected).
 
 Chat formats are rendered once with the tokenizer's chat template, given the processor's
 ``chat_template_kwargs`` (``data.chat_template_kwargs``) as template variables (Qwen/ChatML:
@@ -77,8 +79,9 @@ ASSISTANT_HEADER = "<|im_start|>assistant\n"
 TURN_END = "<|im_end|>"
 #: What Qwen3.x templates render at the start of a reply that has no reasoning.
 EMPTY_THINK = "<think>\n\n</think>\n\n"
-_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                   "system": "system"}
+#: ShareGPT "from" values -> chat roles.
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "system": "system"}
 _CHAT_ROLES = {"system", "user", "assistant"}
 
 
@@ -96,6 +99,8 @@ class Sample:
     source:            "file:line".
     token_arrays:      the optional per-token arrays of the tokens format by name, each [L] fp32
                        aligned with labels (0 where labels is -100).
+    pair:              "chosen" or "rejected" for a half of a preference pair, else None.
+    values:            per-sample values by name (`vlmcp.data.batch.REF_LOGP`).
     """
 
     input_ids: list[int]
@@ -107,6 +112,8 @@ class Sample:
     position_ids: torch.Tensor
     source: str
     token_arrays: dict[str, torch.Tensor] = field(default_factory=dict)
+    pair: str | None = None
+    values: dict[str, float] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -155,9 +162,11 @@ def _image_paths(record: dict[str, Any], base_dir: Path, source: str) -> list[Pa
     return [base_dir / Path(p).expanduser() for p in images]
 
 
-def _process_images(
+def process_images(
     paths: list[Path], source: str, processor: VLProcessor
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(pixel_values [N_patch, C*T*P*P], image_grid_thw [I, 3]) of the images at `paths`, or
+    (None, None) without images; DataError naming `source` when one cannot be read."""
     if not paths:
         return None, None
     images = [_load_image(p, source) for p in paths]
@@ -210,7 +219,7 @@ def _chat_messages(record: dict[str, Any], source: str) -> list[dict[str, Any]]:
     sharegpt = "messages" not in record
     raw = record["conversations" if sharegpt else "messages"]
     role_key, content_key = ("from", "value") if sharegpt else ("role", "content")
-    roles = _SHAREGPT_ROLES if sharegpt else {r: r for r in _CHAT_ROLES}
+    roles = SHAREGPT_ROLES if sharegpt else {r: r for r in _CHAT_ROLES}
     if not isinstance(raw, list) or not raw:
         raise _fail(source, "conversation must be a non-empty list of messages")
     messages = []
@@ -352,11 +361,12 @@ def _check_tokens(
     return list(input_ids), labels
 
 
-def _token_arrays(record: dict[str, Any], labels: list[int], source: str
-                  ) -> dict[str, list[float]]:
-    """The per-token arrays of a tokens record (see the module docstring), 0.0 off targets."""
+def _token_arrays(record: dict[str, Any], labels: list[int], source: str,
+                  array_names: tuple[str, ...]) -> dict[str, list[float]]:
+    """The per-token arrays `array_names` of a tokens record (see the module docstring), 0.0 off
+    targets."""
     arrays: dict[str, list[float]] = {}
-    for name in TOKEN_ARRAYS:
+    for name in array_names:
         if name not in record:
             continue
         values = record[name]
@@ -436,8 +446,8 @@ def _cut(tokens: Tokens, source: str, processor: VLProcessor, max_seq_len: int,
     return Tokens(input_ids, labels, paths, grids, arrays)
 
 
-def _sample(tokens: Tokens, pixel_values: torch.Tensor | None, source: str,
-            processor: VLProcessor) -> Sample:
+def sample_of(tokens: Tokens, pixel_values: torch.Tensor | None, source: str,
+              processor: VLProcessor) -> Sample:
     """The `Sample` of `tokens`; pixel_values [N_patch, C*T*P*P] cover at least its images."""
     grid = torch.tensor(tokens.grids, dtype=torch.long) if tokens.grids else None
     if grid is None:
@@ -465,37 +475,41 @@ def record_image_paths(record: Any, source: str, base_dir: Path) -> list[Path]:
         raise _fail(source, "a record must be a JSON object")
     if "messages" not in record and "conversations" not in record and "input_ids" not in record:
         raise _fail(source, f"unknown format (keys {sorted(record)}); expected messages, "
-                            "conversations or input_ids")
+                            "conversations or input_ids, or a preference pair (chosen and "
+                            "rejected)")
     return _image_paths(record, base_dir, source)
 
 
 def tokenize_record(
     record: Any, source: str, base_dir: Path, processor: VLProcessor,
     grids: list[tuple[int, int, int]], max_seq_len: int, truncate: bool = False,
+    array_names: tuple[str, ...] = TOKEN_ARRAYS,
 ) -> Tokens:
     """Tokens of one decoded record whose images have the (t, h, w) patch `grids` (one per
-    path of `record_image_paths`, e.g. read from the image file headers). Decodes no image."""
+    path of `record_image_paths`, e.g. read from the image file headers). Decodes no image.
+    array_names: the per-token arrays read from a tokens record (a chat record carrying one of
+    them is an error)."""
     paths = record_image_paths(record, source, base_dir)
     if len(grids) != len(paths):
         raise ValueError(f"{len(grids)} grids for {len(paths)} images")
     counts = [processor.num_placeholders(row) for row in grids]
     arrays: dict[str, list[float]] = {}
     if "messages" in record or "conversations" in record:
-        present = [name for name in TOKEN_ARRAYS if name in record]
+        present = [name for name in array_names if name in record]
         if present:
             raise _fail(source, f"per-token arrays {present} need the tokens format "
                                 "(input_ids/labels); chat formats carry none")
         input_ids, labels = _tokenize_chat(record, source, processor, counts)
     else:
         input_ids, labels = _check_tokens(record, source, processor, counts, paths)
-        arrays = _token_arrays(record, labels, source)
+        arrays = _token_arrays(record, labels, source, array_names)
     tokens = Tokens(input_ids, labels, paths, [tuple(int(x) for x in g) for g in grids], arrays)
     return _cut(tokens, source, processor, max_seq_len, truncate)
 
 
 def parse_record(
     record: Any, source: str, base_dir: Path, processor: VLProcessor, max_seq_len: int,
-    truncate: bool = False,
+    truncate: bool = False, array_names: tuple[str, ...] = TOKEN_ARRAYS,
 ) -> Sample:
     """Turn one decoded record into a `Sample` (images decoded and patchified); raises
     `DataError` naming `source`.
@@ -504,7 +518,8 @@ def parse_record(
     directory). See the module docstring for formats and targets.
     """
     paths = record_image_paths(record, source, base_dir)
-    pixel_values, grid = _process_images(paths, source, processor)
+    pixel_values, grid = process_images(paths, source, processor)
     grids = [] if grid is None else [tuple(row) for row in grid.tolist()]
-    tokens = tokenize_record(record, source, base_dir, processor, grids, max_seq_len, truncate)
-    return _sample(tokens, pixel_values, source, processor)
+    tokens = tokenize_record(record, source, base_dir, processor, grids, max_seq_len, truncate,
+                             array_names)
+    return sample_of(tokens, pixel_values, source, processor)

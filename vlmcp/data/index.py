@@ -1,7 +1,8 @@
 """The length index: one compact row per sample of the training files, built without pixels.
 
 Packing needs only each sample's token count, so a first pass over the data records, per
-sample: where it lies (file, line, byte offset and length), its tokens, its targets, and its
+sample (a preference pair is one row, both halves together, so that packing keeps them in one
+pack): where it lies (file, line, byte offset and length), its tokens, its targets, and its
 (kept) images and their vision patches. Each image's placeholder count comes from its size as
 read from the file header (`vlmcp.data.image_size`); the text is tokenized to count it and then
 dropped. A sample is read back, tokenized again (deterministically) and its images decoded only
@@ -21,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from vlmcp.data.batch import IGNORE_INDEX, TOKEN_ARRAYS
-from vlmcp.data.formats import parse_record, record_image_paths, tokenize_record
+from vlmcp.data.batch import IGNORE_INDEX, PAIR_VALUES, TOKEN_ARRAYS
 from vlmcp.data.image_size import header_grid
+from vlmcp.data.pairs import record_paths, record_samples, record_tokens
 from vlmcp.data.processor import VLProcessor
 from vlmcp.data.records import Span, locate_records, record_label
 from vlmcp.data.sources import is_json_array
@@ -33,7 +34,7 @@ from vlmcp.errors import DataError
 COLUMNS = (("file_id", np.int32), ("record", np.int32), ("line", np.int32), ("offset", np.int64),
            ("nbytes", np.int64),
            ("tokens", np.int32), ("targets", np.int32), ("images", np.int32),
-           ("patches", np.int32), ("token_arrays", np.int16))
+           ("patches", np.int32), ("token_arrays", np.int32), ("chosen_tokens", np.int32))
 
 
 @dataclass
@@ -44,8 +45,14 @@ class LengthIndex:
     line, offset, nbytes: where sample i lies in its file (1-based line, bytes).
     tokens:  its length in tokens after truncation (what packing uses).
     targets: its predicted tokens.
-    images, patches: its kept images and their vision patches (sum of t*h*w).
-    token_arrays: a bit mask of the per-token arrays it carries (bit k: `TOKEN_ARRAYS[k]`).
+    images, patches: its kept images and their vision patches (sum of t*h*w); a pair's prompt
+             images once.
+    token_arrays: a bit mask of the per-token arrays and pair values it carries (bit k:
+             `array_names[k]`).
+    chosen_tokens: for a preference pair, the tokens of its chosen half (its row counts both
+             halves); 0 for a single sample.
+    array_names: what the bits of token_arrays stand for: the per-token arrays the index read
+             (`TOKEN_ARRAYS` and a job's weight arrays), then `PAIR_VALUES`.
     """
 
     files: list[str]
@@ -61,6 +68,8 @@ class LengthIndex:
     images: np.ndarray
     patches: np.ndarray
     token_arrays: np.ndarray
+    chosen_tokens: np.ndarray
+    array_names: tuple[str, ...] = TOKEN_ARRAYS + PAIR_VALUES
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -85,8 +94,18 @@ class LengthIndex:
         return np.bincount(self.file_id, minlength=len(self.files)).tolist()
 
     def lacking(self, name: str) -> np.ndarray:
-        """Indices of the samples without the per-token array `name` (one of `TOKEN_ARRAYS`)."""
-        return np.flatnonzero((self.token_arrays & (1 << TOKEN_ARRAYS.index(name))) == 0)
+        """Indices of the samples without the per-token array or pair value `name` (one of
+        `array_names`)."""
+        return np.flatnonzero((self.token_arrays & (1 << self.array_names.index(name))) == 0)
+
+    @property
+    def token_array_names(self) -> tuple[str, ...]:
+        """The per-token arrays the index read (`array_names` without `PAIR_VALUES`)."""
+        return tuple(name for name in self.array_names if name not in PAIR_VALUES)
+
+    def pairs(self) -> np.ndarray:
+        """[N] bool: which rows are preference pairs."""
+        return self.chosen_tokens > 0
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {name: getattr(self, name) for name, _ in COLUMNS}
@@ -96,39 +115,50 @@ class LengthIndex:
         keep = np.ones(len(self), dtype=bool)
         keep[list(dropped)] = False
         return LengthIndex(files=self.files, json_array=self.json_array,
-                           image_root=self.image_root,
+                           image_root=self.image_root, array_names=self.array_names,
                            **{name: values[keep] for name, values in self.arrays().items()})
 
 
-def _array_mask(names: Iterable[str]) -> int:
-    """The `LengthIndex.token_arrays` bit mask of the per-token arrays `names`."""
-    return sum(1 << TOKEN_ARRAYS.index(name) for name in names)
+def _array_mask(names: Iterable[str], mask_names: tuple[str, ...]) -> int:
+    """The `LengthIndex.token_arrays` bit mask of `names` (each one of `mask_names`)."""
+    return sum(1 << mask_names.index(name) for name in names)
 
 
 def _row(record: object, source: str, base_dir: Path, processor: VLProcessor, max_seq_len: int,
-         truncate: bool, decode: bool) -> tuple[int, int, int, int, int]:
-    """(tokens, targets, images, patches, token-array mask) of one record; DataError when it
-    cannot train."""
+         truncate: bool, decode: bool, array_names: tuple[str, ...]
+         ) -> tuple[int, int, int, int, int, int]:
+    """(tokens, targets, images, patches, token-array mask, chosen tokens) of one record;
+    DataError when it cannot train."""
+    mask_names = array_names + PAIR_VALUES
     if decode:
-        sample = parse_record(record, source, base_dir, processor, max_seq_len, truncate)
-        grid = sample.image_grid_thw
-        targets = sum(label != IGNORE_INDEX for label in sample.labels[1:])
-        return (len(sample), targets, 0 if grid is None else len(grid),
-                0 if grid is None else int(grid.prod(-1).sum()), _array_mask(sample.token_arrays))
-    paths = record_image_paths(record, source, base_dir)
+        samples = record_samples(record, source, base_dir, processor, max_seq_len, truncate,
+                                 array_names)
+        grid = samples[0].image_grid_thw
+        carried = set(samples[0].token_arrays) | (set(PAIR_VALUES) if samples[0].values else set())
+        return (sum(len(s) for s in samples),
+                sum(label != IGNORE_INDEX for s in samples for label in s.labels[1:]),
+                0 if grid is None else len(grid),
+                0 if grid is None else int(grid.prod(-1).sum()), _array_mask(carried, mask_names),
+                len(samples[0]) if len(samples) == 2 else 0)
+    paths = record_paths(record, source, base_dir)
     grids = [header_grid(p, source, processor.image_processor) for p in paths]
-    tokens = tokenize_record(record, source, base_dir, processor, grids, max_seq_len, truncate)
-    return (len(tokens.input_ids), tokens.num_targets, len(tokens.grids),
-            sum(t * h * w for t, h, w in tokens.grids), _array_mask(tokens.arrays))
+    tokens = record_tokens(record, source, base_dir, processor, grids, max_seq_len, truncate,
+                           array_names)
+    first = tokens.halves[0]
+    return (sum(len(t.input_ids) for t in tokens.halves),
+            sum(t.num_targets for t in tokens.halves), len(first.grids),
+            sum(t * h * w for t, h, w in first.grids), _array_mask(tokens.carried, mask_names),
+            len(first.input_ids) if tokens.is_pair else 0)
 
 
 def build_index(files: Sequence[Path], processor: VLProcessor, max_seq_len: int,
-                truncate: bool = False, *, image_root: Path | None = None, decode: bool = False
-                ) -> tuple[LengthIndex, list[str]]:
+                truncate: bool = False, *, image_root: Path | None = None, decode: bool = False,
+                array_names: tuple[str, ...] = TOKEN_ARRAYS) -> tuple[LengthIndex, list[str]]:
     """The index of every usable sample of `files` (in file order), and one "source: problem"
     line per bad record or file (all of them). image_root: what relative image paths are
     relative to (None: each file's directory). With `decode`, images are decoded once each
-    (validation); else only their headers are read."""
+    (validation); else only their headers are read. array_names: the per-token arrays read from
+    tokens records (`LengthIndex.array_names`)."""
     columns = {name: array("q") for name, _ in COLUMNS}
     problems: list[str] = []
     kinds: list[bool] = []
@@ -140,7 +170,8 @@ def build_index(files: Sequence[Path], processor: VLProcessor, max_seq_len: int,
                 problems.append(str(record))
                 continue
             try:
-                counts = _row(record, source, base_dir, processor, max_seq_len, truncate, decode)
+                counts = _row(record, source, base_dir, processor, max_seq_len, truncate, decode,
+                              array_names)
             except DataError as e:
                 problems.append(str(e))
                 continue
@@ -151,4 +182,4 @@ def build_index(files: Sequence[Path], processor: VLProcessor, max_seq_len: int,
               for name, dtype in COLUMNS}
     return LengthIndex(files=[str(f) for f in files], json_array=kinds,
                        image_root=None if image_root is None else str(image_root),
-                       **arrays), problems
+                       **arrays, array_names=tuple(array_names) + PAIR_VALUES), problems

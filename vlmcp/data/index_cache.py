@@ -30,13 +30,14 @@ from typing import Any
 
 import numpy as np
 
+from vlmcp.data.batch import TOKEN_ARRAYS
 from vlmcp.data.index import COLUMNS, LengthIndex, build_index
 from vlmcp.data.processor import VLProcessor
 
 logger = logging.getLogger(__name__)
 
 #: Bumped whenever the index's content or meaning changes.
-INDEX_VERSION = 3
+INDEX_VERSION = 4
 
 
 def default_cache_dir() -> Path:
@@ -101,7 +102,7 @@ def save_index(path: Path, index: LengthIndex, stamps: list[dict[str, Any]]) -> 
     buffer = io.BytesIO()
     meta = json.dumps({"version": INDEX_VERSION, "files": index.files,
                        "json_array": index.json_array, "image_root": index.image_root,
-                       "stamps": stamps})
+                       "array_names": list(index.array_names), "stamps": stamps})
     np.savez(buffer, meta=np.array(meta), **index.arrays())
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
@@ -131,7 +132,8 @@ def load_index(path: Path) -> tuple[LengthIndex | None, str]:
     if changed:
         return None, f"data changed since the cached index: {changed}"
     return LengthIndex(files=meta["files"], json_array=meta["json_array"],
-                       image_root=meta["image_root"], **arrays), ""
+                       image_root=meta["image_root"], array_names=tuple(meta["array_names"]),
+                       **arrays), ""
 
 
 @dataclass
@@ -150,8 +152,9 @@ def obtain_index(files: Sequence[Path], processor: VLProcessor, settings: dict[s
                  cache_dir: Path, *, image_root: Path | None = None, may_build: bool,
                  rebuild: bool = False) -> IndexResult:
     """The length index of `files`: loaded from `cache_dir` when current, else (when
-    `may_build`) built and saved there. `settings`: max_seq_len, truncate and whatever else
-    changes token counts (part of the cache key, with `image_root`). `rebuild` (validation) always builds, decoding
+    `may_build`) built and saved there. `settings`: max_seq_len, truncate, the job's own
+    per-token weight arrays ("weight_arrays", read besides `TOKEN_ARRAYS`) and whatever else
+    changes the index (part of the cache key, with `image_root`). `rebuild` (validation) always builds, decoding
     every image once. Data problems come back as problems; so does a cache that cannot be
     written, naming data.cache_dir. Logs "length index: loaded from cache PATH" or "built in X s".
     """
@@ -170,7 +173,8 @@ def obtain_index(files: Sequence[Path], processor: VLProcessor, settings: dict[s
         logger.info("length index: %s; building it", why)
     stamps = [file_stamp(Path(f)) for f in files if Path(f).is_file()]
     index, problems = build_index(files, processor, settings["max_seq_len"],
-                                  settings["truncate"], image_root=image_root, decode=rebuild)
+                                  settings["truncate"], image_root=image_root, decode=rebuild,
+                                  array_names=TOKEN_ARRAYS + tuple(settings.get("weight_arrays", ())))
     seconds = time.perf_counter() - started
     if not problems:
         try:

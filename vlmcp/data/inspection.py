@@ -78,7 +78,8 @@ def _notes(parts: list[Segment]) -> list[str]:
 def inspect_sample(sample: Sample, processor: VLProcessor) -> dict[str, Any]:
     """JSON-able report of one sample.
 
-    Keys: source ("file:line"), num_tokens, num_targets, images (path, grid_thw [t, h, w],
+    Keys: source ("file:line"), pair ("chosen" or "rejected" for a half of a preference pair,
+    else null), num_tokens, num_targets, images (path, grid_thw [t, h, w],
     patches t*h*w, tokens t*h*w // merge**2), segments (kind, text, is_target, num_tokens, image),
     chat_template_kwargs, notes (lines worth a look, e.g. an empty think block as a target).
     """
@@ -89,6 +90,7 @@ def inspect_sample(sample: Sample, processor: VLProcessor) -> dict[str, Any]:
               for path, grid in zip(sample.image_paths, grids)]
     return {
         "source": sample.source,
+        "pair": sample.pair,
         "num_tokens": len(sample.input_ids),
         "num_targets": sum(label != IGNORE_INDEX for label in sample.labels),
         "images": images,
@@ -102,7 +104,8 @@ def format_report(report: dict[str, Any], color: bool = False) -> str:
     """The report for a terminal: a summary, then the rendering with targets marked (``[[...]]``,
     or green with `color`) and each image collapsed to ``<|image_pad|>xN``."""
     share = report["num_targets"] / max(report["num_tokens"], 1)
-    lines = [f"sample {report['source']}",
+    half = f" ({report['pair']} half of a preference pair)" if report.get("pair") else ""
+    lines = [f"sample {report['source']}{half}",
              f"tokens {report['num_tokens']}, targets {report['num_targets']} ({share:.1%}), "
              f"images {len(report['images'])}"]
     for i, image in enumerate(report["images"]):

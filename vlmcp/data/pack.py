@@ -85,26 +85,61 @@ def _token_array(sample: Sample, name: str) -> torch.Tensor:
 def build_batch(samples: Sequence[Sample]) -> PackedBatch:
     """Concatenate whole samples into one `PackedBatch` (S = sum of lengths).
 
-    pixel_values and image_grid_thw are concatenated in sample order, which is placeholder order.
-    Per-token arrays are kept when every sample carries them (those of `ARRAY_FILL` when any
-    sample does, filled in for the others), shifted like the targets.
+    pixel_values and image_grid_thw hold each distinct image once, in sample order: the rejected
+    half of a preference pair shows its chosen half's images (their shared prompt's), and
+    `image_index` points its placeholder runs at those. Both halves of every pair must be in
+    `samples` (`PackedBatch.pairs`). Per-token arrays and per-sample values are kept when every
+    sample carries them (arrays of `ARRAY_FILL` when any sample does, filled in for the others),
+    the arrays shifted like the targets.
     """
     shared = set.intersection(*(set(s.token_arrays) for s in samples)) if samples else set()
     shared |= {name for s in samples for name in s.token_arrays if name in ARRAY_FILL}
-    input_ids = [t for s in samples for t in s.input_ids]
-    targets = [t for s in samples for t in shifted_targets(s.labels)]
-    with_images = [s for s in samples if s.image_grid_thw is not None]
+    valued = set.intersection(*(set(s.values) for s in samples)) if samples else set()
+    pairs: list[tuple[int, int]] = []
+    open_pairs: dict[str, int] = {}
+    shown: list[list[int]] = []
+    pixels, grids = [], []
+    for i, s in enumerate(samples):
+        count = 0 if s.image_grid_thw is None else len(s.image_grid_thw)
+        if s.pair == "rejected":
+            if s.source not in open_pairs:
+                raise ValueError(f"{s.source}: the rejected half of a pair is packed without "
+                                 "its chosen half")
+            chosen = open_pairs.pop(s.source)
+            if count != len(shown[chosen]) or (count and not torch.equal(
+                    s.image_grid_thw, samples[chosen].image_grid_thw)):
+                raise ValueError(f"{s.source}: the halves of a pair show different images")
+            pairs.append((chosen, i))
+            shown.append(shown[chosen])
+            continue
+        if s.pair == "chosen":
+            open_pairs[s.source] = i
+        first = sum(len(g) for g in grids)
+        shown.append(list(range(first, first + count)))
+        if count:
+            pixels.append(s.pixel_values)
+            grids.append(s.image_grid_thw)
+    if open_pairs:
+        raise ValueError(f"{next(iter(open_pairs))}: the chosen half of a pair is packed without "
+                         "its rejected half")
+    uses = [j for images in shown for j in images]
+    distinct = sum(len(g) for g in grids)
     return PackedBatch(
-        input_ids=torch.tensor(input_ids, dtype=torch.long),
-        targets=torch.tensor(targets, dtype=torch.long),
+        input_ids=torch.tensor([t for s in samples for t in s.input_ids], dtype=torch.long),
+        targets=torch.tensor([t for s in samples for t in shifted_targets(s.labels)],
+                             dtype=torch.long),
         position_ids=torch.cat([s.position_ids for s in samples], dim=1),
         mm_token_type_ids=torch.cat([s.mm_token_type_ids for s in samples]),
         seq_lens=[len(s) for s in samples],
-        pixel_values=torch.cat([s.pixel_values for s in with_images]) if with_images else None,
-        image_grid_thw=torch.cat([s.image_grid_thw for s in with_images]) if with_images else None,
+        pixel_values=torch.cat(pixels) if pixels else None,
+        image_grid_thw=torch.cat(grids) if grids else None,
+        image_index=None if uses == list(range(distinct)) else torch.tensor(uses),
         sample_ids=[s.source for s in samples],
         token_arrays={name: torch.cat([shifted_array(_token_array(s, name)) for s in samples])
                       for name in sorted(shared)},
+        pairs=pairs,
+        sample_values={name: torch.tensor([s.values[name] for s in samples], dtype=torch.float64)
+                       for name in sorted(valued)},
     )
 
 

@@ -21,12 +21,14 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from vlmcp.data.batch import PackedBatch
-from vlmcp.data.formats import Sample, parse_record
+from vlmcp.data.batch import REF_LOGP, PackedBatch
+from vlmcp.data.formats import Sample
 from vlmcp.data.index import LengthIndex
 from vlmcp.data.pack import build_batch
+from vlmcp.data.pairs import record_samples
 from vlmcp.data.processor import VLProcessor
 from vlmcp.data.records import read_record
 from vlmcp.errors import DataError
@@ -41,31 +43,46 @@ class LoadFailure:
 
 @dataclass
 class SampleReader:
-    """Reads sample i of a length index back as a full `Sample` (pixels included)."""
+    """Reads row i of a length index back as full `Sample`s (pixels included): one, or a
+    preference pair's chosen and rejected halves.
+
+    reference_logps: [N, 2] float64, the reference policy's logprob sums of each pair's (chosen,
+    rejected) half (`loss.reference_logps`), set on the halves as `Sample.values[REF_LOGP]`
+    (NaN rows and single samples get none); None: the records' own.
+    """
 
     index: LengthIndex
     processor: VLProcessor
     max_seq_len: int
     truncate: bool
     cache_path: str = ""
+    reference_logps: np.ndarray | None = None
 
-    def sample(self, i: int) -> Sample:
+    def samples(self, i: int) -> list[Sample]:
         path, span = self.index.location(i)
         source = self.index.source(i)
         record = read_record(path, span, source)
-        sample = parse_record(record, source, self.index.base_dir(i), self.processor,
-                              self.max_seq_len, self.truncate)
+        samples = record_samples(record, source, self.index.base_dir(i), self.processor,
+                                 self.max_seq_len, self.truncate, self.index.token_array_names)
         expected = int(self.index.tokens[i])
-        if len(sample) != expected:
-            raise DataError(f"{source}: {len(sample)} tokens now, {expected} in the length index "
-                            f"{self.cache_path or '(in memory)'}: the sample or one of its images "
-                            "changed since the index was built; delete that file or run "
-                            "`vlmcp validate` to rebuild it")
-        return sample
+        if sum(len(s) for s in samples) != expected:
+            raise DataError(f"{source}: {sum(len(s) for s in samples)} tokens now, {expected} in "
+                            f"the length index {self.cache_path or '(in memory)'}: the sample or "
+                            "one of its images changed since the index was built; delete that "
+                            "file or run `vlmcp validate` to rebuild it")
+        if self.reference_logps is not None and len(samples) == 2 \
+                and not np.isnan(self.reference_logps[i]).any():
+            for sample, value in zip(samples, self.reference_logps[i].tolist()):
+                sample.values[REF_LOGP] = value
+        return samples
+
+    def sample(self, i: int) -> Sample:
+        """The first sample of row i (a pair's chosen half)."""
+        return self.samples(i)[0]
 
     def pack(self, pack: Sequence[int]) -> PackedBatch:
-        """The `PackedBatch` of sample indices `pack`."""
-        return build_batch([self.sample(i) for i in pack])
+        """The `PackedBatch` of the rows `pack` (a pair's halves side by side)."""
+        return build_batch([s for i in pack for s in self.samples(i)])
 
 
 class _PackList(torch.utils.data.Dataset):

@@ -1,7 +1,8 @@
 """Offline demo assets: a digits VQA dataset beside a tiny Qwen3.5 checkpoint.
 
 The digits are scikit-learn's bundled set (the `demo` extra), written as 32x32 PNGs with a
-messages-format JSONL; the checkpoint is `vlmcp.model.tiny.build_tiny_checkpoint`'s, laid out like
+messages-format JSONL, and the training digits again as TRL preference pairs (`dpo_train.jsonl`:
+chosen the right digit, rejected a wrong one, for launch/jobs/dpo_digits_sp2.json); the checkpoint is `vlmcp.model.tiny.build_tiny_checkpoint`'s, laid out like
 a published Qwen3.5 checkpoint so the same loading code serves the demo and real models.
 """
 
@@ -35,7 +36,7 @@ def write_digits_dataset(
     """Write train.jsonl and eval.jsonl (disjoint) of scikit-learn's digits as 32x32 PNGs.
 
     Each line is the messages format: user "<image>What digit is this?", assistant the digit.
-    Returns (train.jsonl, eval.jsonl).
+    Also writes dpo_train.jsonl (`write_digit_pairs`). Returns (train.jsonl, eval.jsonl).
     """
     from sklearn.datasets import load_digits
 
@@ -67,7 +68,24 @@ def write_digits_dataset(
                 }
                 f.write(json.dumps(record) + "\n")
         paths.append(path)
+    write_digit_pairs(paths[0], out_dir / "dpo_train.jsonl", seed)
     return paths[0], paths[1]
+
+
+def write_digit_pairs(train_jsonl: Path, out_path: Path, seed: int = 0) -> Path:
+    """TRL conversational preference pairs of the digits prompts of `train_jsonl`: chosen the
+    right digit, rejected a wrong one drawn at random (seeded); the images stay where they are
+    (out_path lies next to train_jsonl)."""
+    rng = np.random.default_rng(seed)
+    with out_path.open("w") as f:
+        for line in train_jsonl.read_text().splitlines():
+            record = json.loads(line)
+            user, answer = record["messages"]
+            wrong = [d for d in range(10) if str(d) != answer["content"]]
+            rejected = {"role": "assistant", "content": str(int(rng.choice(wrong)))}
+            f.write(json.dumps({"prompt": [user], "chosen": [answer], "rejected": [rejected],
+                                "images": record["images"]}) + "\n")
+    return out_path
 
 
 def build_demo_assets(

@@ -300,9 +300,11 @@ def logits_entropy(logits: torch.Tensor) -> torch.Tensor:
         return chunk_entropy(log_z, dot)
 
 
-def scale_for_deepspeed(loss_sum: torch.Tensor, global_targets: int, dp_size: int, grad_accum: int) -> torch.Tensor:
+def scale_for_deepspeed(loss_sum: torch.Tensor, global_targets: float, dp_size: int,
+                        grad_accum: int) -> torch.Tensor:
     """The value to hand to `engine.backward` so the step's gradient is d(sum CE / N).
 
-    loss_sum: this rank's shard CE sum for one micro-batch; global_targets: N for the whole step.
+    loss_sum: this rank's shard CE sum for one micro-batch; global_targets: N for the whole step
+    (a count, or any positive normaliser; 0, a step without targets, divides by 1).
     """
-    return loss_sum * (dp_size * grad_accum / max(global_targets, 1))
+    return loss_sum * (dp_size * grad_accum / (global_targets or 1))

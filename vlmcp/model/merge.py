@@ -7,6 +7,10 @@
     "replicated"  every rank embeds the whole pack and encodes every image: [S, hidden], sharded
                   afterwards.
 
+In both, each distinct image of the pack is encoded once, also when it is shown twice (the
+halves of a preference pair show their prompt's images: `PackedBatch.image_index`); its feature
+rows serve every placeholder run that shows it, and the gradients of all its uses add up.
+
 The vision tower always runs here with its own sdpa attention and never sees the Ulysses path.
 """
 
@@ -17,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlmcp.data.batch import PackedBatch
-from vlmcp.model.image_routing import ImageRouting
+from vlmcp.model.image_routing import ImageRouting, distinct_feature_rows
 from vlmcp.parallel import comm
 from vlmcp.parallel.shard import ShardPlan
 
@@ -61,6 +65,10 @@ def merge_embeddings(
     with torch.set_grad_enabled(vision_trainable and torch.is_grad_enabled()):
         if batch.pixel_values is not None:
             feats = image_features(vision, batch.pixel_values.to(device), batch.image_grid_thw.to(device))
+            if batch.image_index is not None:
+                rows = distinct_feature_rows(batch.image_grid_thw, batch.image_index,
+                                             vision.config.spatial_merge_size)
+                feats = feats.index_select(0, rows.to(device))
         elif vision_trainable:
             feats = dummy_image_features(vision, device)
         else:
@@ -111,11 +119,13 @@ def shard_first_embeddings(
     positions = (batch.input_ids == image_token_id).nonzero().squeeze(1)
     try:
         routing = ImageRouting.build(batch.image_grid_thw, positions, plan.local_len, plan.size, plan.rank,
-                                     vision.config.spatial_merge_size)
+                                     vision.config.spatial_merge_size, batch.image_index)
     except ValueError as exc:
         raise ValueError(f"pack of samples {batch.sample_ids}: {exc}") from exc
     with torch.set_grad_enabled(grad):
         feats = _encode_share(vision, batch, routing, vision_trainable, embeds)
+        if routing.send_index is not None:
+            feats = feats.index_select(0, routing.send_index.to(device))
     rows = comm.all_to_all_rows_autograd(feats, list(routing.send_counts), list(routing.recv_counts), plan.group)
     rows = rows.index_select(0, routing.recv_order.to(device))
     mask = F.pad(local_ids == image_token_id, (0, plan.local_len - n_local))

@@ -11,10 +11,11 @@ PackedBatch):
         full attention: Ulysses all-to-all, causal per sample   (model.attention)
         Gated DeltaNet: conv halo + state chain, or heads mode   (model.deltanet)
     final norm, lm_head + CE on this shard's targets             (model.loss)
-        or, for a token-level objective or data with per-token temperatures or inference
+        or, for any other objective or data with per-token temperatures or inference
         logprobs, per-token logprobs at each token's temperature     (model.token_logprobs)
-        and the objective on them                                    (model.objectives)
-        and the train-inference mismatch                             (model.mismatch)
+        and the objectives on them                                   (model.loss_terms)
+            whole-sample sums over the SP group, when one needs them (model.sample_sums)
+            and the train-inference mismatch metrics                 (model.mismatch)
     with model.router_aux_loss: router statistics of the shard's real tokens, summed over the
         SP group, give this rank's share of the load-balancing loss   (model.router_loss)
 
@@ -24,6 +25,7 @@ With P == 1 the same code is the exact packed single-rank path.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -32,10 +34,10 @@ from torch import nn
 from vlmcp.data.batch import IGNORE_INDEX, PackedBatch
 from vlmcp.model.attention import ATTENTION_KEY, register_attention
 from vlmcp.model.deltanet import install_deltanet_hooks
+from vlmcp.config.schema import LossTerm
 from vlmcp.model.loss import DEFAULT_LOSS_CHUNK_MB, shard_ce_and_entropy
+from vlmcp.model.loss_terms import Loss
 from vlmcp.model.merge import merge_embeddings, shard_first_embeddings
-from vlmcp.model.mismatch import MISMATCH_KEYS, mismatch_sums
-from vlmcp.model.objectives import STAT_KEYS, Objective, sequence_weights
 from vlmcp.model.token_logprobs import TokenLogprobs, shard_token_logprobs
 from vlmcp.model.router_loss import RouterAuxLoss
 from vlmcp.parallel.groups import SequenceParallel
@@ -48,7 +50,6 @@ logger = logging.getLogger(__name__)
 #: Per-token arrays that need the per-token logprob path even under plain CE: the temperature
 #: enters the logprob itself, and the mismatch metrics compare logprobs token by token.
 _PER_TOKEN_ARRAYS = ("temperatures", "inference_logprobs")
-_MISMATCH_SLICE = slice(STAT_KEYS.index(MISMATCH_KEYS[0]), STAT_KEYS.index(MISMATCH_KEYS[-1]) + 1)
 
 
 class PackedVLM(nn.Module):
@@ -59,7 +60,8 @@ class PackedVLM(nn.Module):
     replicated on every rank, never enters the optimizer and never gets ZeRO-3 partitioned (when
     it was loaded partitioned, it is gathered once, here).
 
-    `objective` is the `loss` section (default: plain token-mean CE).
+    `objective` is the job's loss: one `LossTerm` or a `Loss` of several (default: plain
+    token-mean CE); held as a `Loss`.
 
     `vision_mode` is `parallel.vision`: "split" (default) spreads the image encoding over the SP
     group and never builds the whole pack's embeddings; "replicated" runs embeddings and the
@@ -84,7 +86,7 @@ class PackedVLM(nn.Module):
         gradient_checkpointing: bool = False,
         vision_mode: str = "split",
         loss_chunk_mb: float = DEFAULT_LOSS_CHUNK_MB,
-        objective: Objective | None = None,
+        objective: LossTerm | Loss | None = None,
         router_aux_loss: bool = False,
     ) -> None:
         super().__init__()
@@ -94,7 +96,7 @@ class PackedVLM(nn.Module):
         object.__setattr__(self, "hf_model", hf_model)
         self.sp = sp or SequenceParallel.single()
         self.loss_chunk_mb = loss_chunk_mb
-        self.objective = objective or Objective()
+        self.objective = Loss.of(objective)
         config = hf_model.config
         self.image_token_id = config.image_token_id
         text_config = config.text_config
@@ -138,34 +140,25 @@ class PackedVLM(nn.Module):
             batch.seq_lens, self.sp.size, self.sp.rank, self.sp.group, min_local_len=max(self.conv_halo, 1)
         )
 
-    def shard_target_count(self, batch: PackedBatch) -> int:
-        """Target tokens in this rank's shard of `batch` (what `forward` will return as its count)."""
-        targets = self.plan(batch).shard(batch.targets, dim=0, pad_value=IGNORE_INDEX)
-        return int((targets != IGNORE_INDEX).sum())
-
-    def shard_counts(self, batch: PackedBatch) -> tuple[int, int]:
-        """(target tokens in this rank's shard, samples of the pack counted on this rank): the
-        samples count on SP rank 0 only, so a sum over the world counts each sample once."""
-        return self.shard_target_count(batch), len(batch.seq_lens) if self.sp.rank == 0 else 0
-
-    def forward(self, batch: PackedBatch, stats: bool = False, objective: Objective | None = None,
-                scores: bool = False) -> tuple[Any, ...]:
+    def forward(self, batch: PackedBatch, stats: bool = False,
+                objective: LossTerm | Loss | None = None, scores: bool = False,
+                denominators: Sequence[float] | None = None) -> tuple[Any, ...]:
         """Loss sum over this rank's shard of the pack, its number of target tokens, and this
         rank's share of the router aux loss; with `stats` also the shard's metric sums.
 
         Returns (0-dim fp32 tensor, int, 0-dim fp32 tensor or None without `router_aux_loss`),
-        plus with `stats` the metric sums ([len(STAT_KEYS)] float64, `model.objectives`). The
-        loss sum is sum_t c_t l_t of the objective (`objective`, else the module's); divide it by
-        the global target count (token normalisation) or sample count (sequence) for the step's
-        mean (model.loss); the router shares of an SP group sum to the micro-batch's aux loss
-        (model.router_loss).
+        plus with `stats` the metric sums ([len(Loss.stat_specs())] float64). The loss is that
+        of `objective` (else the module's; model.loss_terms): with `denominators` (the step's
+        global N_k of each term) this shard's share of the step's loss; without, its sum
+        sum_t c_t l_t of one term, to divide by N_0 (model.loss). The router shares of an SP
+        group sum to the micro-batch's aux loss (model.router_loss).
 
         With `scores`, no loss: `token_scores(batch)` (called through the engine so that ZeRO-3
         gathers as in training).
         """
         if scores:
             return self.token_scores(batch)
-        objective = objective or self.objective
+        objective = self.objective if objective is None else Loss.of(objective)
         plan = self.plan(batch)
         hidden, router_share = self.shard_hidden(batch, plan)
         targets = plan.shard(batch.targets.to(hidden.device), dim=0, pad_value=IGNORE_INDEX)
@@ -173,10 +166,14 @@ class PackedVLM(nn.Module):
                                           for name in _PER_TOKEN_ARRAYS):
             loss, count, entropy = shard_ce_and_entropy(hidden, targets, self.lm_head,
                                                         self.loss_chunk_mb)
-            sums = torch.zeros(len(STAT_KEYS), dtype=torch.float64)
+            sums = torch.zeros(len(objective.stat_specs()), dtype=torch.float64)
             sums[0] = float(entropy)
         else:
-            loss, count, sums = self._objective_loss(batch, plan, hidden, targets, objective)
+            objective.check_batch(batch)
+            scored = self._scored(batch, plan, hidden, targets)
+            loss, sums = objective.shard_loss(scored.logprobs, scored.entropy, scored.keep,
+                                              batch, plan, denominators)
+            loss, count = loss + scored.anchor, int(scored.keep.sum())
         return (loss, count, router_share, sums) if stats else (loss, count, router_share)
 
     def shard_hidden(self, batch: PackedBatch, plan: ShardPlan
@@ -192,28 +189,6 @@ class PackedVLM(nn.Module):
         with self.router_loss.capture(real) as router_stats:
             hidden = self.decode(hidden, positions, plan)
         return hidden[0], router_stats.share(self.sp.group)
-
-    def _objective_loss(self, batch: PackedBatch, plan: ShardPlan, hidden: torch.Tensor,
-                        targets: torch.Tensor, objective: Objective
-                        ) -> tuple[torch.Tensor, int, torch.Tensor]:
-        """sum_t c_t l_t over the shard's targets (`model.objectives`), their count, metric sums."""
-        missing = [name for name in objective.required_arrays if name not in batch.token_arrays]
-        if missing:
-            raise ValueError(f"loss.type {objective.type!r} needs per-token {missing} in every "
-                             f"sample; the pack of samples {batch.sample_ids} lacks them")
-        scored = self._scored(batch, plan, hidden, targets)
-        keep = scored.keep
-        arrays = {name: plan.shard(batch.token_arrays[name].to(hidden.device), dim=0)[keep]
-                  for name in objective.required_arrays}
-        losses, sums = objective.token_losses(scored.logprobs, arrays)
-        if objective.normalize == "sequence":
-            losses = losses * plan.shard(sequence_weights(batch).to(hidden.device), dim=0)[keep]
-        sums[0] = float(scored.entropy.double().sum())
-        if "inference_logprobs" in batch.token_arrays:
-            inference = plan.shard(batch.token_arrays["inference_logprobs"].to(hidden.device),
-                                   dim=0)[keep]
-            sums[_MISMATCH_SLICE] = mismatch_sums(scored.logprobs, inference)
-        return losses.sum() + scored.anchor, int(keep.sum()), sums
 
     def _scored(self, batch: PackedBatch, plan: ShardPlan, hidden: torch.Tensor,
                 targets: torch.Tensor) -> TokenLogprobs:

@@ -32,7 +32,7 @@ from vlmcp.data.formats import Sample
 from vlmcp.data.pack import first_fit
 from vlmcp.data.stream import SampleReader
 from vlmcp.errors import DataError, PreflightError
-from vlmcp.model.objectives import Objective
+from vlmcp.config.schema import LossTerm
 from vlmcp.parallel import comm
 from vlmcp.parallel.agree import fail_together
 from vlmcp.parallel.groups import SequenceParallel
@@ -40,7 +40,7 @@ from vlmcp.parallel.groups import SequenceParallel
 T = TypeVar("T")
 
 #: Held-out loss is always token-mean cross-entropy, whatever `loss.type` trains.
-EVAL_OBJECTIVE = Objective()
+EVAL_OBJECTIVE = LossTerm()
 
 
 @dataclass

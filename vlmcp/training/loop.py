@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from vlmcp.config import JobConfig
@@ -35,7 +36,6 @@ from vlmcp.data.pack import PackedDataset
 from vlmcp.data.stream import SampleReader
 from vlmcp.errors import DataError, NonFiniteError, PreflightError, RolloutError
 from vlmcp.model.loss import scale_for_deepspeed
-from vlmcp.model.objectives import STAT_KEYS
 from vlmcp.model.packed import PackedVLM
 from vlmcp.model.router_loss import router_objective
 from vlmcp.parallel import comm
@@ -49,11 +49,12 @@ from vlmcp.training.hf_format import hf_key_prefixes
 from vlmcp.training.lora_export import save_final_adapter
 from vlmcp.training.metrics import MetricsWriter
 from vlmcp.training.nonfinite import NonFiniteGuard
-from vlmcp.training.objective_step import objective_metrics, step_counts
+from vlmcp.training.objective_step import INITIAL_REFERENCE, objective_metrics, step_counts
 from vlmcp.training.optim import can_veto
 from vlmcp.training.preflight import Preflight
 from vlmcp.training.publish import Publisher
 from vlmcp.training.rollout_steps import RolloutSteps
+from vlmcp.training.score import score_initial_reference
 from vlmcp.training.setup import build_engine, seed_everything, start_checked
 from vlmcp.training.signals import StopRequested, StopSignals
 from vlmcp.training.step_packs import StepBatches, StepPacks
@@ -87,8 +88,10 @@ class Run:
         return self.rollouts if self.rollouts is not None else self.step_packs
 
 
-def _step_packs(job: JobConfig, preflight: Preflight, sp: SequenceParallel) -> StepPacks:
-    """This rank's packs of each step, over the length index, loading packs with DataLoader workers."""
+def _step_packs(job: JobConfig, preflight: Preflight, sp: SequenceParallel,
+                reference: np.ndarray | None) -> StepPacks:
+    """This rank's packs of each step, over the length index, loading packs with DataLoader
+    workers; `reference`: the pairs' reference sums (`SampleReader.reference_logps`)."""
     index = preflight.train_index
     if len(preflight.train_file_sizes) > 1 or any(w != 1 for w in preflight.train_weights):
         draws = draws_per_epoch(preflight.train_file_sizes, preflight.train_weights)
@@ -101,7 +104,8 @@ def _step_packs(job: JobConfig, preflight: Preflight, sp: SequenceParallel) -> S
                             file_sizes=preflight.train_file_sizes,
                             weights=preflight.train_weights)
     reader = SampleReader(index, preflight.processor, job.data.max_seq_len, job.data.truncate,
-                          cache_path=str(preflight.train_index_result.path))
+                          cache_path=str(preflight.train_index_result.path),
+                          reference_logps=reference)
     return StepPacks(dataset, job.train.grad_accum, reader, num_workers=job.data.num_workers,
                      prefetch_factor=job.data.prefetch_factor)
 
@@ -118,8 +122,15 @@ def start_run(job: JobConfig) -> Run:
                 train_data, len(preflight.eval_index or ()))
     engine, module, adapter = build_engine(job, preflight, sp)
     start_step = load_latest(engine, job) if job.train.resume else 0
+    reference = preflight.reference_logps
+    if job.loss.reference_logps == INITIAL_REFERENCE and not job.train.resume:
+        logger.info("loss.reference_logps \"initial\": scoring data.train with the initial policy")
+        reference = score_initial_reference(
+            engine, SampleReader(preflight.train_index, preflight.processor,
+                                 job.data.max_seq_len, job.data.truncate), job, sp)
     return Run(job=job, preflight=preflight, sp=sp, engine=engine, module=module,
-               step_packs=None if job.rollouts.dir else _step_packs(job, preflight, sp),
+               step_packs=None if job.rollouts.dir else _step_packs(job, preflight, sp,
+                                                                    reference),
                rollouts=RolloutSteps(job, preflight.processor, sp) if job.rollouts.dir else None,
                publisher=Publisher(job, engine, module, adapter) if job.publish.dir else None,
                metrics=MetricsWriter(job.output_dir, enabled=comm.rank() == 0,
@@ -157,21 +168,22 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     if fetched.skip:
         return {"step": step + 1, "skipped_rollout": fetched.skip, **fetched.row}
     lr = engine.get_lr()[0]
-    counts = step_counts(run.module, fetched.counted, run.module.objective)
-    n_global = counts.targets
+    objective = run.module.objective
+    counts = step_counts(run.module, fetched.counted, objective)
     # DeepSpeed divides each backward by its accumulation steps and averages over DP: the router
     # term of a micro-batch, scaled so, adds up to the mean over the step's micro-batches.
     router_scale = sp.dp_size * grad_accum / max(fetched.micro_batches, 1)
     # [shard loss sum, pack tokens (once per SP group), 1 where the optimizer step was not
     # applied, this rank's shares of the router aux losses, then the objective's metric sums
-    # (STAT_KEYS)]
-    sums = torch.zeros(4 + len(STAT_KEYS), dtype=torch.float64)
+    # (Loss.stat_specs)]
+    sums = torch.zeros(4 + len(objective.stat_specs()), dtype=torch.float64)
     grad_norm = None
     skipped_before = engine.skipped_steps
     last = len(fetched.batches) - 1
     for index, (batch, weight) in enumerate(zip(fetched.batches, fetched.weights)):
         engine.set_gradient_accumulation_boundary(index == last)
-        loss_sum, _, router_share, stat_sums = engine(batch, stats=True)
+        loss_sum, _, router_share, stat_sums = engine(
+            batch, stats=True, denominators=counts.shard_denominators)
         sums[4:] += stat_sums * weight
         engine.backward(scale_for_deepspeed(loss_sum * weight, counts.denominator,
                                             dp_size=sp.dp_size, grad_accum=grad_accum)
@@ -195,15 +207,15 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         grad_norm = engine.get_global_grad_norm()
     row: dict[str, Any] = {
         "step": step + 1,
-        "loss": float(sums[0]) / max(counts.denominator, 1),
+        "loss": float(sums[0]) / (counts.denominator or 1.0),
         "lr": lr,
         "grad_norm": float(grad_norm) if grad_norm is not None else None,
         "tokens": int(sums[1]),
-        "targets": n_global,
+        "targets": counts.targets,
         "tokens_per_s": float(sums[1]) / elapsed,
         "step_time_s": elapsed,
         **fetched.row,
-        **objective_metrics(sums[4:], n_global, run.module.objective),
+        **objective_metrics(sums[4:], counts, objective),
     }
     if run.module.router_loss is not None:
         row["router_aux_loss"] = float(sums[3]) / max(fetched.micro_batches, 1)

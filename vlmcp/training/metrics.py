@@ -1,9 +1,10 @@
 """Metrics of a run: OUTPUT_DIR/metrics.jsonl (one JSON object per line) and TensorBoard.
 
 Training rows: {"step", "loss", "lr", "grad_norm", "tokens", "targets", "tokens_per_s",
-"step_time_s", "epoch", "entropy"} plus "clip_fraction", "ratio", "approx_kl" (and "ref_kl") for
-`loss.type` ppo_clip (training/objective_step.py; "loss" is then the step's objective under
-`loss.normalize`), plus "router_aux_loss" (the mean router load-balancing loss of the step's
+"step_time_s", "epoch", "entropy"} plus the objective's metrics (e.g. "clip_fraction", "ratio",
+"approx_kl" for ppo_clip, TRL's "rewards/..." for the preference objectives, "term0_loss", ...
+for several terms: model/loss_terms.py, training/objective_step.py; "loss" is then the step's
+objective under its normalisation), plus "router_aux_loss" (the mean router load-balancing loss of the step's
 micro-batches, without its coefficient; `loss` stays the LM loss) with `model.router_aux_loss`.
 Evaluation rows: {"step", "eval_loss", "eval_targets"} plus
 "eval_accuracy" and "eval_samples" when generation eval is on. `step` counts completed optimizer

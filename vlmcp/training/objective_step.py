@@ -1,12 +1,13 @@
-"""The `loss` section in training: its checks on the data, the step's global normaliser and the
-objective's metrics.
+"""The `loss` section in training: its checks on the data, the step's global normalisers and the
+objectives' metrics.
 
-The step's loss is sum_t c_t l_t / D (`model.objectives`): D is the global number of target
-tokens (`loss.normalize` "token") or of samples ("sequence") of the optimizer step, over SP, DP
-and the accumulation micro-batches. Metrics are means over the step's global target tokens:
-"entropy" always; "clip_fraction", "ratio", "approx_kl" for ppo_clip, and "ref_kl" with kl_coef.
+The step's loss is sum_k coef_k (sum_t c_kt l_kt) / N_k (`model.loss_terms`): each N_k is a
+global count of the optimizer step (targets, samples or pairs, over SP, DP and the accumulation
+micro-batches) or a constant. Metrics are means over the step's global targets ("entropy"), over
+each term's targets (its token metrics), or over its pairs (TRL's rewards/...), strict JSON.
 When the step's data carries `inference_logprobs`, "mismatch_logprob_diff" and "mismatch_kl"
-(`model.mismatch`) are means over the "mismatch_targets" tokens that have one.
+(`model.mismatch`) are means over the "mismatch_targets" tokens that have one, reported with
+that count; a step without such tokens reports none of the three.
 """
 
 from __future__ import annotations
@@ -17,68 +18,145 @@ from typing import Any
 
 import torch
 
-from vlmcp.config import JobConfig
-from vlmcp.data.batch import PackedBatch
+from vlmcp.config import JobConfig, LossTerm
+from vlmcp.config.loss_checks import loss_terms
+from vlmcp.data.batch import PAIR_VALUES, TOKEN_ARRAYS, PackedBatch
 from vlmcp.data.index import LengthIndex
-from vlmcp.model.mismatch import MISMATCH_KEYS
-from vlmcp.model.objectives import STAT_KEYS, Objective
+from vlmcp.model.loss_terms import REPORTED_COUNTS, Loss
+from vlmcp.model.objectives import required_arrays
 from vlmcp.parallel import comm
 
-#: At most this many samples are named per missing array; the rest are counted.
+#: At most this many samples are named per problem; the rest are counted.
 _NAMED = 10
 
+#: `loss.reference_logps`: score data.train with the initial policy before the first step.
+INITIAL_REFERENCE = "initial"
 
-def objective_of(job: JobConfig) -> Objective:
-    """The job's `loss` section as the model's `Objective`."""
-    loss = job.loss
-    return Objective(type=loss.type, normalize=loss.normalize, clip_low=loss.clip_low,
-                     clip_high=loss.clip_high, kl_coef=loss.kl_coef)
+
+def objective_of(job: JobConfig) -> Loss:
+    """The job's `loss` section as the model's `Loss`."""
+    return Loss(tuple(loss_terms(job.loss)))
+
+
+def token_array_names(job: JobConfig) -> tuple[str, ...]:
+    """The per-token arrays the data of `job` is read with: `TOKEN_ARRAYS`, then the weight
+    arrays its loss terms name."""
+    extra = [t.weights for t in loss_terms(job.loss) if t.weights and t.weights not in TOKEN_ARRAYS]
+    return TOKEN_ARRAYS + tuple(sorted(set(extra)))
+
+
+def _named(indices: Sequence[int], index: LengthIndex, why: str, key: str) -> list[str]:
+    """One line per sample of `indices` (at most `_NAMED`, then a count) with `why`."""
+    lines = [f"{index.source(int(i))}: {why}" for i in indices[:_NAMED]]
+    if len(indices) > _NAMED:
+        lines.append(f"config key '{key}': {len(indices) - _NAMED} more samples of data.train: "
+                     f"{why}")
+    return lines
+
+
+def _because(term: LossTerm, name: str, prefix: str) -> str:
+    """Which option of `term` makes it need the array `name` ("" when its type does)."""
+    if name in required_arrays(LossTerm(type=term.type)):
+        return ""
+    if name == "ref_logprobs":
+        return f" with {prefix}kl_coef > 0"
+    if name == term.weights:
+        return f" with {prefix}weights"
+    return f" with {prefix}mismatch {term.mismatch!r}"
+
+
+def untrainable(job: JobConfig, index: LengthIndex) -> list[tuple[list[int], str, str]]:
+    """The training samples the loss cannot train on, read from the length index (streaming
+    data: no record is read), as (sample indices, why, config key) per reason: a per-token array
+    a term needs missing, a single sample under a preference objective or a pair under another, a
+    pair without reference sums when dpo or ipo has no other source for them."""
+    loss = objective_of(job)
+    found = []
+    for k, term in enumerate(loss.terms):
+        prefix = "loss." if len(loss.terms) == 1 else f"loss.terms[{k}]."
+        for name in Loss((term,)).required_arrays:
+            why = (f"{prefix}type {term.type!r}{_because(term, name, prefix)} needs a per-token "
+                   f"{name!r} array (tokens format, one entry per label); this sample has none")
+            found.append((index.lacking(name).tolist(), why, f"{prefix}type"))
+    pairs = index.pairs()
+    kind = loss.terms[0].type
+    if loss.pairwise:
+        found.append(((~pairs).nonzero()[0].tolist(),
+                      f"loss.type {kind!r} trains on preference pairs (chosen and rejected); "
+                      "this sample is not one", "loss.type"))
+        if loss.needs_reference and job.loss.reference_logps is None:
+            lacking = sorted(set(index.lacking(PAIR_VALUES[0]).tolist()) & set(pairs.nonzero()[0]))
+            found.append((lacking,
+                          f"loss.type {kind!r} needs the reference logprob sums of each pair: the "
+                          f"record's {' and '.join(PAIR_VALUES)}, or loss.reference_logps "
+                          "(\"initial\": scored with the initial policy; or a `vlmcp score` "
+                          "output); this pair has none", "loss.reference_logps"))
+    else:
+        found.append((pairs.nonzero()[0].tolist(),
+                      "a preference pair (chosen and rejected) trains with loss.type dpo, ipo or "
+                      f"simpo, not {kind!r}", "loss.type"))
+    return [(indices, why, key) for indices, why, key in found if indices]
 
 
 def objective_problems(job: JobConfig, index: LengthIndex) -> list[str]:
-    """One line per training sample ("file:line") lacking a per-token array that `loss.type`
-    needs (at most `_NAMED` per array, then a count); read from the length index."""
-    objective = objective_of(job)
-    problems = []
-    for name in objective.required_arrays:
-        lacking = index.lacking(name)
-        why = (f"loss.type {objective.type!r}"
-               + (" with loss.kl_coef > 0" if name == "ref_logprobs" else ""))
-        problems += [f"{index.source(int(i))}: {why} needs a per-token {name!r} array (tokens "
-                     "format, one entry per label); this sample has none"
-                     for i in lacking[:_NAMED]]
-        if len(lacking) > _NAMED:
-            problems.append(f"config key 'loss.type': {len(lacking) - _NAMED} more samples of "
-                            f"data.train lack {name!r}")
-    return problems
+    """One line per training sample ("file:line") that the loss cannot train on (`untrainable`),
+    at most `_NAMED` per reason, then a count."""
+    return [line for indices, why, key in untrainable(job, index)
+            for line in _named(indices, index, why, key)]
 
 
 @dataclass(frozen=True)
 class StepCounts:
-    """The step's global target tokens and its loss normaliser D."""
+    """The step's global counts (`Loss.batch_counts` keys, summed) and its normalisers.
 
-    targets: int
-    denominator: int
+    targets: its target tokens; terms: N_k of every term; denominator: what the step's summed
+    shard losses are divided by (N_0 for one term, whose sums come unnormalised; 1 for several,
+    whose shards divide by their N_k themselves, `PackedVLM.forward(denominators=...)`).
+    """
+
+    counts: dict[str, float]
+    terms: list[float]
+
+    @property
+    def targets(self) -> int:
+        return int(self.counts["targets"])
+
+    @property
+    def denominator(self) -> float:
+        return self.terms[0] if len(self.terms) == 1 else 1.0
+
+    @property
+    def shard_denominators(self) -> list[float] | None:
+        """What `PackedVLM.forward` gets as `denominators` (None for one term)."""
+        return self.terms if len(self.terms) > 1 else None
 
 
-def step_counts(module: Any, batches: Sequence[PackedBatch], objective: Objective) -> StepCounts:
+def step_counts(module: Any, batches: Sequence[PackedBatch], objective: Loss) -> StepCounts:
     """Global counts of one optimizer step's micro-batches (one all-reduce over the world; call
-    on every rank). `module` is the `PackedVLM` (`shard_counts`)."""
-    local = torch.zeros(2, dtype=torch.float64)
+    on every rank). `module` is the `PackedVLM`: each SP group counts its packs on its rank 0."""
     for batch in batches:
-        targets, samples = module.shard_counts(batch)
-        local += torch.tensor([targets, samples], dtype=torch.float64)
+        objective.check_batch(batch)
+    keys = objective.count_keys()
+    local = torch.zeros(len(keys), dtype=torch.float64)
+    if module.sp.rank == 0:
+        for batch in batches:
+            counts = objective.batch_counts(batch)
+            local += torch.tensor([counts[key] for key in keys], dtype=torch.float64)
     comm.all_reduce_sum(local)
-    targets, samples = int(local[0]), int(local[1])
-    return StepCounts(targets, samples if objective.normalize == "sequence" else targets)
+    counts = dict(zip(keys, local.tolist()))
+    return StepCounts(counts, objective.denominators(counts))
 
 
-def objective_metrics(sums: torch.Tensor, targets: int, objective: Objective) -> dict[str, Any]:
-    """Metrics row entries from the globally summed `STAT_KEYS` sums of a step."""
-    row: dict[str, Any] = {key: float(sums[STAT_KEYS.index(key)]) / max(targets, 1)
-                           for key in objective.metric_keys()}
-    diff, kl, count = (float(sums[STAT_KEYS.index(key)]) for key in MISMATCH_KEYS)
-    if count:
-        row.update({"mismatch_logprob_diff": diff / count, "mismatch_kl": kl / count,
-                    "mismatch_targets": int(count)})
+def objective_metrics(sums: torch.Tensor, counts: StepCounts, objective: Loss) -> dict[str, Any]:
+    """Metrics row entries from the globally summed metric sums of a step (`Loss.stat_specs`
+    order), each divided by its global count; a count of `REPORTED_COUNTS` is reported itself
+    (an int), and its metrics only when it is not 0."""
+    counted = {**counts.counts, **{f"norm{k}": n for k, n in enumerate(counts.terms)}}
+    row: dict[str, Any] = {}
+    for i, (key, count) in enumerate(objective.stat_specs()):
+        if count in REPORTED_COUNTS and not counted[count]:
+            continue
+        row[key] = float(sums[i]) / counted[count] if counted[count] else 0.0
+        if count in REPORTED_COUNTS:
+            row[count] = int(counted[count])
     return row

@@ -12,7 +12,10 @@ data.train and data.eval become length indexes (`vlmcp.data.index`), not samples
 A training rank that builds indexes (`index_role="build"`) loads the cached indexes or builds
 them from image headers; the others (`"skip"`) load them afterwards with `load_train_index` and
 `load_eval_index`.
-Every training sample must carry the per-token arrays `loss.type` needs (read from the index).
+Every training sample must fit the loss (read from the index): carry the per-token arrays its
+objectives need, be a preference pair exactly when the loss is a preference objective, and carry
+reference sums when dpo or ipo has them from nowhere else; a `loss.reference_logps` score file
+must match data.train.
 
 A rollout job (`rollouts.dir`) has no data.train to index: each rollout step is indexed and
 checked when training reaches it (`vlmcp.training.rollout_steps`); here only the rollout and
@@ -29,9 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from transformers import PretrainedConfig
 
 from vlmcp.config import JobConfig
+from vlmcp.data.batch import TOKEN_ARRAYS
 from vlmcp.data.index import LengthIndex
 from vlmcp.data.index_cache import IndexResult, default_cache_dir, obtain_index
 from vlmcp.data.mixture import draws_per_epoch
@@ -47,7 +52,8 @@ from vlmcp.training.ds.zero3_sp import largest_tensor_numel, sp_exact_zero_setti
 from vlmcp.training.checkpoint import checkpoint_dir, checkpoint_tags, latest_tag, newest_complete
 from vlmcp.training.ds.blocks import offloads_optimizer
 from vlmcp.training.ds.config import fill_deepspeed_config, load_deepspeed_config, zero_stage
-from vlmcp.training.objective_step import objective_problems
+from vlmcp.training.objective_step import objective_problems, token_array_names
+from vlmcp.training.reference import reference_problems
 
 
 logger = logging.getLogger(__name__)
@@ -68,6 +74,9 @@ class Preflight:
     #: Weight of each data.train file (`vlmcp.data.mixture`).
     train_weights: list[float] = field(default_factory=list)
     eval_index: LengthIndex | None = None
+    #: [N, 2] the pairs' reference sums from a `loss.reference_logps` score file (None: from
+    #: the data, or scored with the initial policy when the run starts).
+    reference_logps: np.ndarray | None = None
 
 
 def _where(job: JobConfig, path: str) -> str:
@@ -223,8 +232,11 @@ def _check_rollouts(job: JobConfig, report: Preflight) -> None:
 
 def index_settings(job: JobConfig) -> dict[str, Any]:
     """The job settings besides the processor (whose fingerprint covers data.chat_template_kwargs
-    and data.empty_think) that change token counts: part of the index cache key."""
-    return {"max_seq_len": job.data.max_seq_len, "truncate": job.data.truncate}
+    and data.empty_think) that change the index: part of its cache key. "weight_arrays": the
+    loss terms' own per-token weight arrays, read besides `TOKEN_ARRAYS`."""
+    extra = token_array_names(job)[len(TOKEN_ARRAYS):]
+    return {"max_seq_len": job.data.max_seq_len, "truncate": job.data.truncate,
+            "weight_arrays": list(extra)}
 
 
 def _index_files(job: JobConfig, report: Preflight, files: list[DataFile], *, may_build: bool,
@@ -267,6 +279,8 @@ def load_train_index(job: JobConfig, report: Preflight, *, may_build: bool,
         report.train_index = result.index
     if training:
         report.problems.extend(objective_problems(job, result.index))
+        report.reference_logps, problems = reference_problems(job, result.index)
+        report.problems.extend(problems)
 
 
 def load_eval_index(job: JobConfig, report: Preflight, *, may_build: bool,

@@ -10,10 +10,13 @@ The layout and the completion rule are `vlmcp.data.rollouts`'s. Per optimizer st
    `rollouts.timeout_s` (the loop checkpoints and raises RolloutError). Rank 0 logs the wait.
 2. indexes it (`step_batches`, inside the step's watch), on global rank 0 only: meta.json, the
    policy lag against `rollouts.max_staleness`, and the length index of the step's data files
-   (each record's text and its images' headers, no pixels; `vlmcp.data.index`) with the per-token
-   arrays `loss.type` needs. A sample that cannot train is one error line naming its
-   step_N/file:line (`rollouts.on_bad_sample` "error") or is dropped and counted ("skip"). The
-   outcome (the index: ten integers per sample) goes to every rank in one broadcast.
+   (each record's text and its images' headers, no pixels; `vlmcp.data.index`; a preference
+   pair is one row, so packing keeps its halves together) with the per-token arrays the loss
+   needs. A sample that cannot train (`objective_step.untrainable`: an array missing, a pair
+   under a token objective or a single sample under a preference one, a pair without its
+   reference sums) is one error line naming its step_N/file:line (`rollouts.on_bad_sample`
+   "error") or is dropped and counted ("skip"). The outcome (the index: eleven integers per
+   sample) goes to every rank in one broadcast.
 3. packs it, the same on every rank: first-fit in the step's sample order into
    `data.max_seq_len` packs, dealt round-robin over the DP groups (pack k*dp_size + r to DP rank
    r). Every rank runs M = ceil(packs / dp_size) micro-batches; a DP rank short of packs repeats
@@ -46,7 +49,7 @@ from vlmcp.errors import DataError, RolloutError
 from vlmcp.parallel import comm
 from vlmcp.parallel.agree import fail_together
 from vlmcp.parallel.groups import SequenceParallel
-from vlmcp.training.objective_step import objective_of, objective_problems
+from vlmcp.training.objective_step import objective_problems, token_array_names, untrainable
 from vlmcp.training.step_packs import StepBatches
 from vlmcp.training.watchdog import Watchdog
 
@@ -157,9 +160,9 @@ class RolloutSteps:
         data = self.job.data
         image_root = None if data.image_root is None else self.job.resolve_input(data.image_root)
         index, bad = build_index(files, self.processor, data.max_seq_len, data.truncate,
-                                 image_root=image_root)
-        lacking = sorted({int(i) for name in objective_of(self.job).required_arrays
-                          for i in index.lacking(name)})
+                                 image_root=image_root, array_names=token_array_names(self.job))
+        lacking = sorted({int(i) for indices, _, _ in untrainable(self.job, index)
+                          for i in indices})
         lines = bad + objective_problems(self.job, index)
         if lines and cfg.on_bad_sample == "error":
             return _Indexed(problems=lines, row=row)

@@ -1,10 +1,13 @@
 """`vlmcp score`: the policy's logprob of every target token of data.train, no backward.
 
-Each sample's record is one JSON line, in data order: {"index": i, "logprobs": [...]} with the
-logprob of each target token in order (target t of a sample is label t+1 in the HF convention,
-so the list has one entry per label != -100 after the first token), plus "entropy": [...] (the
-policy's softmax entropy at the same positions) with --entropy. A sample with per-token
-`temperatures` is scored at them: log_softmax(logits / tau), as the trainer computes it.
+Each sample's record is one JSON line, in data order: {"index": i, "logprobs": [...],
+"logprob_sum": s} with the logprob of each target token in order (target t of a sample is label
+t+1 in the HF convention, so the list has one entry per label != -100 after the first token) and
+their sum (float64, the sequence logprob), plus "entropy": [...] (the policy's softmax entropy at
+the same positions) with --entropy. A preference pair's record holds one such object per half:
+{"index": i, "chosen": {"logprobs", "logprob_sum"[, "entropy"]}, "rejected": {...}}; its
+logprob sums are what `loss.reference_logps` reads (training/reference.py). A sample with
+per-token `temperatures` is scored at them: log_softmax(logits / tau), as the trainer computes it.
 
 The forward is training's: packed (first-fit, `data.max_seq_len`), SP-sharded, through the
 DeepSpeed engine (ZeRO-3 gathers as in training) under no_grad. The packs are dealt round-robin
@@ -12,6 +15,9 @@ over the DP groups, as in evaluation (a group short of packs repeats one and dro
 After each round every rank's shard of values goes to every rank (one all-gather of [3, width]
 per round, `comm.all_gather_world`); global rank 0 cuts the shards of each group back into
 samples and alone writes the file, sorted by sample index.
+
+`score_initial_reference` runs the same scoring inside a training run, before its first step, for
+`loss.reference_logps` "initial" (the initial policy's sums of every preference pair).
 """
 
 from __future__ import annotations
@@ -23,15 +29,18 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from vlmcp.config import JobConfig
 from vlmcp.data.batch import IGNORE_INDEX, PackedBatch
 from vlmcp.data.pack import first_fit
 from vlmcp.data.stream import SampleReader
-from vlmcp.errors import ConfigError
+from vlmcp.errors import CheckpointError, ConfigError, PreflightError
 from vlmcp.parallel import comm
+from vlmcp.parallel.agree import fail_together
 from vlmcp.parallel.groups import SequenceParallel
+from vlmcp.training.reference import INITIAL_FILE, read_reference
 from vlmcp.training.setup import build_engine, start_checked
 
 logger = logging.getLogger(__name__)
@@ -39,13 +48,15 @@ logger = logging.getLogger(__name__)
 
 @torch.no_grad()
 def score_samples(engine: Any, lengths: Sequence[int], load: Callable[[list[int]], PackedBatch],
-                  max_seq_len: int, sp: SequenceParallel, entropy: bool = False
-                  ) -> list[dict[str, Any]]:
-    """Every sample's record (see the module docstring), sorted by index, on global rank 0; an
+                  max_seq_len: int, sp: SequenceParallel, entropy: bool = False,
+                  chosen_lengths: Sequence[int] | None = None) -> list[dict[str, Any]]:
+    """Every row's record (see the module docstring), sorted by index, on global rank 0; an
     empty list on the other ranks. Every rank must call it (collectives each round).
 
-    lengths: the samples' token counts (packed first-fit into `max_seq_len`); load(pack): the
-    `PackedBatch` of the sample indices `pack` (only the packs of this rank's DP group are loaded).
+    lengths: the rows' token counts (packed first-fit into `max_seq_len`; a pair's both halves);
+    chosen_lengths: a pair row's chosen-half tokens, 0 for a single sample (None: no pairs);
+    load(pack): the `PackedBatch` of the rows `pack` (only the packs of this rank's DP group are
+    loaded).
     """
     packs = first_fit(list(lengths), max_seq_len)
     records: dict[int, dict[str, Any]] = {}
@@ -69,26 +80,38 @@ def score_samples(engine: Any, lengths: Sequence[int], load: Callable[[list[int]
                 if pack < len(packs):
                     shards = gathered[group * sp.size:(group + 1) * sp.size]
                     records.update(_pack_records(
-                        shards, [(i, int(lengths[i])) for i in packs[pack]], entropy))
+                        shards, [(i, int(lengths[i]),
+                                  int(chosen_lengths[i]) if chosen_lengths is not None else 0)
+                                 for i in packs[pack]], entropy))
     return [records[i] for i in sorted(records)]
 
 
-def _pack_records(shards: torch.Tensor, members: list[tuple[int, int]], entropy: bool
+def _pack_records(shards: torch.Tensor, members: list[tuple[int, int, int]], entropy: bool
                   ) -> dict[int, dict[str, Any]]:
-    """shards: [P, 4, width] one SP group's gathered rows; members: (sample index, length) in
-    pack order -> {sample index: record}."""
+    """shards: [P, 4, width] one SP group's gathered rows; members: (row index, length, chosen
+    length or 0) in pack order -> {row index: record}."""
     whole = torch.cat([shard[:3, :int(shard[3, 0])] for shard in shards], dim=1)
     records = {}
     offset = 0
-    for index, length in members:
-        part = whole[:, offset:offset + length]
-        offset += length
-        mask = part[2] == 1
-        record: dict[str, Any] = {"index": index, "logprobs": part[0][mask].tolist()}
-        if entropy:
-            record["entropy"] = part[1][mask].tolist()
-        records[index] = record
+    for index, length, chosen in members:
+        halves = [chosen, length - chosen] if chosen else [length]
+        parts = []
+        for half in halves:
+            parts.append(_sample_scores(whole[:, offset:offset + half], entropy))
+            offset += half
+        records[index] = ({"index": index, **parts[0]} if not chosen else
+                          {"index": index, "chosen": parts[0], "rejected": parts[1]})
     return records
+
+
+def _sample_scores(part: torch.Tensor, entropy: bool) -> dict[str, Any]:
+    """One sample's scores from its [3, length] rows (logprobs, entropy, target mask)."""
+    mask = part[2] == 1
+    logprobs = part[0][mask]
+    scores: dict[str, Any] = {"logprobs": logprobs.tolist(), "logprob_sum": float(logprobs.sum())}
+    if entropy:
+        scores["entropy"] = part[1][mask].tolist()
+    return scores
 
 
 def write_scores(records: Sequence[dict[str, Any]], path: Path) -> None:
@@ -119,10 +142,37 @@ def score(job: JobConfig, out: str | None = None, entropy: bool = False) -> Path
                        "the files once, in file order (index i counts records across the files)")
     reader = SampleReader(preflight.train_index, preflight.processor, job.data.max_seq_len,
                           job.data.truncate)
-    records = score_samples(engine, preflight.train_index.tokens.tolist(), reader.pack,
-                            job.data.max_seq_len, sp, entropy)
+    index = preflight.train_index
+    records = score_samples(engine, index.tokens.tolist(), reader.pack, job.data.max_seq_len, sp,
+                            entropy, index.chosen_tokens.tolist())
     path = Path(out) if out else Path(job.output_dir) / "scores.jsonl"
     if comm.rank() == 0:
         write_scores(records, path)
     comm.barrier()
     return path
+
+
+def score_initial_reference(engine: Any, reader: SampleReader, job: JobConfig,
+                            sp: SequenceParallel) -> np.ndarray:
+    """`loss.reference_logps` "initial": score data.train with the engine's current (initial)
+    policy, write the records to OUTPUT_DIR/reference_logps.jsonl (global rank 0, atomically)
+    and return the pairs' sums ([N, 2], training/reference.py) on every rank (every rank takes
+    part)."""
+    path = Path(job.output_dir) / INITIAL_FILE
+    index = reader.index
+    engine.eval()
+    records = score_samples(engine, index.tokens.tolist(), reader.pack, job.data.max_seq_len, sp,
+                            chosen_lengths=index.chosen_tokens.tolist())
+    engine.train()
+    problems = []
+    if comm.rank() == 0:
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            write_scores(records, tmp)
+            tmp.replace(path)
+        except OSError as exc:
+            problems.append(f"config key 'output_dir': cannot write {path}: {exc.strerror or exc}")
+    fail_together(problems, CheckpointError)
+    sums, problems = read_reference(path, index)
+    fail_together(problems, PreflightError)
+    return sums
