@@ -4,7 +4,13 @@ with each sample forwarded alone: the step loss, every gradient and the
 metrics of weighted_ce, policy_gradient (token, sequence and constant normalisation), ppo_clip
 (k3 penalty; dual clip), the mismatch corrections tis and mis at token and sequence level, dppo,
 gspo, cispo, opd, a three-term loss, and dpo, ipo and simpo on preference pairs (one LoRA dpo
-case at SP 2); and `score_samples`' per-sample logprobs, entropies and pair sums. The reference
+case at SP 2); the train-inference mismatch metrics of every token case (its data carries
+inference_logprobs); one more case whose samples B and C (not the others) carry per-token
+`temperatures` that vary inside each sample and `inference_logprobs`: its loss, gradients,
+entropy and mismatch metrics (over B and C only) are those of plain transformers'
+log_softmax(logits / tau), with the other samples at tau 1 (at SP 4 they share a pack with B and
+C, which fills their arrays in); and `score_samples`' per-sample logprobs (also at per-token
+temperatures), entropies and pair sums. The reference
 (tests/helpers/objective_reference.py) builds each objective from its definition on plain
 transformers' log-softmax; it never calls vlmcp's objective code. Bounds are fair: a value that
 is not within rel 1e-5 of plain transformers in fp32 (two fp32 kernels round differently: the
@@ -27,8 +33,8 @@ import pytest
 import torch
 
 from tests.helpers.distributed import run_ranks
-from tests.helpers.objective_reference import (float64_truth, reference_pairs, reference_step,
-                                               target_logprobs)
+from tests.helpers.objective_reference import (Reference, float64_truth, reference_pairs,
+                                               reference_step, target_logprobs)
 from tests.helpers.parity import (RawSample, build_model, make_sample, mm_token_type_ids, rel_err,
                                   seed_adapter_weights)
 from tests.helpers.sp_cases import engine_step
@@ -72,6 +78,12 @@ LORA = dict(r=4, alpha=8.0, target_modules=["in_proj_qkv", "out_proj", "q_proj",
                                              "gate_proj", "down_proj"])
 
 
+#: The case whose samples `TEMPERED_SAMPLES` carry per-token `temperatures` and
+#: `inference_logprobs` (`_tempered_arrays`; every sample carries advantages).
+TEMPERED = "policy_gradient_tempered"
+TEMPERED_SAMPLES = ("B", "C")
+
+
 def _objectives(dppo_delta: float) -> dict[str, list[LossTerm]]:
     """Every token-level case: name -> its terms (one, or several)."""
     ppo = dict(clip_low=CLIP_LOW, clip_high=CLIP_HIGH)
@@ -102,6 +114,7 @@ def _objectives(dppo_delta: float) -> dict[str, list[LossTerm]]:
                         LossTerm("ce", weights="sft_weights", coef=0.5),
                         LossTerm("opd", weights="distill_weights", normalize="sequence",
                                  coef=0.3)],
+        TEMPERED: [LossTerm("policy_gradient")],
     }
 
 
@@ -191,6 +204,32 @@ def _setup(tmp_root):
     return model, checkpoint, raw, arrays, pairs, reference, objectives
 
 
+@functools.cache
+def _tempered_arrays(tmp_root):
+    """Per sample: its advantages, and for `TEMPERED_SAMPLES` per-token temperatures in
+    [0.5, 1.5] and inference logprobs a small random distance from the model's own at those
+    temperatures, aligned with labels."""
+    model, _, raw, arrays, *_ = _setup(tmp_root)
+    gen = torch.Generator().manual_seed(11)
+    tempered = {}
+    with torch.no_grad():
+        for name, sample in raw.items():
+            tempered[name] = {"advantages": arrays[name]["advantages"]}
+            if name in TEMPERED_SAMPLES:
+                length = len(sample.labels)
+                temperatures = 0.5 + torch.rand(length, generator=gen)
+                logp, _, positions = target_logprobs(model, sample, temperatures)
+                inference = torch.zeros(length)
+                inference[positions] = logp + 0.05 * torch.randn(len(positions), generator=gen)
+                tempered[name].update(temperatures=temperatures, inference_logprobs=inference)
+    return tempered
+
+
+def _case_arrays(name, tmp_root):
+    """The per-token arrays of each sample in the token case `name`."""
+    return _tempered_arrays(tmp_root) if name == TEMPERED else _setup(tmp_root)[3]
+
+
 def _token_packs(layout, model, raw, arrays):
     return [[build_batch([_as_sample(raw[n], model, arrays[n], f"{n}.jsonl:1") for n in names])
              for names in rank_micro] for rank_micro in layout]
@@ -215,15 +254,19 @@ def _pair_packs(layout, model, pairs, reference):
 def _results(sp: int, tmp_root):
     model, checkpoint, raw, arrays, pairs, reference, objectives = _setup(tmp_root)
     world, _, accum, layout, pair_layout = LAYOUTS[sp]
+    tempered = _tempered_arrays(tmp_root)
     packs = _token_packs(layout, model, raw, arrays)
+    tempered_packs = _token_packs(layout, model, raw, tempered)
     pair_packs = _pair_packs(pair_layout, model, pairs, reference)
     order = [n for rank_micro in layout for names in rank_micro for n in names]
     pair_order = [n for rank_micro in pair_layout for names in rank_micro for n in names]
-    runs = {name: (Loss(tuple(terms)), packs) for name, terms in objectives.items()}
+    runs = {name: (Loss(tuple(terms)), tempered_packs if name == TEMPERED else packs)
+            for name, terms in objectives.items()}
     runs.update({name: (Loss((term,)), pair_packs) for name, term in PAIR_OBJECTIVES.items()})
-    score_rows = {"weighted_ce": [[_as_sample(raw[n], model, arrays[n], f"{n}.jsonl:1")]
-                                  for n in order],
-                  "dpo": _pair_rows(pair_order, model, pairs, reference)}
+    score_rows = {name: [[_as_sample(raw[n], model, case_arrays[n], f"{n}.jsonl:1")]
+                         for n in order]
+                  for name, case_arrays in (("weighted_ce", arrays), (TEMPERED, tempered))}
+    score_rows["dpo"] = _pair_rows(pair_order, model, pairs, reference)
     base = dict(checkpoint=str(checkpoint), stage=STAGES[sp], mode="state", grad_accum=accum,
                 loss_chunk_mb=CHUNK_MB[sp], score_max_len=54)
     cases = {"objectives": dict(base, runs=runs, scores=score_rows)}
@@ -257,18 +300,20 @@ class _References:
 
 @functools.cache
 def _token_references(name, tmp_root):
-    model, _, raw, arrays, _, _, objectives = _setup(tmp_root)
+    model, _, raw, _, _, _, objectives = _setup(tmp_root)
+    arrays = _case_arrays(name, tmp_root)
     names = list(SAMPLES)
     return _References(reference_step, model, [raw[n] for n in names],
                        [arrays[n] for n in names], objectives[name])
 
 
-def _scale(key: str, stats: dict[str, float]) -> float:
-    """The magnitude a metric's rounding scales with: its own, or for a margin (a difference of
-    two nearly equal rewards) its operands'."""
+def _scale(key: str, ref: Reference) -> float:
+    """The magnitude a metric's rounding scales with: its own, or for a difference of two nearly
+    equal values (a margin of two rewards, the mean of mu - logp) its operands'."""
+    stats = ref.stats
     if key == "rewards/margins":
         return abs(stats["rewards/chosen"]) + abs(stats["rewards/rejected"])
-    return abs(stats[key])
+    return ref.scales.get(key, abs(stats[key]))
 
 
 def _assert_step_close(result, refs, expected_keys):
@@ -288,7 +333,7 @@ def _assert_step_close(result, refs, expected_keys):
     assert set(result["stats"]) == set(fp32.stats)
     for key in fp32.stats:
         check(result["stats"][key], lambda r: r.stats[key],
-              lambda r: _scale(key, r.stats) + 1e-12 / TOL, key)
+              lambda r: _scale(key, r) + 1e-12 / TOL, key)
     grads = result["grads"]
     assert grads.keys() == expected_keys
     for pname, grad in grads.items():
@@ -308,6 +353,10 @@ def test_token_objective_step_equals_plain_transformers_per_sample(sp, name, tmp
     refs = _token_references(name, tmp_root)
     for side in COVERAGE.get(name, ()):
         assert refs.fp32.coverage[side] > 0, (side, dict(refs.fp32.coverage))
+    raw = _setup(tmp_root)[2]
+    carriers = TEMPERED_SAMPLES if name == TEMPERED else list(SAMPLES)
+    assert refs.fp32.stats["mismatch_targets"] == sum(
+        int((raw[n].labels[1:] != IGNORE_INDEX).sum()) for n in carriers)
     _, _, per_rank = _results(sp, tmp_root)
     trained = {n for n in refs.fp32.grads if not n.startswith("model.visual")}
     for result in per_rank:
@@ -385,3 +434,21 @@ def test_score_logprobs_and_pair_sums_equal_plain_transformers(sp, tmp_root):
             for half, key in zip(pairs[name], ("chosen", "rejected")):
                 total = float(target_logprobs(model, half)[0].double().sum())
                 assert abs(record[key]["logprob_sum"] - total) <= TOL * abs(total)
+
+
+@pytest.mark.parametrize("sp", [1, 2, 4])
+def test_score_logprobs_at_per_token_temperatures_equal_plain_transformers(sp, tmp_root):
+    model, _, raw, *_ = _setup(tmp_root)
+    tempered = _tempered_arrays(tmp_root)
+    order, _, per_rank = _results(sp, tmp_root)
+    records = per_rank[0][f"objectives/{TEMPERED}"]["scores"]
+    assert [r["index"] for r in records] == list(range(len(order)))
+    assert all(not r[f"objectives/{TEMPERED}"]["scores"] for r in per_rank[1:])
+    with torch.no_grad():
+        for record, name in zip(records, order):
+            logp, entropy, _ = target_logprobs(model, raw[name],
+                                               tempered[name].get("temperatures"))
+            assert rel_err(torch.tensor(record["logprobs"], dtype=torch.float64),
+                           logp.double()) <= TOL
+            assert rel_err(torch.tensor(record["entropy"], dtype=torch.float64),
+                           entropy.double()) <= TOL

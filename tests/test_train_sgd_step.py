@@ -18,13 +18,13 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import Qwen3_5ForConditionalGeneration
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForConditionalGeneration
 
 from tests.helpers.launching import assert_ok, run_vlmcp, tiny_job, train_losses, write_job
 from tests.helpers.parity import (RawSample, assert_within_fp32_error, float64_reference, fp32_allowance,
-                                  plain_sample_loss)
+                                  make_lively, plain_sample_loss)
 from tests.helpers.router_reference import reference_router_aux_and_grads
 from vlmcp.data.dataset import load_samples
 from vlmcp.data.pack import PackedDataset, first_fit
@@ -45,26 +45,14 @@ def lively_checkpoint(tmp_path_factory):
     """A tiny checkpoint whose DeltaNet gates decay moderately (A_log in [-1, 1]) and whose conv
     taps are large, so that every gradient is far from zero (with the default init the decay
     saturates and some A_log gradients are pure cancellation noise)."""
-    return _lively(build_tiny_checkpoint(tmp_path_factory.mktemp("lively"), seed=0))
+    return make_lively(build_tiny_checkpoint(tmp_path_factory.mktemp("lively"), seed=0))
 
 
 @pytest.fixture(scope="module")
 def lively_moe_checkpoint(tmp_path_factory):
     """The same for the MoE model, with router_aux_loss_coef raised so that the router loss matters."""
-    return _lively(build_tiny_checkpoint(tmp_path_factory.mktemp("lively_moe"), moe=True, seed=0,
+    return make_lively(build_tiny_checkpoint(tmp_path_factory.mktemp("lively_moe"), moe=True, seed=0,
                                          router_aux_loss_coef=0.5))
-
-
-def _lively(path):
-    weights = load_file(path / "model.safetensors")
-    generator = torch.Generator().manual_seed(0)
-    for key, value in weights.items():
-        if key.endswith("linear_attn.A_log"):
-            weights[key] = torch.rand(value.shape, generator=generator) * 2 - 1
-        elif key.endswith("linear_attn.conv1d.weight"):
-            weights[key] = torch.randn(value.shape, generator=generator) * 0.3
-    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-    return path
 
 
 def _mixed_jsonl(digits_dir, out_path):

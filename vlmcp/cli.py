@@ -247,9 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--set", dest="overrides", action="append", default=[],
                       metavar="KEY.PATH=VALUE", help="override a key of the demo job; repeatable")
     demo.add_argument("--rl", action="store_true",
-                      help="policy-gradient variant: candidate answers per digit prompt with "
-                           "group-relative advantages from their correctness, loss.type "
-                           "policy_gradient, output in OUT/rl (vlmcp/demo/rl.py)")
+                      help="online RL instead: a short CE warm start, then this process samples "
+                           "answers from the newest published weights (transformers) and writes "
+                           "rollout steps while `vlmcp train` trains ppo_clip on them and "
+                           "publishes weights, one step off-policy; output in OUT/rl "
+                           "(vlmcp/demo/rl.py; --steps sets the RL steps)")
     demo.add_argument("--video", action="store_true",
                       help="video variant: synthetic digit clips (4 to 8 temporal groups, the "
                            "digit in one of them, noise in the others), 'Which digit appears in "
@@ -322,6 +324,11 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     report = run_preflight(job, world_size, decode_images=True)
     if report.problems:
         return _report(report.problems)
+    if job.rollouts.dir:
+        print(f"ok: {args.job} (rollout steps from {job.rollouts.dir}, each checked when training "
+              f"reaches it; {len(report.eval_index or ())} eval samples; world {world_size}, "
+              f"sp_size {job.parallel.sp_size})")
+        return 0
     from vlmcp.data.mixture import draws_per_epoch
 
     drawn = sum(draws_per_epoch(report.train_file_sizes, report.train_weights))

@@ -95,3 +95,11 @@ class NonFiniteError(JobError):
     together."""
 
     on_every_rank = True
+
+
+class RolloutError(JobError):
+    """A rollout step that cannot be trained (older than rollouts.max_staleness, a sample that
+    cannot train, a malformed meta.json), or no step within rollouts.timeout_s; raised on every
+    rank together."""
+
+    on_every_rank = True

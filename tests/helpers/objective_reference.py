@@ -4,7 +4,9 @@ objective code (it reads only the options of the `LossTerm`s it is given).
 
 `reference_step` returns the step loss, every gradient, the metrics under the names vlmcp's
 metrics rows use, and coverage counts (tokens clipped, dropped, clamped or masked on each side)
-that the tests assert are not empty.
+that the tests assert are not empty. A sample's per-token `temperatures` make its logprobs (and
+entropies) those of log_softmax(logits / tau); its `inference_logprobs` add the train-inference
+mismatch metrics, whatever the objective.
 
 `float64_truth()` runs a reference in float64 with transformers' gated delta rule (which casts to
 fp32 inside) replaced by the token-by-token float64 recurrence of tests/helpers/references.py, for
@@ -17,7 +19,7 @@ import copy
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -63,11 +65,15 @@ def forward_alone(model, sample: RawSample) -> torch.Tensor:
     return model(input_ids=sample.input_ids[None], use_cache=False, **kwargs).logits[0]
 
 
-def target_logprobs(model, sample: RawSample):
-    """(logp [n], entropy [n], target positions t: labels[t] != -100, t >= 1)."""
+def target_logprobs(model, sample: RawSample, temperatures: torch.Tensor | None = None):
+    """(logp [n], entropy [n], target positions t: labels[t] != -100, t >= 1); with
+    `temperatures` (aligned with labels) of log_softmax(logits / tau)."""
     logits = forward_alone(model, sample)
     positions = [t for t in range(1, len(sample.labels)) if sample.labels[t] != IGNORE_INDEX]
-    logp_all = torch.log_softmax(logits[[t - 1 for t in positions]], dim=-1)
+    logits = logits[[t - 1 for t in positions]]
+    if temperatures is not None:
+        logits = logits / temperatures[positions][:, None].to(logits.dtype)
+    logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(1, sample.labels[positions][:, None])[:, 0]
     entropy = -(logp_all.exp() * logp_all).sum(1)
     return logp, entropy, positions
@@ -79,6 +85,9 @@ class Reference:
     grads: dict[str, torch.Tensor]
     stats: dict[str, float]
     coverage: Counter
+    #: The magnitude a metric's rounding scales with where it is not the metric's own (a mean
+    #: difference of two arrays: their magnitude).
+    scales: dict[str, float] = field(default_factory=dict)
 
 
 def _bounded(ratio, adv, low, high):
@@ -194,10 +203,16 @@ def reference_step(model, samples: list[RawSample], arrays: list[dict[str, torch
                              "constant": term.normalize_constant}[term.normalize])
     sums = Counter()
     cover = Counter()
+    mismatch = Counter()
     total = 0.0
-    for sample, a in zip(samples, picked):
-        logp, entropy, _ = target_logprobs(model, sample)
+    for sample, a, sample_arrays in zip(samples, picked, arrays):
+        logp, entropy, _ = target_logprobs(model, sample, sample_arrays.get("temperatures"))
         sums["entropy"] += float(entropy.detach().sum())
+        if "inference_logprobs" in a:
+            mu = a["inference_logprobs"].double()
+            d = logp.detach().double() - mu
+            mismatch.update(diff=float(-d.sum()), kl=float((torch.exp(d) - 1 - d).sum()),
+                            targets=len(d), size=float(mu.abs().sum()))
         step = 0.0
         for k, term in enumerate(terms):
             seq_log_ratio = (logp.detach() - a["old_logprobs"]).mean() if term.type == "gspo" \
@@ -220,8 +235,15 @@ def reference_step(model, samples: list[RawSample], arrays: list[dict[str, torch
         step.backward()
         total += float(step.detach())
     sums["entropy"] /= n_targets
+    scales = {}
+    if mismatch["targets"]:
+        sums.update(mismatch_logprob_diff=mismatch["diff"] / mismatch["targets"],
+                    mismatch_kl=mismatch["kl"] / mismatch["targets"],
+                    mismatch_targets=mismatch["targets"])
+        # mu - logp cancels: its rounding scales with the logprobs' size, not the difference's
+        scales["mismatch_logprob_diff"] = mismatch["size"] / mismatch["targets"]
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return Reference(total, grads, dict(sums), cover)
+    return Reference(total, grads, dict(sums), cover, scales)
 
 
 def reference_pairs(model, pairs: list[tuple[RawSample, RawSample]],

@@ -12,9 +12,11 @@ import copy
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch.overrides import TorchFunctionMode
 from transformers import Qwen3_5ForConditionalGeneration
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForConditionalGeneration
@@ -333,3 +335,18 @@ def random_lm_head(vocab: int, hidden: int, rows: int, bias: bool, ignore_every:
     targets = torch.randint(0, vocab, (rows,), generator=generator)
     targets[::ignore_every] = IGNORE_INDEX
     return head, states, targets
+
+
+def make_lively(path: Path) -> Path:
+    """Rewrite a tiny checkpoint's DeltaNet gates to decay moderately (A_log in [-1, 1]) and its
+    conv taps to be large, so that every gradient is far from zero (with the default init the
+    decay saturates and some A_log gradients are pure cancellation noise); returns `path`."""
+    weights = load_file(path / "model.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    for key, value in weights.items():
+        if key.endswith("linear_attn.A_log"):
+            weights[key] = torch.rand(value.shape, generator=generator) * 2 - 1
+        elif key.endswith("linear_attn.conv1d.weight"):
+            weights[key] = torch.randn(value.shape, generator=generator) * 0.3
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path

@@ -14,7 +14,7 @@ import typing
 from dataclasses import fields, is_dataclass
 from typing import Any
 
-from vlmcp.config.schema import JobConfig, LoraSection, ModelSection, VideoSection
+from vlmcp.config.schema import JobConfig, LoraSection, ModelSection, RolloutsSection, VideoSection
 from vlmcp.data.sources import data_files
 from vlmcp.errors import DataSpecError
 
@@ -163,6 +163,7 @@ def cross_key_problems(job: JobConfig) -> list[str]:
     problems.extend(_lora_checks(job.lora, job.model))
     problems.extend(_memory_feature_checks(job))
     problems.extend(_video_checks(job.data.video))
+    problems.extend(_rollout_checks(job))
     return problems
 
 
@@ -193,6 +194,38 @@ def _video_checks(video: VideoSection) -> list[str]:
         if a is not None and b is not None and a > b:
             problems.append(f"config key 'data.video.{low}' ({a}) is above "
                             f"'data.video.{high}' ({b})")
+    return problems
+
+
+def training_data_problems(job: JobConfig) -> list[str]:
+    """data.train is required unless rollouts.dir names the training data."""
+    if job.data.train or job.rollouts.dir:
+        return []
+    return ["missing required config key 'data.train'"]
+
+
+def _rollout_checks(job: JobConfig) -> list[str]:
+    """The rollouts keys that need rollouts.dir, or do not apply with it."""
+    rollouts = job.rollouts
+    if not rollouts.dir:
+        changed = [f.name for f in fields(RolloutsSection)
+                   if f.name != "dir" and getattr(rollouts, f.name)
+                   != getattr(RolloutsSection(), f.name)]
+        return [f"config key 'rollouts.{name}' is set but 'rollouts.dir' is not"
+                for name in changed]
+    problems = []
+    if job.train.grad_accum != 1:
+        problems.append("config key 'train.grad_accum' does not apply with 'rollouts.dir': each "
+                        "step runs as many micro-batches per rank as its samples pack into "
+                        "(data.max_seq_len)")
+    if rollouts.on_stale != "error" and rollouts.max_staleness is None:
+        problems.append("config key 'rollouts.on_stale' is set but 'rollouts.max_staleness' is "
+                        "not, so no step is ever stale")
+    if job.loss.reference_logps is not None:
+        problems.append("config key 'loss.reference_logps' does not apply with 'rollouts.dir': "
+                        "it scores data.train (or names a score of it); the pairs of a rollout "
+                        "step carry their reference sums in the records (ref_chosen_logp, "
+                        "ref_rejected_logp)")
     return problems
 
 

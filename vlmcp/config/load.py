@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from vlmcp.config.checks import build_section, cross_key_problems
+from vlmcp.config.checks import build_section, cross_key_problems, training_data_problems
 from vlmcp.config.launch_env import apply_launch_env
 from vlmcp.config.loss_checks import loss_problems
 from vlmcp.config.overrides import apply_overrides
@@ -38,6 +38,7 @@ def job_from_dict(raw: Any, job_dir: str | Path = ".",
     """
     problems: list[str] = []
     job = build_section(JobConfig, raw, "", problems)
+    problems.extend(training_data_problems(job))
     job.explicit_keys = frozenset(_leaf_keys(raw))
     if not problems:
         problems.extend(cross_key_problems(job))

@@ -77,8 +77,8 @@ class DataSection:
         "training data: a JSONL or JSON-array file, a list of them, or a weighted mixture "
         '[{"path": ..., "weight": w}, ...] (paths and objects may mix); weight w (default 1) is '
         "the per-epoch multiplier of that file's samples: each epoch draws round(w x n) of its "
-        "n samples (w < 1 a seeded subset, w > 1 whole copies plus a seeded remainder)",
-        required=True, files="weighted"))
+        "n samples (w < 1 a seeded subset, w > 1 whole copies plus a seeded remainder); "
+        "required unless rollouts.dir is set", files="weighted"))
     eval: str | list | None = field(default=None, metadata=_key(
         "held-out data: a JSONL or JSON-array file or a list of them (not weighted; optional)",
         files="plain"))
@@ -289,6 +289,42 @@ class LossSection(LossTerm):
 
 
 @dataclass
+class RolloutsSection:
+    dir: str | None = field(default=None, metadata=_key(
+        "train online on a rollout directory instead of data.train: optimizer step N trains on "
+        "DIR/step_N/ once the producer has written its STABLE marker (docs/rl-loop.md); "
+        "relative to the current directory; null: off"))
+    timeout_s: float = field(default=600.0, metadata=_key(
+        "how long to wait for the next rollout step before stopping with a checkpoint and an "
+        "error (a producer that stopped)", min=0.0))
+    poll_s: float = field(default=1.0, metadata=_key(
+        "seconds between two looks for the next step's STABLE marker while waiting (the ranks "
+        "sleep in between)", min=0.01))
+    max_staleness: int | None = field(default=None, metadata=_key(
+        "the largest policy lag a step may have: (steps trained before it) - meta.json's "
+        "policy_step; null: no limit", min=0))
+    on_stale: str = field(default="error", metadata=_key(
+        "a step older than max_staleness: stop with an error, or skip it (no optimizer step, "
+        "counted in the log and its metrics row)", choices=["error", "skip"]))
+    on_bad_sample: str = field(default="error", metadata=_key(
+        "a sample of a rollout step that cannot train (malformed, too long, lacking an array "
+        "or the pair form the loss needs): stop with an error naming step_N/file:line, or train the step "
+        "without it (counted)", choices=["error", "skip"]))
+
+
+@dataclass
+class PublishSection:
+    dir: str | None = field(default=None, metadata=_key(
+        "publish the weights to DIR/step_N/ after optimizer step N (a Hugging Face model "
+        "directory, or the PEFT adapter under LoRA; STABLE written last); relative to the "
+        "current directory; null: off"))
+    every: int = field(default=1, metadata=_key("publish after every N-th step", min=1))
+    keep: int = field(default=0, metadata=_key(
+        "keep only the newest N published steps (older ones are deleted after each publish); "
+        "0 keeps all", min=0))
+
+
+@dataclass
 class LoraSection:
     r: int = field(default=0, metadata=_key(
         "LoRA rank; 0 trains full weights (LoRA off), > 0 trains PEFT LoRA adapters on the "
@@ -326,6 +362,10 @@ class JobConfig:
         "token-level training objective"))
     lora: LoraSection = field(default_factory=LoraSection, metadata=_key(
         "LoRA adapters (PEFT); off while lora.r is 0"))
+    rollouts: RolloutsSection = field(default_factory=RolloutsSection, metadata=_key(
+        "online training on the steps a producer writes (docs/rl-loop.md)"))
+    publish: PublishSection = field(default_factory=PublishSection, metadata=_key(
+        "weights published after steps, for an inference engine (docs/rl-loop.md)"))
     deepspeed: str | dict = field(default_factory=lambda: {"zero_optimization": {"stage": 0}},
                                   metadata=_key("DeepSpeed JSON path or inline dict"))
     output_dir: str = field(default="runs/job", metadata=_key(

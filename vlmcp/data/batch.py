@@ -16,10 +16,20 @@ import torch
 #: Label value that carries no loss (the transformers convention).
 IGNORE_INDEX = -100
 
-#: The optional per-token arrays of the tokens data format (for `loss.type`), aligned with labels.
+#: The optional per-token arrays of the tokens data format, aligned with labels: the inputs of
+#: `loss.type` (`inference_logprobs`, the inference engine's logprob of each sampled token, also
+#: feeds the train-inference mismatch metrics), and the temperature each token was sampled at
+#: (`temperatures`: the trainer's logprob of that token is log_softmax(logits / temperature)).
 #: A job may add weight arrays of its own names (`loss.terms[k].weights`, ending in "_weights").
 TOKEN_ARRAYS = ("loss_weights", "advantages", "old_logprobs", "ref_logprobs",
-                "inference_logprobs", "teacher_logprobs")
+                "inference_logprobs", "teacher_logprobs", "temperatures")
+
+#: Arrays a pack keeps when only some of its samples carry them, with this value at the positions
+#: of the others: temperature 1 (plain log_softmax), or NaN for "no inference logprob here" (the
+#: mismatch metrics count only finite entries; an objective that needs the array needs it on
+#: every sample, `model.loss_terms.Loss.check_batch`). Every other array is kept only when every
+#: sample of the pack carries it.
+ARRAY_FILL = {"temperatures": 1.0, "inference_logprobs": float("nan")}
 
 #: Per-pair values of a preference pair record: the reference policy's summed target logprob of
 #: each half (`loss.type` dpo / ipo).
@@ -55,7 +65,9 @@ class PackedBatch:
     sample_ids:        "file:line" of each sample, for error messages.
     token_arrays:      per-token arrays by name (`TOKEN_ARRAYS` and a job's weight arrays), each
                        [S] fp32 and shifted like targets: token_arrays[k][t] belongs to the
-                       prediction of targets[t]. Only arrays that every sample of the pack carries.
+                       prediction of targets[t]. Only arrays that every sample of the pack
+                       carries, and those of `ARRAY_FILL` that any sample carries (filled in for
+                       the others).
     pairs:             (chosen, rejected) sample indices of each preference pair of the pack; both
                        halves of a pair are always in the same pack.
     sample_values:     per-sample values by name, each [B] float64 (`REF_LOGP`: a pair half's

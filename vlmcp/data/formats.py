@@ -25,12 +25,15 @@ Accepted record formats:
   videos in order and must hold h*w // merge**2 tokens (the timestamp text between groups is the
   record's own).
   Optional per-token arrays for the token-level objectives (`loss.type`): ``"loss_weights"``,
-  ``"advantages"``, ``"old_logprobs"``, ``"ref_logprobs"``, ``"inference_logprobs"``,
-  ``"teacher_logprobs"`` and the weight arrays a job names (`loss.terms`), each a list of numbers
-  as long as "labels" and aligned with it: entry t belongs to the prediction of labels[t] (made at position
-  t-1), so it is read only where labels[t] is a target. On targets every entry must be a finite
-  number; where labels[t] is -100 (and on image placeholders) an entry may be any number or null
-  and is ignored. Chat formats carry no per-token arrays (they train with `ce` only).
+  ``"advantages"``, ``"old_logprobs"``, ``"ref_logprobs"``, ``"inference_logprobs"`` (the
+  inference engine's logprob of each sampled token; also for the train-inference mismatch
+  metrics), ``"teacher_logprobs"`` and the weight arrays a job names (`loss.terms`); and
+  ``"temperatures"`` (the temperature each token was sampled at: the trainer's logprob of it is
+  then log_softmax(logits / temperature); > 0). Each is a list of numbers as long as "labels" and
+  aligned with it: entry t belongs to the prediction of labels[t] (made at position t-1), so it
+  is read only where labels[t] is a target. On targets every entry must be a finite number; where
+  labels[t] is -100 (and on image placeholders) an entry may be any number or null and is
+  ignored. Chat formats carry no per-token arrays (they train with `ce` only).
 * preference pairs (`vlmcp.data.pairs`): one record, two samples (chosen and rejected).
 
 Chat formats are rendered once with the tokenizer's chat template, given the processor's
@@ -454,6 +457,9 @@ def _token_arrays(record: dict[str, Any], labels: list[int], source: str,
             elif not number or not math.isfinite(value):
                 raise _fail(source, f'"{name}"[{t}] is {json.dumps(value)} on a target token '
                                     "(labels[t] != -100); it must be a finite number")
+            elif name == "temperatures" and value <= 0:
+                raise _fail(source, f'"temperatures"[{t}] is {json.dumps(value)} on a target token; '
+                                    "a sampling temperature must be > 0")
             else:
                 out.append(float(value))
         arrays[name] = out

@@ -119,6 +119,14 @@ class LengthIndex:
     def arrays(self) -> dict[str, np.ndarray]:
         return {name: getattr(self, name) for name, _ in COLUMNS}
 
+    def without(self, dropped: Iterable[int]) -> LengthIndex:
+        """The index of every sample but those at the indices `dropped`, in the same order."""
+        keep = np.ones(len(self), dtype=bool)
+        keep[list(dropped)] = False
+        return LengthIndex(files=self.files, json_array=self.json_array,
+                           image_root=self.image_root, array_names=self.array_names,
+                           **{name: values[keep] for name, values in self.arrays().items()})
+
 
 def _array_mask(names: Iterable[str], mask_names: tuple[str, ...]) -> int:
     """The `LengthIndex.token_arrays` bit mask of `names` (each one of `mask_names`)."""

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from vlmcp.data.batch import IGNORE_INDEX, PackedBatch
+from vlmcp.data.batch import ARRAY_FILL, IGNORE_INDEX, PackedBatch
 from vlmcp.data.formats import Sample
 from vlmcp.data.mixture import epoch_draws
 
@@ -75,6 +75,13 @@ def shifted_array(values: torch.Tensor) -> torch.Tensor:
     return torch.cat([values[1:], values.new_zeros(1)])
 
 
+def _token_array(sample: Sample, name: str) -> torch.Tensor:
+    """The sample's per-token array `name` ([L] fp32), or `ARRAY_FILL[name]` everywhere."""
+    if name in sample.token_arrays:
+        return sample.token_arrays[name]
+    return torch.full((len(sample),), ARRAY_FILL[name], dtype=torch.float32)
+
+
 def build_batch(samples: Sequence[Sample]) -> PackedBatch:
     """Concatenate whole samples into one `PackedBatch` (S = sum of lengths).
 
@@ -83,9 +90,11 @@ def build_batch(samples: Sequence[Sample]) -> PackedBatch:
     `image_index` points its placeholder runs at those. Both halves of every pair must be in
     `samples` (`PackedBatch.pairs`). pixel_values_videos and video_grid_thw are concatenated in
     sample order, which is placeholder order. Per-token arrays and per-sample values are kept when
-    every sample carries them, the arrays shifted like the targets.
+    every sample carries them (arrays of `ARRAY_FILL` when any sample does, filled in for the
+    others), the arrays shifted like the targets.
     """
     shared = set.intersection(*(set(s.token_arrays) for s in samples)) if samples else set()
+    shared |= {name for s in samples for name in s.token_arrays if name in ARRAY_FILL}
     valued = set.intersection(*(set(s.values) for s in samples)) if samples else set()
     pairs: list[tuple[int, int]] = []
     open_pairs: dict[str, int] = {}
@@ -128,7 +137,7 @@ def build_batch(samples: Sequence[Sample]) -> PackedBatch:
         image_grid_thw=torch.cat(grids) if grids else None,
         image_index=None if uses == list(range(distinct)) else torch.tensor(uses),
         sample_ids=[s.source for s in samples],
-        token_arrays={name: torch.cat([shifted_array(s.token_arrays[name]) for s in samples])
+        token_arrays={name: torch.cat([shifted_array(_token_array(s, name)) for s in samples])
                       for name in sorted(shared)},
         pairs=pairs,
         sample_values={name: torch.tensor([s.values[name] for s in samples], dtype=torch.float64)

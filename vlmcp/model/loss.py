@@ -169,13 +169,13 @@ def linear_head_backward(
     """The input, weight and bias gradients of `logits = hidden @ weight.T + bias`, chunk by chunk.
 
     hidden: [N, hidden]; weight: [vocab, hidden]; bias: [vocab] or None; ctx: the autograd
-    context whose `needs_input_grad` is (hidden, targets, weight, bias, rows).
+    context whose `needs_input_grad` starts (hidden, targets, weight, bias, ...).
     grad_logits_of(start, stop, logits) turns the recomputed fp32 logits of rows [start, stop)
     ([stop - start, vocab], its own to change in place) into their gradient. The hidden gradient is
     written into one [N, hidden] buffer and the weight (and bias) gradient accumulated in place in
     one buffer of the parameter's dtype, so nothing weight-sized exists beyond the gradient.
     """
-    need_hidden, _, need_weight, need_bias, _ = ctx.needs_input_grad
+    need_hidden, _, need_weight, need_bias = ctx.needs_input_grad[:4]
     grad_hidden = torch.empty_like(hidden) if need_hidden else None
     grad_weight = torch.zeros_like(weight) if need_weight else None
     grad_bias = torch.zeros_like(bias, dtype=torch.float32) if need_bias else None

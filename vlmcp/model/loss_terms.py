@@ -24,7 +24,10 @@ that every rank runs the all-reduce's backward, which hands rank 0's gradient to
 Metrics: `stat_specs` lists (row key, count key) per metric sum; the trainer divides each global
 sum by the global count of that key ("targets", "pairs", "tokens{k}": term k's targets with
 w != 0, "norm{k}": N_k). One objective reports its metrics under their own names; several report
-"term{k}_loss" (its sum_t c l / N_k, without coef) and "term{k}_<metric>".
+"term{k}_loss" (its sum_t c l / N_k, without coef) and "term{k}_<metric>". Whatever the
+objective, the train-inference mismatch metrics (`model.mismatch.mismatch_sums`) come last,
+counted by "mismatch_targets" (the targets with a finite `inference_logprobs`); a step reports
+them, and that count, only when it has such targets (`REPORTED_COUNTS`).
 """
 
 from __future__ import annotations
@@ -36,12 +39,16 @@ import torch
 
 from vlmcp.config.schema import PAIR_OBJECTIVES, LossTerm
 from vlmcp.data.batch import IGNORE_INDEX, REF_LOGP, PackedBatch
-from vlmcp.model.mismatch import mismatch_weights
+from vlmcp.model.mismatch import (MISMATCH_COUNT, MISMATCH_KEYS, mismatch_count, mismatch_sums,
+                                  mismatch_weights)
 from vlmcp.model.objectives import (metric_keys, required_arrays, sequence_log_ratio_column,
                                     token_losses, uses_sequence_ratio)
 from vlmcp.model.pair_objectives import PAIR_METRICS, needs_reference, pair_losses
 from vlmcp.model.sample_sums import SampleTargets
 from vlmcp.parallel.shard import ShardPlan
+
+#: Count keys whose metrics a step reports only when the count is not 0, with the count itself.
+REPORTED_COUNTS = (MISMATCH_COUNT,)
 
 
 @dataclass(frozen=True)
@@ -84,17 +91,22 @@ class Loss:
         """(row key, count key) of each metric sum `shard_loss` returns, in order."""
         specs = [("entropy", "targets")]
         if self.pairwise:
-            return specs + [(key, "pairs") for key in PAIR_METRICS]
-        if len(self.terms) == 1:
-            return specs + [(key, "tokens0") for key in metric_keys(self.terms[0])]
-        for k, term in enumerate(self.terms):
-            specs += [(f"term{k}_loss", f"norm{k}")]
-            specs += [(f"term{k}_{key}", f"tokens{k}") for key in metric_keys(term)]
-        return specs
+            specs += [(key, "pairs") for key in PAIR_METRICS]
+        elif len(self.terms) == 1:
+            specs += [(key, "tokens0") for key in metric_keys(self.terms[0])]
+        else:
+            for k, term in enumerate(self.terms):
+                specs += [(f"term{k}_loss", f"norm{k}")]
+                specs += [(f"term{k}_{key}", f"tokens{k}") for key in metric_keys(term)]
+        return specs + [(key, MISMATCH_COUNT) for key in MISMATCH_KEYS]
 
     def check_batch(self, batch: PackedBatch) -> None:
-        """ValueError naming the pack's samples when it lacks what the loss needs."""
-        missing = [name for name in self.required_arrays if name not in batch.token_arrays]
+        """ValueError naming the pack's samples when it lacks what the loss needs (an array that
+        only some samples carry is filled with NaN for the others, `data.batch.ARRAY_FILL`:
+        it must be finite on every target)."""
+        is_target = batch.targets != IGNORE_INDEX
+        missing = [name for name in self.required_arrays if name not in batch.token_arrays
+                   or not bool(torch.isfinite(batch.token_arrays[name][is_target]).all())]
         if missing:
             raise ValueError(f"the loss needs per-token {missing} in every sample; the pack of "
                              f"samples {batch.sample_ids} lacks them")
@@ -107,8 +119,8 @@ class Loss:
 
     def count_keys(self) -> list[str]:
         """The keys of `batch_counts`."""
-        return ["targets", "pairs"] + [f"{kind}{k}" for k in range(len(self.terms))
-                                       for kind in ("tokens", "seqs")]
+        return ["targets", "pairs", MISMATCH_COUNT] + [
+            f"{kind}{k}" for k in range(len(self.terms)) for kind in ("tokens", "seqs")]
 
     def batch_counts(self, batch: PackedBatch) -> dict[str, float]:
         """The counts of one whole pack (`stat_specs`' count keys, and "seqs{k}": the samples
@@ -117,7 +129,10 @@ class Loss:
         is_target = batch.targets != IGNORE_INDEX
         sample_of = torch.repeat_interleave(torch.arange(len(batch.seq_lens)),
                                             torch.tensor(batch.seq_lens))[is_target]
-        counts = {"targets": float(is_target.sum()), "pairs": float(len(batch.pairs))}
+        inference = batch.token_arrays.get("inference_logprobs")
+        counts = {"targets": float(is_target.sum()), "pairs": float(len(batch.pairs)),
+                  MISMATCH_COUNT: float(mismatch_count(
+                      None if inference is None else inference[is_target]))}
         for k, term in enumerate(self.terms):
             if term.weights is None:
                 weighted = torch.ones(int(is_target.sum()), dtype=torch.bool)
@@ -169,6 +184,10 @@ class Loss:
             stats += term_stats
             scale = term.coef / (denominators[k] if denominators is not None else 1.0)
             total = total + term_sum * scale
+        inference = batch.token_arrays.get("inference_logprobs")
+        if inference is not None:
+            inference = plan.shard(inference.to(device), dim=0)[keep]
+        stats += list(mismatch_sums(logp, inference).unbind())
         return total, torch.stack([s.to(torch.float64).cpu() for s in stats])
 
     def _sample_sums(self, logp: torch.Tensor, arrays: dict[str, torch.Tensor],

@@ -1,4 +1,5 @@
-"""Train-inference mismatch correction of a policy objective (`loss.mismatch`).
+"""Train-inference mismatch: the correction of a policy objective (`loss.mismatch`), and the
+mismatch metrics of any objective on data with `inference_logprobs`.
 
 The inference engine's logprob mu (`inference_logprobs`) of a sampled token differs from the
 trainer's own of the policy that generated it (`old_logprobs`, recomputed). Per target t, in log
@@ -15,6 +16,16 @@ Metrics (per target; the caller sums them over the term's targets): "is_weight" 
 (tis: w above the cap) or "is_masked_fraction" (mis: w outside the range, "is_masked_low" and
 "is_masked_high" each side), and "is_kl", the k3 estimate (w_t - 1) - log w_t of KL(mu || pi_old)
 from the token-level w, whatever the level.
+
+Mismatch metrics (`mismatch_sums`, whatever the objective and its correction): how far mu lies
+from the trainer's current logprob logp (at the same per-token temperature). Per target token
+whose mu is finite (a pack fills NaN in for samples without the array, `data.batch.ARRAY_FILL`),
+with d_t = logp_t - mu_t: the shard's sums of mu_t - logp_t ("mismatch_logprob_diff") and of
+k3_t = exp(d_t) - 1 - d_t ("mismatch_kl": Schulman's k3 estimate of KL(mu || pi) from tokens
+that mu sampled, >= 0; PrimeRL's "mismatch KL"). The trainer divides both by the step's global
+count of those tokens ("mismatch_targets", `model.loss_terms`). Computed in float64 from the fp32
+logprobs, so that the k3 of a tiny d (about d^2 / 2) is not rounded away as fp32's exp(d) - 1
+would. No autograd.
 """
 
 from __future__ import annotations
@@ -25,6 +36,11 @@ import torch
 
 from vlmcp.config.schema import LossTerm
 from vlmcp.model.sample_sums import SampleTargets
+
+#: The metric sums `mismatch_sums` returns, in order.
+MISMATCH_KEYS = ("mismatch_logprob_diff", "mismatch_kl")
+#: The count key they are divided by: the step's targets with a finite inference logprob.
+MISMATCH_COUNT = "mismatch_targets"
 
 
 def mismatch_metric_keys(term: LossTerm) -> tuple[str, ...]:
@@ -70,3 +86,24 @@ def mismatch_weights(term: LossTerm, old: torch.Tensor, inference: torch.Tensor,
         stats["is_weight"] = weight
         stats["is_kl"] = token_log_w.exp() - 1.0 - token_log_w
     return weight, stats
+
+
+def mismatch_sums(logp: torch.Tensor, inference_logprobs: torch.Tensor | None) -> torch.Tensor:
+    """[2] float64 (`MISMATCH_KEYS`): the sums of (mu - logp) and of k3 over this shard's targets
+    with a finite mu (zeros without the array).
+
+    logp: [N] the trainer's logprobs of one shard's targets; inference_logprobs: [N] mu at the
+    same targets (NaN where the data gives none), or None when the pack has none.
+    """
+    with torch.no_grad():
+        if inference_logprobs is None:
+            return torch.zeros(len(MISMATCH_KEYS), dtype=torch.float64)
+        mu = inference_logprobs.detach().double()
+        present = torch.isfinite(mu)
+        d = logp.detach().double()[present] - mu[present]
+        return torch.stack([(-d).sum(), (torch.expm1(d) - d).sum()]).cpu()
+
+
+def mismatch_count(inference_logprobs: torch.Tensor | None) -> int:
+    """The targets with a finite mu, given the array at a pack's (or a shard's) targets."""
+    return 0 if inference_logprobs is None else int(torch.isfinite(inference_logprobs).sum())

@@ -39,6 +39,9 @@ KL(pi_old || pi)), "dual_clip_fraction" with clip_ratio_c, "ref_kl" (k3) with kl
 "clip_fraction", "clip_low", "clip_high", "ratio" (s_i); dppo "dropped_fraction"
 ("dropped_low" for A < 0, "dropped_high" for A > 0), "ratio" (r against mu); opd "teacher_kl"
 (logp - teacher_logprobs, the k1 estimate of KL(pi || teacher)).
+
+logp is at each token's sampling temperature when the data gives `temperatures`
+(`model.token_logprobs`): log_softmax(logits / tau).
 """
 
 from __future__ import annotations

@@ -12,9 +12,11 @@ PackedBatch):
         full attention: Ulysses all-to-all, causal per sample   (model.attention)
         Gated DeltaNet: conv halo + state chain, or heads mode   (model.deltanet)
     final norm, lm_head + CE on this shard's targets             (model.loss)
-        or, for any other objective, per-token logprobs              (model.token_logprobs)
+        or, for any other objective or data with per-token temperatures or inference
+        logprobs, per-token logprobs at each token's temperature     (model.token_logprobs)
         and the objectives on them                                   (model.loss_terms)
             whole-sample sums over the SP group, when one needs them (model.sample_sums)
+            and the train-inference mismatch metrics                 (model.mismatch)
     with model.router_aux_loss: router statistics of the shard's real tokens, summed over the
         SP group, give this rank's share of the load-balancing loss   (model.router_loss)
 
@@ -40,7 +42,7 @@ from vlmcp.model.deltanet_kernel import resolve_kernel
 from vlmcp.model.loss import DEFAULT_LOSS_CHUNK_MB, shard_ce_and_entropy
 from vlmcp.model.loss_terms import Loss
 from vlmcp.model.merge import merge_embeddings, shard_first_embeddings
-from vlmcp.model.token_logprobs import shard_token_logprobs
+from vlmcp.model.token_logprobs import TokenLogprobs, shard_token_logprobs
 from vlmcp.model.router_loss import RouterAuxLoss
 from vlmcp.parallel.groups import SequenceParallel
 from vlmcp.parallel.modes import VISION_MODES
@@ -48,6 +50,10 @@ from vlmcp.parallel.shard import ShardPlan
 from vlmcp.model.vision import replicated_copy
 
 logger = logging.getLogger(__name__)
+
+#: Per-token arrays that need the per-token logprob path even under plain CE: the temperature
+#: enters the logprob itself, and the mismatch metrics compare logprobs token by token.
+_PER_TOKEN_ARRAYS = ("temperatures", "inference_logprobs")
 
 
 class PackedVLM(nn.Module):
@@ -198,13 +204,15 @@ class PackedVLM(nn.Module):
         plan = self.plan(batch)
         hidden, router_share = self.shard_hidden(batch, plan)
         targets = plan.shard(batch.targets.to(hidden.device), dim=0, pad_value=IGNORE_INDEX)
-        if objective.plain_ce:
+        if objective.plain_ce and not any(name in batch.token_arrays
+                                          for name in _PER_TOKEN_ARRAYS):
             loss, count, entropy = shard_ce_and_entropy(hidden, targets, self.lm_head,
                                                         self.loss_chunk_mb)
-            sums = entropy.detach().double().cpu().reshape(1)
+            sums = torch.zeros(len(objective.stat_specs()), dtype=torch.float64)
+            sums[0] = float(entropy)
         else:
             objective.check_batch(batch)
-            scored = shard_token_logprobs(hidden, targets, self.lm_head, self.loss_chunk_mb)
+            scored = self._scored(batch, plan, hidden, targets)
             loss, sums = objective.shard_loss(scored.logprobs, scored.entropy, scored.keep,
                                               batch, plan, denominators)
             loss, count = loss + scored.anchor, int(scored.keep.sum())
@@ -224,15 +232,26 @@ class PackedVLM(nn.Module):
             hidden = self.decode(hidden, positions, plan)
         return hidden[0], router_stats.share(self.sp.group)
 
+    def _scored(self, batch: PackedBatch, plan: ShardPlan, hidden: torch.Tensor,
+                targets: torch.Tensor) -> TokenLogprobs:
+        """Per-token logprobs of the shard's targets ([S_local] hidden and targets), at the data's
+        per-token temperatures when the pack carries them."""
+        temperatures = batch.token_arrays.get("temperatures")
+        if temperatures is not None:
+            temperatures = plan.shard(temperatures.to(hidden.device), dim=0, pad_value=1.0)
+        return shard_token_logprobs(hidden, targets, self.lm_head, self.loss_chunk_mb,
+                                    temperatures)
+
     @torch.no_grad()
     def token_scores(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-position logprob of the target and policy entropy on this rank's shard, no
         backward: ([S_local] fp32, [S_local] fp32), NaN where the target is IGNORE_INDEX or
-        padding. Position t holds log pi(targets[t]), i.e. of the sample's label t+1."""
+        padding. Position t holds log pi(targets[t]), i.e. of the sample's label t+1, at its
+        sampling temperature when the pack carries `temperatures`."""
         plan = self.plan(batch)
         hidden, _ = self.shard_hidden(batch, plan)
         targets = plan.shard(batch.targets.to(hidden.device), dim=0, pad_value=IGNORE_INDEX)
-        scored = shard_token_logprobs(hidden, targets, self.lm_head, self.loss_chunk_mb)
+        scored = self._scored(batch, plan, hidden, targets)
         logprobs = torch.full(targets.shape, float("nan"), device=targets.device)
         entropy = logprobs.clone()
         logprobs[scored.keep] = scored.logprobs

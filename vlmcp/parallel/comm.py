@@ -19,6 +19,7 @@ import logging
 import os
 import socket
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -181,6 +182,18 @@ def all_gather_world(tensor: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(moved) for _ in range(world_size())]
     dist.all_gather(parts, moved.contiguous())
     return torch.stack(parts).to(tensor.device)
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Global rank 0's `obj` (any picklable value; the other ranks pass None), on every rank of
+    the world. No autograd; under NCCL the bytes travel through this rank's GPU."""
+    if not is_initialized() or world_size() == 1:
+        return obj
+    holder = [obj if rank() == 0 else None]
+    on_nccl = dist.get_backend() == "nccl"
+    dist.broadcast_object_list(holder, src=0, device=torch.device(
+        "cuda", torch.cuda.current_device()) if on_nccl else None)
+    return holder[0]
 
 
 class _AllGatherStack(torch.autograd.Function):

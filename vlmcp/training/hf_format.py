@@ -105,11 +105,13 @@ def save_hf(hf_model: PreTrainedModel, state_dict: dict[str, torch.Tensor],
     by `write_dir_atomically` (an earlier model there, one with config.json, is replaced)."""
     return write_dir_atomically(
         out_dir, "config.json", "model",
-        lambda tmp: _write_hf(hf_model, state_dict, source_dir, tmp), state_bytes(state_dict))
+        lambda tmp: write_hf_files(hf_model, state_dict, source_dir, tmp), state_bytes(state_dict))
 
 
-def _write_hf(hf_model: PreTrainedModel, state_dict: dict[str, torch.Tensor],
-              source_dir: str | Path, out_dir: Path) -> None:
+def write_hf_files(hf_model: PreTrainedModel, state_dict: dict[str, torch.Tensor],
+                   source_dir: str | Path, out_dir: Path) -> None:
+    """save_pretrained(`state_dict`) and the processor files of `source_dir` into the existing
+    directory `out_dir` (the filling of a directory that `write_dir_atomically` renames)."""
     state_dict = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
     changed = _restore_use_cache(hf_model.config, source_dir)
     try:

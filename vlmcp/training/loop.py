@@ -1,12 +1,17 @@
 """`vlmcp train`: one job, every rank, from process-group start to the exported model.
 
-Per optimizer step, each rank runs `train.grad_accum` packed micro-batches (every rank of a
-sequence-parallel group gets the same pack and shards it internally). The step's loss is the sum
+Per optimizer step, each rank runs `train.grad_accum` packed micro-batches of data.train
+(training/step_packs.py), or as many as rollout step N packs into (`rollouts.dir`,
+training/rollout_steps.py, whose wait for the step lies outside the watchdog); every rank of a
+sequence-parallel group gets the same pack and shards it internally. The step's loss is the sum
 of target-token cross-entropy over all micro-batches and ranks / the number of those targets (or
 the `loss` section's objective and normaliser, training/objective_step.py); each micro-batch's
 shard loss is scaled so that DeepSpeed's averaging and accumulation yield
-exactly that gradient. DeepSpeed clips, steps the optimizer and the LR schedule at the
-accumulation boundary.
+exactly that gradient, and the loop marks the last micro-batch as the accumulation boundary. A
+micro-batch of weight 0 (a repeated pack that only keeps a short DP rank's collectives in step)
+adds nothing. DeepSpeed clips, steps the optimizer and the LR schedule at the boundary. With
+`publish.dir`, the weights are published after every `publish.every`-th step
+(training/publish.py), before evaluation and checkpoints.
 
 With `model.router_aux_loss` (MoE), each micro-batch also adds router_aux_loss_coef x its router
 load-balancing loss (model.router_loss): the step's gradient is d(sum CE / N) + coef x d(mean of
@@ -26,11 +31,10 @@ import numpy as np
 import torch
 
 from vlmcp.config import JobConfig
-from vlmcp.data.batch import PackedBatch
 from vlmcp.data.mixture import draws_per_epoch
 from vlmcp.data.pack import PackedDataset
 from vlmcp.data.stream import SampleReader
-from vlmcp.errors import DataError, NonFiniteError, PreflightError
+from vlmcp.errors import DataError, NonFiniteError, PreflightError, RolloutError
 from vlmcp.model.loss import scale_for_deepspeed
 from vlmcp.model.packed import PackedVLM
 from vlmcp.model.router_loss import router_objective
@@ -48,10 +52,12 @@ from vlmcp.training.nonfinite import NonFiniteGuard
 from vlmcp.training.objective_step import INITIAL_REFERENCE, objective_metrics, step_counts
 from vlmcp.training.optim import can_veto
 from vlmcp.training.preflight import Preflight
+from vlmcp.training.publish import Publisher
+from vlmcp.training.rollout_steps import RolloutSteps
 from vlmcp.training.score import score_initial_reference
 from vlmcp.training.setup import build_engine, seed_everything, start_checked
 from vlmcp.training.signals import StopRequested, StopSignals
-from vlmcp.training.step_packs import StepPacks
+from vlmcp.training.step_packs import StepBatches, StepPacks
 from vlmcp.training.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
@@ -66,11 +72,20 @@ class Run:
     sp: SequenceParallel
     engine: Any
     module: PackedVLM
-    step_packs: StepPacks
     metrics: MetricsWriter
     start_step: int
+    #: Where each step's micro-batches come from: data.train, or rollouts.dir.
+    step_packs: StepPacks | None = None
+    rollouts: RolloutSteps | None = None
+    #: Publishes the weights after steps when publish.dir is set.
+    publisher: Publisher | None = None
     #: The PeftModel around `module.hf_model` when the job trains LoRA adapters (lora.r > 0).
     adapter: Any = None
+
+    @property
+    def steps(self) -> StepPacks | RolloutSteps:
+        """The source of the steps' micro-batches."""
+        return self.rollouts if self.rollouts is not None else self.step_packs
 
 
 def _step_packs(job: JobConfig, preflight: Preflight, sp: SequenceParallel,
@@ -100,9 +115,11 @@ def start_run(job: JobConfig) -> Run:
     preflight = start_checked(job)
     seed_everything(job.train.seed)
     sp = SequenceParallel.initialize(job.parallel.sp_size)
-    logger.info("world %d = sp %d x dp %d, ZeRO stage %d, %d train / %d eval samples",
+    train_data = (f"rollout steps from {job.rollouts.dir}" if job.rollouts.dir
+                  else f"{len(preflight.train_index)} train samples")
+    logger.info("world %d = sp %d x dp %d, ZeRO stage %d, %s / %d eval samples",
                 comm.world_size(), sp.size, sp.dp_size, zero_stage(preflight.ds_config),
-                len(preflight.train_index), len(preflight.eval_index or ()))
+                train_data, len(preflight.eval_index or ()))
     engine, module, adapter = build_engine(job, preflight, sp)
     start_step = load_latest(engine, job) if job.train.resume else 0
     reference = preflight.reference_logps
@@ -112,21 +129,24 @@ def start_run(job: JobConfig) -> Run:
             engine, SampleReader(preflight.train_index, preflight.processor,
                                  job.data.max_seq_len, job.data.truncate), job, sp)
     return Run(job=job, preflight=preflight, sp=sp, engine=engine, module=module,
-               step_packs=_step_packs(job, preflight, sp, reference),
+               step_packs=None if job.rollouts.dir else _step_packs(job, preflight, sp,
+                                                                    reference),
+               rollouts=RolloutSteps(job, preflight.processor, sp) if job.rollouts.dir else None,
+               publisher=Publisher(job, engine, module, adapter) if job.publish.dir else None,
                metrics=MetricsWriter(job.output_dir, enabled=comm.rank() == 0,
                                      start_step=start_step),
                start_step=start_step, adapter=adapter)
 
 
-def _step_batches(run: Run, step: int) -> list[PackedBatch]:
+def _step_batches(run: Run, step: int) -> StepBatches:
     """This rank's micro-batches of `step`; every rank stops together when any rank cannot load
     its packs (a DataLoader worker that died, a sample that fails to load)."""
     try:
-        batches, problems = run.step_packs.batches(step), []
+        fetched, problems = run.steps.step_batches(step), []
     except (DataError, RuntimeError) as exc:
-        batches, problems = [], [f"loading the packs of step {step + 1}: {exc}"]
+        fetched, problems = None, [f"loading the packs of step {step + 1}: {exc}"]
     fail_together(problems, PreflightError)
-    return batches
+    return fetched
 
 
 def _plain_fp32_engine(engine: Any) -> bool:
@@ -144,35 +164,43 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     """Run optimizer step `step` (0-based); returns its metrics row."""
     started = time.perf_counter()
     engine, sp, grad_accum = run.engine, run.sp, run.job.train.grad_accum
-    batches = _step_batches(run, step)
+    fetched = _step_batches(run, step)
+    if fetched.skip:
+        return {"step": step + 1, "skipped_rollout": fetched.skip, **fetched.row}
     lr = engine.get_lr()[0]
     objective = run.module.objective
-    counts = step_counts(run.module, batches, objective)
+    counts = step_counts(run.module, fetched.counted, objective)
+    # DeepSpeed divides each backward by its accumulation steps and averages over DP: the router
+    # term of a micro-batch, scaled so, adds up to the mean over the step's micro-batches.
+    router_scale = sp.dp_size * grad_accum / max(fetched.micro_batches, 1)
     # [shard loss sum, pack tokens (once per SP group), 1 where the optimizer step was not
     # applied, this rank's shares of the router aux losses, then the objective's metric sums
     # (Loss.stat_specs)]
     sums = torch.zeros(4 + len(objective.stat_specs()), dtype=torch.float64)
     grad_norm = None
     skipped_before = engine.skipped_steps
-    for index, batch in enumerate(batches):
+    last = len(fetched.batches) - 1
+    for index, (batch, weight) in enumerate(zip(fetched.batches, fetched.weights)):
+        engine.set_gradient_accumulation_boundary(index == last)
         with run.module.micro_batch():
             loss_sum, _, router_share, stat_sums = engine(
                 batch, stats=True, denominators=counts.shard_denominators)
-            sums[4:] += stat_sums
-            engine.backward(scale_for_deepspeed(loss_sum, counts.denominator, dp_size=sp.dp_size,
-                                                grad_accum=grad_accum)
-                            + router_objective(router_share, run.module.router_aux_coef))
-        if index == len(batches) - 1 and _plain_fp32_engine(engine):
+            sums[4:] += stat_sums * weight
+            engine.backward(scale_for_deepspeed(loss_sum * weight, counts.denominator,
+                                                dp_size=sp.dp_size, grad_accum=grad_accum)
+                            + router_objective(router_share, run.module.router_aux_coef)
+                            * (weight * router_scale))
+        if index == last and _plain_fp32_engine(engine):
             grad_norm = _grad_norm(engine.module)
             # DeepSpeed checks for NaN/Inf gradients itself everywhere else (training/nonfinite.py).
             if can_veto(engine.optimizer):
                 engine.optimizer.overflow = not math.isfinite(grad_norm)
         engine.step()
-        sums[0] += float(loss_sum.detach())
+        sums[0] += float(loss_sum.detach()) * weight
         if router_share is not None:
-            sums[3] += float(router_share.detach())
+            sums[3] += float(router_share.detach()) * weight
         if sp.rank == 0:
-            sums[1] += batch.num_tokens
+            sums[1] += batch.num_tokens * weight
     sums[2] = float(engine.skipped_steps > skipped_before)
     comm.all_reduce_sum(sums)
     elapsed = time.perf_counter() - started
@@ -187,11 +215,11 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         "targets": counts.targets,
         "tokens_per_s": float(sums[1]) / elapsed,
         "step_time_s": elapsed,
-        "epoch": run.step_packs.locate(step)[0],
+        **fetched.row,
         **objective_metrics(sums[4:], counts, objective),
     }
     if run.module.router_loss is not None:
-        row["router_aux_loss"] = float(sums[3]) / (sp.dp_size * grad_accum)
+        row["router_aux_loss"] = float(sums[3]) / max(fetched.micro_batches, 1)
     if sums[2]:
         row["skipped_step"] = True
     return row
@@ -242,7 +270,8 @@ def train(job: JobConfig) -> Run:
     with StopSignals() as stop, Watchdog(timeout, rank=comm.rank()) as watchdog, \
             logging_redirect_tqdm():
         _train_loop(run, stop, watchdog)
-        run.step_packs.close()
+        if run.step_packs is not None:
+            run.step_packs.close()
         with watchdog.watch("the final export"):
             if run.adapter is not None:
                 save_final_adapter(run.module, run.adapter, job.resolve_input(job.model.path),
@@ -272,7 +301,7 @@ class _Saver:
 
 def _abort_nonfinite(run: Run, step: int, row: dict[str, Any], problem: str, saver: _Saver) -> None:
     """Log the step's packs, keep a checkpoint of the last finite state, raise NonFiniteError."""
-    ids = [sid for batch in run.step_packs.batches(step) for sid in batch.sample_ids]
+    ids = [sid for batch in run.steps.step_batches(step).batches for sid in batch.sample_ids]
     logger.error("rank %d: %s; its packs on this rank hold samples %s", comm.rank(), problem, ids)
     if row.get("skipped_step"):
         saver.save(step)
@@ -285,18 +314,62 @@ def _abort_nonfinite(run: Run, step: int, row: dict[str, Any], problem: str, sav
                          if comm.rank() == 0 else [])
 
 
+def _keep_trained_steps(run: Run, step: int, saver: _Saver) -> str:
+    """Before a rollout run stops at step `step` + 1: checkpoint the `step` steps done (call on
+    every rank); returns what was kept, for the message."""
+    if step == run.start_step:
+        return "no step was trained since the start, so no new checkpoint was written"
+    saver.save(step)
+    return (f"a checkpoint of step {step} is in {checkpoint_dir(run.job)}; continue with "
+            "train.resume=true")
+
+
+def _wait_for_rollout(run: Run, step: int, stop: StopSignals, watchdog: Watchdog,
+                      saver: _Saver) -> None:
+    """Wait for rollout step `step` + 1 (outside the watchdog's phases). A stop signal while
+    waiting, or rollouts.timeout_s, ends the run after a checkpoint of the steps trained so far."""
+    outcome = run.rollouts.wait(step, lambda: stop.signum, watchdog)
+    if not (outcome.signum or outcome.timed_out):
+        return
+    kept = _keep_trained_steps(run, step, saver)
+    if outcome.signum:
+        logger.warning("stopped on a signal while waiting for rollout step %d; %s", step + 1, kept)
+        raise StopRequested(outcome.signum, step)
+    raise RolloutError([f"{run.rollouts.timeout_problem(step, outcome.waited_s)}; {kept}"]
+                       if comm.rank() == 0 else [])
+
+
 def _train_loop(run: Run, stop: StopSignals, watchdog: Watchdog) -> None:
-    train_cfg = run.job.train
     progress = _progress(run)
+    try:
+        _run_steps(run, stop, watchdog, progress)
+    finally:
+        # Also when a step raises: the bar ends its line before the error lines are printed.
+        if progress is not None:
+            progress.close()
+    run.metrics.close()
+
+
+def _run_steps(run: Run, stop: StopSignals, watchdog: Watchdog, progress: Any) -> None:
+    train_cfg = run.job.train
     saver = _Saver(run, watchdog)
     guard = NonFiniteGuard(train_cfg.nonfinite, train_cfg.max_skipped_steps)
     run.engine.train()
     for step in range(run.start_step, train_cfg.max_steps):
-        with watchdog.watch(f"step {step + 1}"):
-            row = train_step(run, step)
+        if run.rollouts is not None:
+            _wait_for_rollout(run, step, stop, watchdog, saver)
+        try:
+            with watchdog.watch(f"step {step + 1}"):
+                row = train_step(run, step)
+        except RolloutError:
+            kept = _keep_trained_steps(run, step, saver)
+            if comm.rank() == 0:
+                logger.error("rollout step %d cannot train; %s", step + 1, kept)
+            raise
         done = step + 1
         problem = guard.check(row)
-        if problem or done % train_cfg.log_every == 0 or done == train_cfg.max_steps:
+        if problem or done % train_cfg.log_every == 0 or done == train_cfg.max_steps \
+                or "skipped_rollout" in row:
             run.metrics.write(row)
         if problem and guard.must_abort():
             _abort_nonfinite(run, step, row, problem, saver)
@@ -304,8 +377,12 @@ def _train_loop(run: Run, stop: StopSignals, watchdog: Watchdog) -> None:
             logger.warning("%s; skipped (%d in a row, train.max_skipped_steps=%d)", problem,
                            guard.in_a_row, train_cfg.max_skipped_steps)
         if progress is not None:
-            progress.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
+            if "loss" in row:
+                progress.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
             progress.update(1)
+        if run.publisher is not None and run.publisher.due(done):
+            with watchdog.watch(f"publishing the weights of step {done}"):
+                run.metrics.write(run.publisher.publish(done))
         if train_cfg.eval_every and (done % train_cfg.eval_every == 0 or done == train_cfg.max_steps):
             with watchdog.watch(f"evaluation after step {done}"):
                 eval_row = evaluation_row(run, done)
@@ -321,6 +398,3 @@ def _train_loop(run: Run, stop: StopSignals, watchdog: Watchdog) -> None:
             logger.warning("stopped on a signal after step %d; resume with train.resume=true",
                            done)
             raise StopRequested(signum, done)
-    if progress is not None:
-        progress.close()
-    run.metrics.close()

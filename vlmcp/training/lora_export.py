@@ -60,12 +60,18 @@ def save_adapter(peft_model: PeftModel, state: dict[str, torch.Tensor], source_d
     Written by `write_dir_atomically`: an earlier adapter in `out_dir` is replaced, any other
     non-empty directory is refused, CheckpointError on a failed write.
     """
-    def fill(tmp: Path) -> None:
-        peft_model.save_pretrained(str(tmp), state_dict={
-            PEFT_PREFIX + k: v.detach().cpu().contiguous() for k, v in state.items()})
-        copy_processor_files(source_dir, tmp)
+    return write_dir_atomically(
+        out_dir, ADAPTER_CONFIG, "adapter",
+        lambda tmp: write_adapter_files(peft_model, state, source_dir, tmp), state_bytes(state))
 
-    return write_dir_atomically(out_dir, ADAPTER_CONFIG, "adapter", fill, state_bytes(state))
+
+def write_adapter_files(peft_model: PeftModel, state: dict[str, torch.Tensor],
+                        source_dir: str | Path, out_dir: Path) -> None:
+    """PEFT's adapter files of `state` (trainable tensors under HF model names) and the processor
+    files of `source_dir` into the existing directory `out_dir`."""
+    peft_model.save_pretrained(str(out_dir), state_dict={
+        PEFT_PREFIX + k: v.detach().cpu().contiguous() for k, v in state.items()})
+    copy_processor_files(source_dir, out_dir)
 
 
 def save_final_adapter(module: nn.Module, peft_model: PeftModel, source_dir: str | Path,

@@ -5,6 +5,9 @@ The step's loss is sum_k coef_k (sum_t c_kt l_kt) / N_k (`model.loss_terms`): ea
 global count of the optimizer step (targets, samples or pairs, over SP, DP and the accumulation
 micro-batches) or a constant. Metrics are means over the step's global targets ("entropy"), over
 each term's targets (its token metrics), or over its pairs (TRL's rewards/...), strict JSON.
+When the step's data carries `inference_logprobs`, "mismatch_logprob_diff" and "mismatch_kl"
+(`model.mismatch`) are means over the "mismatch_targets" tokens that have one, reported with
+that count; a step without such tokens reports none of the three.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from vlmcp.config import JobConfig, LossTerm
 from vlmcp.config.loss_checks import loss_terms
 from vlmcp.data.batch import PAIR_VALUES, TOKEN_ARRAYS, PackedBatch
 from vlmcp.data.index import LengthIndex
-from vlmcp.model.loss_terms import Loss
+from vlmcp.model.loss_terms import REPORTED_COUNTS, Loss
 from vlmcp.model.objectives import required_arrays
 from vlmcp.parallel import comm
 
@@ -62,38 +65,44 @@ def _because(term: LossTerm, name: str, prefix: str) -> str:
     return f" with {prefix}mismatch {term.mismatch!r}"
 
 
-def objective_problems(job: JobConfig, index: LengthIndex) -> list[str]:
-    """One line per training sample ("file:line") that the loss cannot train on, read from the
-    length index (streaming data: no record is read): a per-token array a term needs missing, a
-    single sample under a preference objective or a pair under another, a pair without reference
-    sums when dpo or ipo has no other source for them."""
+def untrainable(job: JobConfig, index: LengthIndex) -> list[tuple[list[int], str, str]]:
+    """The training samples the loss cannot train on, read from the length index (streaming
+    data: no record is read), as (sample indices, why, config key) per reason: a per-token array
+    a term needs missing, a single sample under a preference objective or a pair under another, a
+    pair without reference sums when dpo or ipo has no other source for them."""
     loss = objective_of(job)
-    problems = []
+    found = []
     for k, term in enumerate(loss.terms):
         prefix = "loss." if len(loss.terms) == 1 else f"loss.terms[{k}]."
         for name in Loss((term,)).required_arrays:
             why = (f"{prefix}type {term.type!r}{_because(term, name, prefix)} needs a per-token "
                    f"{name!r} array (tokens format, one entry per label); this sample has none")
-            problems += _named(index.lacking(name), index, why, f"{prefix}type")
+            found.append((index.lacking(name).tolist(), why, f"{prefix}type"))
     pairs = index.pairs()
     kind = loss.terms[0].type
     if loss.pairwise:
-        problems += _named(list((~pairs).nonzero()[0]), index,
-                           f"loss.type {kind!r} trains on preference pairs (chosen and "
-                           "rejected); this sample is not one", "loss.type")
+        found.append(((~pairs).nonzero()[0].tolist(),
+                      f"loss.type {kind!r} trains on preference pairs (chosen and rejected); "
+                      "this sample is not one", "loss.type"))
         if loss.needs_reference and job.loss.reference_logps is None:
             lacking = sorted(set(index.lacking(PAIR_VALUES[0]).tolist()) & set(pairs.nonzero()[0]))
-            problems += _named(lacking, index,
-                               f"loss.type {kind!r} needs the reference logprob sums of each "
-                               f"pair: the record's {' and '.join(PAIR_VALUES)}, or "
-                               "loss.reference_logps (\"initial\": scored with the initial "
-                               "policy; or a `vlmcp score` output); this pair has none",
-                               "loss.reference_logps")
+            found.append((lacking,
+                          f"loss.type {kind!r} needs the reference logprob sums of each pair: the "
+                          f"record's {' and '.join(PAIR_VALUES)}, or loss.reference_logps "
+                          "(\"initial\": scored with the initial policy; or a `vlmcp score` "
+                          "output); this pair has none", "loss.reference_logps"))
     else:
-        problems += _named(list(pairs.nonzero()[0]), index,
-                           "a preference pair (chosen and rejected) trains with loss.type dpo, "
-                           f"ipo or simpo, not {kind!r}", "loss.type")
-    return problems
+        found.append((pairs.nonzero()[0].tolist(),
+                      "a preference pair (chosen and rejected) trains with loss.type dpo, ipo or "
+                      f"simpo, not {kind!r}", "loss.type"))
+    return [(indices, why, key) for indices, why, key in found if indices]
+
+
+def objective_problems(job: JobConfig, index: LengthIndex) -> list[str]:
+    """One line per training sample ("file:line") that the loss cannot train on (`untrainable`),
+    at most `_NAMED` per reason, then a count."""
+    return [line for indices, why, key in untrainable(job, index)
+            for line in _named(indices, index, why, key)]
 
 
 @dataclass(frozen=True)
@@ -138,9 +147,16 @@ def step_counts(module: Any, batches: Sequence[PackedBatch], objective: Loss) ->
     return StepCounts(counts, objective.denominators(counts))
 
 
-def objective_metrics(sums: torch.Tensor, counts: StepCounts, objective: Loss) -> dict[str, float]:
+def objective_metrics(sums: torch.Tensor, counts: StepCounts, objective: Loss) -> dict[str, Any]:
     """Metrics row entries from the globally summed metric sums of a step (`Loss.stat_specs`
-    order), each divided by its global count."""
+    order), each divided by its global count; a count of `REPORTED_COUNTS` is reported itself
+    (an int), and its metrics only when it is not 0."""
     counted = {**counts.counts, **{f"norm{k}": n for k, n in enumerate(counts.terms)}}
-    return {key: float(sums[i]) / counted[count] if counted[count] else 0.0
-            for i, (key, count) in enumerate(objective.stat_specs())}
+    row: dict[str, Any] = {}
+    for i, (key, count) in enumerate(objective.stat_specs()):
+        if count in REPORTED_COUNTS and not counted[count]:
+            continue
+        row[key] = float(sums[i]) / counted[count] if counted[count] else 0.0
+        if count in REPORTED_COUNTS:
+            row[count] = int(counted[count])
+    return row

@@ -17,6 +17,10 @@ Every training sample must fit the loss (read from the index): carry the per-tok
 objectives need, be a preference pair exactly when the loss is a preference objective, and carry
 reference sums when dpo or ipo has them from nowhere else; a `loss.reference_logps` score file
 must match data.train.
+
+A rollout job (`rollouts.dir`) has no data.train to index: each rollout step is indexed and
+checked when training reaches it (`vlmcp.training.rollout_steps`); here only the rollout and
+publish directories are checked.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from vlmcp.parallel import comm
 from vlmcp.parallel.constraints import check_sp_constraints
 from vlmcp.training.ds.zero3_sp import largest_tensor_numel, sp_exact_zero_settings
 from vlmcp.training.checkpoint import checkpoint_dir, checkpoint_tags, latest_tag, newest_complete
+from vlmcp.training.ds.blocks import offloads_optimizer
 from vlmcp.training.ds.config import fill_deepspeed_config, load_deepspeed_config, zero_stage
 from vlmcp.training.objective_step import objective_problems, token_array_names
 from vlmcp.training.reference import reference_problems
@@ -191,10 +196,10 @@ def _check_resume(job: JobConfig, report: Preflight) -> None:
                                "train.resume=true to continue it, or choose another output_dir")
 
 
-def _check_output_dir(job: JobConfig, report: Preflight) -> None:
-    """output_dir, or the nearest directory above it that exists, accepts a new file (a probe
+def _check_writable(key: str, directory: str, report: Preflight) -> None:
+    """`directory`, or the nearest directory above it that exists, accepts a new file (a probe
     file, removed again; nothing is created for a directory that does not exist yet)."""
-    out = Path(job.output_dir).absolute()
+    out = Path(directory).absolute()
     base = out
     while not base.exists():
         base = base.parent
@@ -205,8 +210,31 @@ def _check_output_dir(job: JobConfig, report: Preflight) -> None:
         os.close(handle)
         os.unlink(probe)
     except OSError as exc:
-        report.problems.append(f"config key 'output_dir': cannot write to {out}: "
+        report.problems.append(f"config key '{key}': cannot write to {out}: "
                                f"{exc.strerror or exc}")
+
+
+def _check_rollouts(job: JobConfig, report: Preflight) -> None:
+    """A rollout job: rollouts.dir instead of data.train, and the directories it names."""
+    rollouts = job.rollouts.dir
+    if job.data.train:
+        report.problems.append("config key 'data.train' is set but 'rollouts.dir' is too: a "
+                               "rollout job trains step N on rollouts.dir/step_N only (vlmcp "
+                               "score reads data.train; unset it for training)")
+    if Path(rollouts).exists() and not Path(rollouts).is_dir():
+        report.problems.append(f"config key 'rollouts.dir': {Path(rollouts).absolute()} is not a "
+                               "directory")
+    config = report.ds_config
+    if config is not None and zero_stage(config) in (1, 2) and offloads_optimizer(config):
+        # DeepSpeed 0.19's ZeRO-1/2 offload takes a gradient-norm shortcut when its configured
+        # gradient_accumulation_steps is 1 (train.grad_accum with rollouts) and would clip by the
+        # last micro-batch's norm; a rollout step runs as many micro-batches as it packs into.
+        report.problems.append("config key 'rollouts.dir': a rollout job cannot run ZeRO-1/2 with "
+                               "offload_optimizer (the gradient norm of a step of several "
+                               "micro-batches would be wrong); use ZeRO-3, or no optimizer offload")
+    if job.data.shuffle and comm.rank() == 0:
+        logger.warning("data.shuffle does not apply to rollout steps: a step's gradient is the "
+                       "same in any sample order")
 
 
 def index_settings(job: JobConfig) -> dict[str, Any]:
@@ -241,7 +269,7 @@ def load_train_index(job: JobConfig, report: Preflight, *, may_build: bool,
     when `may_build`; problems are added to report.problems (the data's, then missing files,
     then mixture weights that draw nothing, then, when `training`, samples without the per-token
     arrays `loss.type` needs)."""
-    if report.processor is None:
+    if report.processor is None or (training and job.rollouts.dir):
         return
     files = data_files(job.data.train, "data.train")
     result, present = _index_files(job, report, files, may_build=may_build, rebuild=rebuild)
@@ -288,9 +316,13 @@ def run_preflight(job: JobConfig, world_size: int, *, index_role: str = "build",
     _check_model(job, world_size, report)
     _check_deepspeed(job, world_size, report)
     _check_lora(job, report)
-    _check_output_dir(job, report)
+    _check_writable("output_dir", job.output_dir, report)
+    if job.publish.dir:
+        _check_writable("publish.dir", job.publish.dir, report)
     if training:
         _check_resume(job, report)
+        if job.rollouts.dir:
+            _check_rollouts(job, report)
     if report.processor is not None and _check_image_root(job, report) and index_role != "skip":
         load_train_index(job, report, may_build=True, rebuild=decode_images, training=training)
         if training:

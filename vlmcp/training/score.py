@@ -6,7 +6,8 @@ t+1 in the HF convention, so the list has one entry per label != -100 after the 
 their sum (float64, the sequence logprob), plus "entropy": [...] (the policy's softmax entropy at
 the same positions) with --entropy. A preference pair's record holds one such object per half:
 {"index": i, "chosen": {"logprobs", "logprob_sum"[, "entropy"]}, "rejected": {...}}; its
-logprob sums are what `loss.reference_logps` reads (training/reference.py).
+logprob sums are what `loss.reference_logps` reads (training/reference.py). A sample with
+per-token `temperatures` is scored at them: log_softmax(logits / tau), as the trainer computes it.
 
 The forward is training's: packed (first-fit, `data.max_seq_len`), SP-sharded, through the
 DeepSpeed engine (ZeRO-3 gathers as in training) under no_grad. The packs are dealt round-robin
@@ -129,6 +130,9 @@ def score(job: JobConfig, out: str | None = None, entropy: bool = False) -> Path
         raise ConfigError(["config key 'lora.r': vlmcp score runs the model at model.path without "
                            "trained adapters; score the merged model of `vlmcp export --merge` "
                            "with lora.r 0"])
+    if not job.data.train:
+        raise ConfigError(["config key 'data.train': vlmcp score scores the files of data.train "
+                           "(a rollout job's steps too: --set data.train=ROLLOUTS/step_N/FILE)"])
     preflight = start_checked(job, training=False)
     sp = SequenceParallel.initialize(job.parallel.sp_size)
     engine, _, _ = build_engine(job, preflight, sp)

@@ -13,10 +13,37 @@ order (the first step of a resumed run) starts a loader at that step's first pac
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 from vlmcp.data.batch import PackedBatch
 from vlmcp.data.pack import PackedDataset
 from vlmcp.data.stream import SampleReader, load_packs
+
+
+@dataclass
+class StepBatches:
+    """One optimizer step's micro-batches on this rank, as the training step runs them.
+
+    batches:     this rank's micro-batches in order (the same count on every rank).
+    weights:     1.0 for a micro-batch of the step, 0.0 for one that only repeats another rank's
+                 pack so that every rank runs the same collectives (its loss is not counted).
+    micro_batches: the step's micro-batches of weight 1 over all DP groups (each SP group counts
+                 its pack once): what the mean of per-micro-batch quantities divides by.
+    row:         metrics row entries of the step's data ("epoch"; a rollout step's lag, ...).
+    skip:        why the step trains nothing (a rollout step skipped as stale, ...), else None.
+    """
+
+    batches: list[PackedBatch]
+    weights: list[float]
+    micro_batches: int
+    row: dict[str, Any]
+    skip: str | None = None
+
+    @property
+    def counted(self) -> list[PackedBatch]:
+        """The micro-batches of weight 1."""
+        return [batch for batch, weight in zip(self.batches, self.weights) if weight]
 
 
 class StepPacks:
@@ -70,6 +97,12 @@ class StepPacks:
             self._next = (epoch, inner + 1)
         self._last = (step, chosen)
         return chosen
+
+    def step_batches(self, step: int) -> StepBatches:
+        """`batches(step)` as the training step runs them (every one of weight 1)."""
+        batches = self.batches(step)
+        return StepBatches(batches, [1.0] * len(batches),
+                           self.dataset.dp_size * self.grad_accum, {"epoch": self.locate(step)[0]})
 
     def close(self) -> None:
         """Stop the loader (and its workers) of the current epoch, if any."""

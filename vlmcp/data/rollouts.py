@@ -1,0 +1,96 @@
+"""A rollout directory: the training data an RL producer writes for the trainer, one step at a time.
+
+    ROLLOUTS/                   rollouts.dir
+        step_1/                 the samples of optimizer step 1
+            meta.json           optional: {"policy_step": 0, ...}, the policy that generated them
+            rollouts.jsonl      the data: every *.jsonl and *.json file at the top of the step
+                                (meta.json aside), read in name order, in any format vlmcp reads
+            images/...          images the data names (relative to its file, or data.image_root)
+            STABLE              written last: the step is complete
+        step_2/ ...
+
+A step is complete, and vlmcp reads it, only once `STABLE` exists in it. A producer writes every
+other file of the step first (closed, and on a network filesystem flushed), then `STABLE`; or it
+writes the whole step, `STABLE` included, under another name in ROLLOUTS and renames it to
+`step_N` (a rename within one filesystem is atomic). The files of a complete step must not change.
+vlmcp never writes, renames or deletes anything under ROLLOUTS.
+
+`policy_step` in meta.json is the number of optimizer steps of the weights the samples were
+generated with (0: `model.path`; N: the weights published after step N). The policy lag of step
+N is `(N - 1) - policy_step`: how many optimizer steps the trainer's weights at the start of step
+N are ahead of the generating ones (0: on-policy).
+
+This module reads the layout; it imports no torch and talks to no other rank.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vlmcp.data import json_text
+from vlmcp.errors import DataError
+
+#: The file whose presence makes a step (or a published weights directory) complete.
+STABLE = "STABLE"
+META = "meta.json"
+#: What a step's data files end with.
+DATA_SUFFIXES = (".jsonl", ".json")
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    """ROLLOUTS/step_N of optimizer step `step` (1-based)."""
+    return Path(root) / f"step_{step}"
+
+
+def is_complete(path: str | Path) -> bool:
+    """Whether the directory holds its STABLE marker."""
+    return (Path(path) / STABLE).is_file()
+
+
+@dataclass(frozen=True)
+class RolloutMeta:
+    """A step's meta.json: the generating policy's step (None when not given) and every field."""
+
+    policy_step: int | None = None
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    def lag(self, step: int) -> int | None:
+        """The policy lag of optimizer step `step` (1-based): (step - 1) - policy_step."""
+        return None if self.policy_step is None else step - 1 - self.policy_step
+
+
+def read_meta(path: str | Path) -> RolloutMeta:
+    """The meta.json of the step directory `path` (empty when there is none). Raises DataError
+    naming the file when it is not a JSON object or its policy_step is not an integer >= 0."""
+    meta_path = Path(path) / META
+    if not meta_path.is_file():
+        return RolloutMeta()
+    try:
+        raw = json_text.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"{meta_path}: cannot read ({exc})") from exc
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{meta_path}:{exc.lineno}:{exc.colno}: malformed JSON: {exc.msg}") from exc
+    if not isinstance(raw, dict):
+        raise DataError(f"{meta_path}: expected a JSON object, got {type(raw).__name__}")
+    policy_step = raw.get("policy_step")
+    if policy_step is not None and (isinstance(policy_step, bool) or not isinstance(policy_step, int)
+                                    or policy_step < 0):
+        raise DataError(f"{meta_path}: \"policy_step\" must be an integer >= 0 (the optimizer "
+                        f"steps of the generating weights), got {json.dumps(policy_step)}")
+    return RolloutMeta(policy_step, raw)
+
+
+def step_files(path: str | Path) -> list[Path]:
+    """The data files of the step directory `path`, in name order. Raises DataError when it holds
+    none."""
+    path = Path(path)
+    files = sorted(p for p in path.iterdir()
+                   if p.is_file() and p.name != META and p.name.endswith(DATA_SUFFIXES))
+    if not files:
+        raise DataError(f"{path}: no data file (*.jsonl or *.json besides {META}) in a step "
+                        f"marked {STABLE}")
+    return files
