@@ -309,11 +309,14 @@ def _token_references(name, tmp_root):
 
 def _scale(key: str, ref: Reference) -> float:
     """The magnitude a metric's rounding scales with: its own, or for a difference of two nearly
-    equal values (a margin of two rewards, the mean of mu - logp) its operands'."""
+    equal values (a reward beta * (logp - ref), a margin of two rewards, the mean of mu - logp)
+    its operands'."""
     stats = ref.stats
+    if key in ref.scales:
+        return ref.scales[key]
     if key == "rewards/margins":
         return abs(stats["rewards/chosen"]) + abs(stats["rewards/rejected"])
-    return ref.scales.get(key, abs(stats[key]))
+    return abs(stats[key])
 
 
 def _assert_step_close(result, refs, expected_keys):

@@ -253,6 +253,7 @@ def reference_pairs(model, pairs: list[tuple[RawSample, RawSample]],
     model = copy.deepcopy(model)
     beta = term.beta
     sums = Counter()
+    scales = Counter()
     total = 0.0
     n_targets = 0
     for (chosen, rejected), (ref_c, ref_r) in zip(pairs, reference):
@@ -268,6 +269,12 @@ def reference_pairs(model, pairs: list[tuple[RawSample, RawSample]],
             reward_c, reward_r = beta * (s_c - ref_c), beta * (s_r - ref_r)
             h = reward_c - reward_r
             loss = -F.logsigmoid(h) if term.type == "dpo" else (h / beta - 1 / (2 * beta)) ** 2
+            # beta * (s - ref) cancels: its rounding scales with the logprob sums, not the reward
+            size_c = beta * (abs(float(s_c)) + abs(float(ref_c)))
+            size_r = beta * (abs(float(s_r)) + abs(float(ref_r)))
+            scales["rewards/chosen"] += size_c / len(pairs)
+            scales["rewards/rejected"] += size_r / len(pairs)
+            scales["rewards/margins"] += (size_c + size_r) / len(pairs)
         (loss / len(pairs)).backward()
         total += float(loss.detach()) / len(pairs)
         for key, value in (("rewards/chosen", reward_c), ("rewards/rejected", reward_r),
@@ -277,4 +284,4 @@ def reference_pairs(model, pairs: list[tuple[RawSample, RawSample]],
             sums[key] += float(value.detach()) / len(pairs)
     sums["entropy"] /= n_targets
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return Reference(total, grads, dict(sums), Counter())
+    return Reference(total, grads, dict(sums), Counter(), dict(scales))
