@@ -241,11 +241,9 @@ def _digit_pairs_jsonl(digits_dir, out_path, count=4):
     return out_path
 
 
-def _reference_dpo_update(checkpoint, halves, beta):
+def _reference_dpo_update(model, halves, beta):
     """-LR * d/dw of the mean DPO loss over the pairs, plain transformers, each half alone, with
     the reference sums of the initial policy itself (the same weights), and those sums."""
-    model = Qwen3_5ForConditionalGeneration.from_pretrained(
-        str(checkpoint), dtype=torch.float32, attn_implementation="sdpa")
     pairs = len(halves) // 2
     total, sums = 0.0, []
     for chosen, rejected in zip(halves[::2], halves[1::2]):
@@ -282,23 +280,27 @@ def test_dpo_sgd_step_on_trl_pairs_with_initial_reference_matches_plain_transfor
         train={"max_steps": 1, "grad_accum": 2, "grad_clip": 0.0}))
     assert_ok(run_vlmcp(["train", str(job)], launcher="torchrun", nproc=WORLD))
 
-    ref_loss, ref_sums, reference = _reference_dpo_update(checkpoint, halves, beta)
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(
+        str(checkpoint), dtype=torch.float32, attn_implementation="sdpa")
+    ref_loss, ref_sums, reference = _reference_dpo_update(model, halves, beta)
+    truth_loss, truth_sums, truth = float64_reference(_reference_dpo_update, model, halves, beta)
     scored = [json.loads(line) for line in (out / "reference_logps.jsonl").read_text().splitlines()]
     assert [r["index"] for r in scored] == list(range(len(lengths)))
-    for record, (chosen, rejected) in zip(scored, ref_sums):
-        assert abs(record["chosen"]["logprob_sum"] - chosen) <= 1e-5 * abs(chosen)
-        assert abs(record["rejected"]["logprob_sum"] - rejected) <= 1e-5 * abs(rejected)
+    for record, sums32, sums64 in zip(scored, ref_sums, truth_sums, strict=True):
+        for half, ref32, ref64 in zip(("chosen", "rejected"), sums32, sums64, strict=True):
+            assert_within_fp32_error(record[half]["logprob_sum"], ref32, ref64, at_least=1e-5,
+                                     name=f"{half} reference sum")
     before = load_file(checkpoint / "model.safetensors")
     after = Qwen3_5ForConditionalGeneration.from_pretrained(str(out / "final"),
                                                             dtype=torch.float32).state_dict()
     for key, w0 in before.items():
         if key.startswith("model.visual."):
             continue
-        update, ref = after[key] - w0, reference[key]
-        error = float((update - ref).norm())
-        allowed = 1e-5 * float(ref.norm()) + ROUNDING * float(w0.norm())
-        assert error <= allowed, f"{key}: |update - ref| = {error:.3e} > {allowed:.3e}"
+        update, ref, exact = after[key] - w0, reference[key], truth[key]
+        error = float((update - exact).norm())
+        allowed = fp32_allowance(ref, exact, at_least=1e-5) * float(exact.norm()) + ROUNDING * float(w0.norm())
+        assert error <= allowed, f"{key}: |update - exact| = {error:.3e} > {allowed:.3e}"
     (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert abs(row["loss"] - ref_loss) <= 1e-5 * ref_loss
+    assert_within_fp32_error(row["loss"], ref_loss, truth_loss, at_least=1e-5, name="loss")
     assert abs(row["rewards/margins"]) < 1e-4 and row["logps/chosen"] < 0
     assert {"rewards/chosen", "rewards/rejected", "rewards/accuracies"} <= set(row)

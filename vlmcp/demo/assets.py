@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -30,6 +31,18 @@ class DemoAssets:
     eval: Path
 
 
+def digit_splits(n_train: int, n_eval: int,
+                 rng: np.random.Generator) -> tuple[Any, dict[str, np.ndarray]]:
+    """scikit-learn's digits and disjoint random {"train", "eval"} index arrays drawn with `rng`."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    total = len(digits.target)
+    if n_train + n_eval > total:
+        raise ValueError(f"n_train + n_eval = {n_train + n_eval} exceeds the {total} digits")
+    order = rng.permutation(total)
+    return digits, {"train": order[:n_train], "eval": order[n_train:n_train + n_eval]}
+
 def write_digits_dataset(
     out_dir: str | Path, n_train: int = 1500, n_eval: int = 297, seed: int = 0
 ) -> tuple[Path, Path]:
@@ -38,16 +51,9 @@ def write_digits_dataset(
     Each line is the messages format: user "<image>What digit is this?", assistant the digit.
     Also writes dpo_train.jsonl (`write_digit_pairs`). Returns (train.jsonl, eval.jsonl).
     """
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    total = len(digits.target)
-    if n_train + n_eval > total:
-        raise ValueError(f"n_train + n_eval = {n_train + n_eval} exceeds the {total} digits")
+    digits, splits = digit_splits(n_train, n_eval, np.random.default_rng(seed))
     out_dir = Path(out_dir)
     (out_dir / "images").mkdir(parents=True, exist_ok=True)
-    order = np.random.default_rng(seed).permutation(total)
-    splits = {"train": order[:n_train], "eval": order[n_train:n_train + n_eval]}
     paths = []
     for split, indices in splits.items():
         path = out_dir / f"{split}.jsonl"

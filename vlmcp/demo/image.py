@@ -38,19 +38,21 @@ DEMO_MODEL = {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads":
               "num_key_value_heads": 2, "head_dim": 32}
 
 
-def demo_job(assets_dir: Path, out_dir: Path, sp_size: int) -> dict[str, Any]:
-    """The demo's job: paths relative to the job file, which lives in `out_dir`."""
+def demo_job(assets_dir: Path, out_dir: Path, sp_size: int, *, data: str = "digits",
+             lr: float = 2e-3, max_steps: int = 300, eval_every: int = 50) -> dict[str, Any]:
+    """The demo's job on `assets_dir/data/{train,eval}.jsonl`: paths relative to the job file,
+    which lives in `out_dir`."""
     return {
         "model": {"path": os.path.relpath(assets_dir / "checkpoint", out_dir),
                   "dtype": "float32", "freeze_vision": True},
-        "data": {"train": os.path.relpath(assets_dir / "digits" / "train.jsonl", out_dir),
-                 "eval": os.path.relpath(assets_dir / "digits" / "eval.jsonl", out_dir),
+        "data": {"train": os.path.relpath(assets_dir / data / "train.jsonl", out_dir),
+                 "eval": os.path.relpath(assets_dir / data / "eval.jsonl", out_dir),
                  "max_seq_len": 512, "shuffle": True},
         "parallel": {"sp_size": sp_size},
-        "optimizer": {"type": "adamw", "lr": 2e-3, "weight_decay": 0.0, "betas": [0.9, 0.98]},
+        "optimizer": {"type": "adamw", "lr": lr, "weight_decay": 0.0, "betas": [0.9, 0.98]},
         "scheduler": {"type": "cosine", "warmup_steps": 50, "min_lr_ratio": 0.05},
-        "train": {"max_steps": 300, "seed": 0, "grad_clip": 1.0, "grad_accum": 1,
-                  "save_every": 0, "eval_every": 50},
+        "train": {"max_steps": max_steps, "seed": 0, "grad_clip": 1.0, "grad_accum": 1,
+                  "save_every": 0, "eval_every": eval_every},
         "eval": {"generate": True, "max_new_tokens": 4},
         "deepspeed": {"zero_optimization": {"stage": 0}},
         "output_dir": str(out_dir),

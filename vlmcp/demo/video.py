@@ -21,7 +21,6 @@ Exits non-zero when training fails or the final held-out accuracy is below 80 %.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Sequence
 from fractions import Fraction
@@ -32,8 +31,8 @@ import av
 import numpy as np
 from PIL import Image
 
-from vlmcp.demo.image import DEMO_MODEL, train_and_report
-from vlmcp.demo.assets import DIGIT_IMAGE_SIZE
+from vlmcp.demo.assets import DIGIT_IMAGE_SIZE, digit_splits
+from vlmcp.demo.image import DEMO_MODEL, demo_job, train_and_report
 from vlmcp.model.tiny import build_tiny_checkpoint
 
 TARGET_ACCURACY = 0.80
@@ -61,17 +60,10 @@ def write_digit_clips(out_dir: str | Path, n_train: int = 1500, n_eval: int = 20
                       seed: int = 0) -> tuple[Path, Path]:
     """Write train.jsonl and eval.jsonl (disjoint digits) with their clips under clips/ (see the
     module docstring). Returns (train.jsonl, eval.jsonl)."""
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    total = len(digits.target)
-    if n_train + n_eval > total:
-        raise ValueError(f"n_train + n_eval = {n_train + n_eval} exceeds the {total} digits")
+    rng = np.random.default_rng(seed)
+    digits, splits = digit_splits(n_train, n_eval, rng)
     out_dir = Path(out_dir)
     (out_dir / "clips").mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    order = rng.permutation(total)
-    splits = {"train": order[:n_train], "eval": order[n_train:n_train + n_eval]}
     paths = []
     for split, indices in splits.items():
         path = out_dir / f"{split}.jsonl"
@@ -96,22 +88,9 @@ def write_digit_clips(out_dir: str | Path, n_train: int = 1500, n_eval: int = 20
 
 
 def video_demo_job(assets_dir: Path, out_dir: Path, sp_size: int) -> dict[str, Any]:
-    """The video demo's job: paths relative to the job file, which lives in `out_dir`."""
-    return {
-        "model": {"path": os.path.relpath(assets_dir / "checkpoint", out_dir),
-                  "dtype": "float32", "freeze_vision": True},
-        "data": {"train": os.path.relpath(assets_dir / "clips" / "train.jsonl", out_dir),
-                 "eval": os.path.relpath(assets_dir / "clips" / "eval.jsonl", out_dir),
-                 "max_seq_len": 512, "shuffle": True},
-        "parallel": {"sp_size": sp_size},
-        "optimizer": {"type": "adamw", "lr": 1e-3, "weight_decay": 0.0, "betas": [0.9, 0.98]},
-        "scheduler": {"type": "cosine", "warmup_steps": 50, "min_lr_ratio": 0.05},
-        "train": {"max_steps": 600, "seed": 0, "grad_clip": 1.0, "grad_accum": 1,
-                  "save_every": 0, "eval_every": 200},
-        "eval": {"generate": True, "max_new_tokens": 4},
-        "deepspeed": {"zero_optimization": {"stage": 0}},
-        "output_dir": str(out_dir),
-    }
+    """The video demo's job: the image demo's on the clips, at a lower rate for longer."""
+    return demo_job(assets_dir, out_dir, sp_size, data="clips", lr=1e-3, max_steps=600,
+                    eval_every=200)
 
 
 def run_video_demo(out_dir: str | Path = "runs/demo_video", nproc: int = 2, sp_size: int = 2,
