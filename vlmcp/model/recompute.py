@@ -19,8 +19,9 @@ forward (whatever the class is, and its rounding), it calls modules as modules d
 gradient checkpointing, and its early stop ends the replay as soon as the last saved tensor is
 rebuilt. The early stop is what makes the norm + `out_proj` pair cheap: `out_proj` saves its input
 before it multiplies, so the replay stops before the matmul and only the elementwise norm runs
-again (with LoRA on `out_proj` the base matmul runs before the adapter saves its input, so it is
-replayed: one extra `[N, V] x [V, hidden]` product).
+again (with LoRA on `out_proj` the base matmul and the adapter's rank-r `lora_A` product run
+before the adapter's last saved input, so they are replayed: one extra `[N, V] x [V, hidden]` and
+one `[N, V] x [V, r]` product).
 
 Applied always, whichever `model.deltanet_kernel` runs: these steps sit outside the DeltaNet core,
 the recompute is exact, and it costs elementwise work only. Installed per module instance (an
