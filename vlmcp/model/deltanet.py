@@ -40,11 +40,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 from transformers.activations import ACT2FN
 
 from vlmcp.model.delta_rule import HeadLayout
 from vlmcp.model.deltanet_kernel import deltanet_core
+from vlmcp.model.recompute import gated_norm_then_project
 from vlmcp.parallel import comm
 from vlmcp.parallel.modes import DELTANET_MODES
 from vlmcp.parallel.shard import ShardPlan
@@ -59,9 +59,9 @@ def install_deltanet_hooks(model: nn.Module, mode: str = "state", kernel: str = 
     """Give every Gated DeltaNet layer of `model` the packed/sharded forward, its core run by
     `kernel` (`model.deltanet_kernel`). Returns the layers.
 
-    The original forward stays in use whenever a call has no `shard_plan`. The layer's gated
-    RMSNorm keeps transformers' forward but runs it under torch's non-reentrant checkpoint
-    (`_recomputed_norm`). Under ZeRO-3 the conv
+    The original forward stays in use whenever a call has no `shard_plan`. The hooked forward
+    runs the layer's gated RMSNorm and `out_proj` as transformers does, under one checkpoint
+    (`vlmcp.model.recompute.gated_norm_then_project`). Under ZeRO-3 the conv
     weight, which the forward reads directly, is registered as an external parameter of its layer
     so that DeepSpeed gathers it for the layer's forward.
     """
@@ -71,7 +71,6 @@ def install_deltanet_hooks(model: nn.Module, mode: str = "state", kernel: str = 
     for layer in layers:
         original = type(layer).forward.__get__(layer)
         layer.forward = functools.partial(_hooked_forward, layer, original, mode, kernel)
-        layer.norm.forward = functools.partial(_recomputed_norm, layer.norm)
         if hasattr(layer.conv1d.weight, "ds_id"):
             import deepspeed
 
@@ -82,9 +81,8 @@ def install_deltanet_hooks(model: nn.Module, mode: str = "state", kernel: str = 
 def uninstall_deltanet_hooks(layers: list[nn.Module]) -> None:
     """Restore the transformers forward on layers returned by `install_deltanet_hooks`."""
     for layer in layers:
-        for module in (layer, layer.norm):
-            if "forward" in module.__dict__:
-                del module.forward
+        if "forward" in layer.__dict__:
+            del layer.forward
 
 
 def _hooked_forward(layer, original, mode, kernel, hidden_states, *args, shard_plan: ShardPlan | None = None,
@@ -92,16 +90,6 @@ def _hooked_forward(layer, original, mode, kernel, hidden_states, *args, shard_p
     if shard_plan is None:
         return original(hidden_states, *args, **kwargs)
     return sharded_deltanet_forward(layer, hidden_states, shard_plan, mode, kernel)
-
-
-def _recomputed_norm(norm: nn.Module, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """The gated RMSNorm ([N, V], [N, V] -> [N, V]): transformers' own forward, under torch's
-    non-reentrant checkpoint when autograd records, so backward keeps its two inputs only and
-    recomputes its four fp32 intermediates (80 -> 32 KiB per token at Qwen3.5-35B-A3B's layout).
-    Called as the module (its hooks, ZeRO-3's gathers, still fire)."""
-    if not torch.is_grad_enabled():
-        return type(norm).forward(norm, hidden_states, gate)
-    return checkpoint(type(norm).forward, norm, hidden_states, gate, use_reentrant=False)
 
 
 def sharded_deltanet_forward(
@@ -120,8 +108,8 @@ def sharded_deltanet_forward(
         core = _heads_mode(layer, mixed, a, b, plan, kernel)
     else:
         core = _state_mode(layer, mixed, a, b, plan, kernel)
-    core = layer.norm(core.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
-    return layer.out_proj(core.reshape(length, -1)).unsqueeze(0)
+    return gated_norm_then_project(layer.norm, layer.out_proj, core.reshape(length, -1, layer.head_v_dim),
+                                   z).unsqueeze(0)
 
 
 def _gates(layer: nn.Module, a: torch.Tensor, b: torch.Tensor, heads: slice) -> tuple[torch.Tensor, torch.Tensor]:

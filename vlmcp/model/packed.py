@@ -42,6 +42,7 @@ from vlmcp.model.deltanet_kernel import resolve_kernel
 from vlmcp.model.loss import DEFAULT_LOSS_CHUNK_MB, shard_ce_and_entropy
 from vlmcp.model.loss_terms import Loss
 from vlmcp.model.merge import merge_embeddings, shard_first_embeddings
+from vlmcp.model.recompute import install_recompute
 from vlmcp.model.token_logprobs import TokenLogprobs, shard_token_logprobs
 from vlmcp.model.router_loss import RouterAuxLoss
 from vlmcp.parallel.groups import SequenceParallel
@@ -82,6 +83,11 @@ class PackedVLM(nn.Module):
 
     `deltanet_kernel` is `model.deltanet_kernel` ("auto", "fla", "torch"); an impossible choice
     raises KernelError here.
+
+    Always, whichever kernel: the full-attention layers' `q_norm` and `k_norm` keep only a compact
+    copy of their input for backward, the DeltaNet layers' gated norm + `out_proj` only the norm's
+    two inputs, and the routed experts' gate only its input, recomputing the rest exactly
+    (model.recompute).
 
     `router_aux_loss` (MoE only, `model.router_aux_loss`): `forward` also returns this rank's
     share of the micro-batch's router load-balancing loss (model.router_loss), and
@@ -142,6 +148,7 @@ class PackedVLM(nn.Module):
         #: The kernel the DeltaNet layers run on this run's device ("fla" or "torch").
         self.deltanet_kernel = resolve_kernel(deltanet_kernel, compute_device())
         self.deltanet_layers = install_deltanet_hooks(self.language_model, deltanet_cp, deltanet_kernel)
+        self.recomputed = install_recompute(self.language_model)
         self.router_loss = RouterAuxLoss(self.language_model, text_config) if router_aux_loss else None
         self.router_aux_coef = self.router_loss.coef if self.router_loss is not None else 0.0
         if gradient_checkpointing:
