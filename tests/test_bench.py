@@ -40,6 +40,17 @@ def test_bench_parses_every_flag():
     assert args.saved_bytes and args.compare_alst
 
 
+@pytest.mark.parametrize("mode,given,named", [
+    ("--saved-bytes", ["--videos", "2", "--images", "2"], "--images, --videos"),
+    ("--compare-alst", ["--moe", "--tiled-mlp", "--dtype", "bfloat16"], "--moe, --dtype, --tiled-mlp"),
+    ("--loss-only", ["--videos", "1", "--gradient-checkpointing"], "--videos, --gradient-checkpointing"),
+])
+def test_a_bench_mode_refuses_the_flags_it_does_not_use_by_name(mode, given, named, tmp_path, capsys):
+    out = tmp_path / "never.json"
+    assert main(["bench", mode, *given, "--out", str(out)]) == 1
+    assert f"{mode} does not use {named}" in capsys.readouterr().err and not out.exists()
+
+
 def test_synthetic_pack_places_every_image_and_keeps_targets_off_placeholders():
     config = tiny_qwen3_5_config()
     batch = synthetic_pack(2048, 3, config, images=5)

@@ -61,6 +61,7 @@ from vlmcp.data.batch import PackedBatch
 from vlmcp.device import compute_device
 from vlmcp.model.loss import CE_BYTES_PER_LOGIT, DEFAULT_LOSS_CHUNK_MB, shard_loss_sum, vocab_chunk_rows
 from vlmcp.parallel import comm
+from vlmcp.parallel.modes import DELTANET_KERNELS, DELTANET_MODES
 
 logger = logging.getLogger(__name__)
 
@@ -502,9 +503,39 @@ def search_max_len(fits: Callable[[int], bool], unit: int, max_probes: int) -> i
     return low * unit or None
 
 
+#: The step benchmark's flags that a separate mode does not use: given with it, they are refused.
+_IGNORED_BY_MODE = {
+    "saved_bytes": ("images", "videos", "vision", "loss_chunk_mb"),
+    "compare_alst": ("moe", "hidden_size", "intermediate_size", "images", "videos", "vision",
+                     "dtype", "deltanet_cp", "deltanet_kernel", "gradient_checkpointing",
+                     "tiled_mlp", "offload_activations", "loss_chunk_mb"),
+    "loss_only": ("model", "moe", "intermediate_size", "images", "videos", "vision", "sp_size",
+                  "deltanet_cp", "deltanet_kernel", "gradient_checkpointing", "tiled_mlp",
+                  "offload_activations"),
+}
+#: The values those flags have when not given (the others default to None, False or 0).
+_FLAG_DEFAULTS = {"dtype": "float32", "deltanet_cp": DELTANET_MODES[0],
+                  "deltanet_kernel": DELTANET_KERNELS[0]}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _ignored_flags(args: argparse.Namespace) -> list[str]:
+    """One problem per mode given with flags it does not use (before defaults are filled)."""
+    problems = []
+    for mode, names in _IGNORED_BY_MODE.items():
+        given = [name for name in names
+                 if getattr(args, name) not in (_FLAG_DEFAULTS.get(name), None, False, 0)]
+        if getattr(args, mode) and given:
+            problems.append(f"{_flag(mode)} does not use {', '.join(map(_flag, given))}")
+    return problems
+
+
 def _resolve_args(args: argparse.Namespace, device: torch.device) -> None:
     """Fill the defaults that live in the model code; raise ValueError naming bad flag mixes."""
-    problems = []
+    problems = _ignored_flags(args)
     if args.model and (args.vocab_size is not None or args.hidden_size is not None
                        or args.intermediate_size is not None):
         problems.append("--vocab-size, --hidden-size and --intermediate-size shape the built-in tiny "

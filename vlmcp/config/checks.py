@@ -14,7 +14,8 @@ import typing
 from dataclasses import fields, is_dataclass
 from typing import Any
 
-from vlmcp.config.schema import JobConfig, LoraSection, ModelSection, RolloutsSection, VideoSection
+from vlmcp.config.schema import (JobConfig, LoraSection, ModelSection, PublishSection, RolloutsSection,
+                                 VideoSection)
 from vlmcp.data.sources import data_files
 from vlmcp.errors import DataSpecError
 
@@ -164,6 +165,7 @@ def cross_key_problems(job: JobConfig) -> list[str]:
     problems.extend(_memory_feature_checks(job))
     problems.extend(_video_checks(job.data.video))
     problems.extend(_rollout_checks(job))
+    problems.extend(_keys_set_without(job.publish, "publish", "dir"))
     return problems
 
 
@@ -204,15 +206,22 @@ def training_data_problems(job: JobConfig) -> list[str]:
     return ["missing required config key 'data.train'"]
 
 
+def _keys_set_without(section: RolloutsSection | PublishSection, name: str, switch: str
+                      ) -> list[str]:
+    """The keys of `section` set to other than their defaults while its `switch` key is off."""
+    if getattr(section, switch):
+        return []
+    default = type(section)()
+    return [f"config key '{name}.{f.name}' is set but '{name}.{switch}' is not"
+            for f in fields(section) if f.name != switch
+            and getattr(section, f.name) != getattr(default, f.name)]
+
+
 def _rollout_checks(job: JobConfig) -> list[str]:
     """The rollouts keys that need rollouts.dir, or do not apply with it."""
     rollouts = job.rollouts
     if not rollouts.dir:
-        changed = [f.name for f in fields(RolloutsSection)
-                   if f.name != "dir" and getattr(rollouts, f.name)
-                   != getattr(RolloutsSection(), f.name)]
-        return [f"config key 'rollouts.{name}' is set but 'rollouts.dir' is not"
-                for name in changed]
+        return _keys_set_without(rollouts, "rollouts", "dir")
     problems = []
     if job.train.grad_accum != 1:
         problems.append("config key 'train.grad_accum' does not apply with 'rollouts.dir': each "

@@ -533,7 +533,10 @@ def _process_videos(plans: list[VideoPlan], source: str, processor: VLProcessor
     pixels = []
     for plan in plans:
         frames = decode_frames(plan.source, plan.meta, list(plan.indices), source)
-        pixels.append(processor.process_video(frames, plan))
+        try:
+            pixels.append(processor.process_video(frames, plan))
+        except ValueError as e:
+            raise _fail(source, f"video processor rejected {plan.source.label()}: {e}") from e
     return torch.cat(pixels)
 
 

@@ -173,7 +173,10 @@ def decode_frames(video: VideoSource, meta: VideoMeta, indices: list[int], sourc
                                            f"{last}; its metadata ({meta.count_source}) says "
                                            f"{meta.total_frames}")
             if count in wanted:
-                image = frame.to_image()
+                try:
+                    image = frame.to_image()
+                except (av.FFmpegError, OSError, ValueError) as e:
+                    raise _fail(source, video, f"cannot convert frame {count} to RGB ({e})") from e
                 if image.size != size:
                     raise _fail(source, video, f"frame {count} is {image.size[0]}x"
                                                f"{image.size[1]}, the stream says "

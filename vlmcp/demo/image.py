@@ -95,6 +95,17 @@ def plot_metrics(rows: Sequence[dict[str, Any]], path: Path,
     return path
 
 
+def torchrun_command(nproc: int, args: list[str]) -> tuple[list[str], dict[str, str]]:
+    """(command, environment) of `vlmcp ARGS` under torchrun on `nproc` local CPU ranks, one
+    thread each."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_addr", "127.0.0.1", "--master_port", str(comm.free_local_port()),
+               "-m", "vlmcp", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "TOKENIZERS_PARALLELISM": "false"}
+    return command, env
+
+
 def train_and_report(out: Path, job: dict[str, Any], nproc: int, sp_size: int,
                      steps: int | None, overrides: Sequence[str], build_s: float, *,
                      target: float, title: str) -> int:
@@ -104,11 +115,7 @@ def train_and_report(out: Path, job: dict[str, Any], nproc: int, sp_size: int,
     job_path.write_text(json.dumps(job, indent=2) + "\n")
     sets = [*(["--set", f"train.max_steps={steps}"] if steps else []),
             *(arg for item in overrides for arg in ("--set", item))]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_addr", "127.0.0.1", "--master_port", str(comm.free_local_port()),
-               "-m", "vlmcp", "train", str(job_path), *sets]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "TOKENIZERS_PARALLELISM": "false"}
+    command, env = torchrun_command(nproc, ["train", str(job_path), *sets])
     print(f"demo: assets in {out / 'assets'} ({build_s:.1f} s); training: {' '.join(command)}",
           flush=True)
     train_started = time.perf_counter()

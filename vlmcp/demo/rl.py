@@ -28,10 +28,9 @@ from typing import Any
 
 from vlmcp.data.processor import load_processor
 from vlmcp.demo.assets import write_digits_dataset
-from vlmcp.demo.image import DEMO_MODEL, demo_job
+from vlmcp.demo.image import DEMO_MODEL, demo_job, torchrun_command
 from vlmcp.demo.orchestrator import Orchestrator, Policy, load_prompts
 from vlmcp.model.tiny import build_tiny_checkpoint
-from vlmcp.parallel import comm
 from vlmcp.training.metrics import read_metrics
 
 #: The demo fails below this final held-out accuracy (measured 91.6 %: docs/demo.md).
@@ -48,11 +47,7 @@ RL_WARMUP = 5
 
 
 def _torchrun(nproc: int, args: list[str], log: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_addr", "127.0.0.1", "--master_port", str(comm.free_local_port()),
-               "-m", "vlmcp", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "TOKENIZERS_PARALLELISM": "false"}
+    command, env = torchrun_command(nproc, args)
     return subprocess.Popen(command, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 

@@ -361,7 +361,11 @@ def _run_steps(run: Run, stop: StopSignals, watchdog: Watchdog, progress: Any) -
         try:
             with watchdog.watch(f"step {step + 1}"):
                 row = train_step(run, step)
-        except RolloutError:
+        except (RolloutError, PreflightError):
+            # a bad rollout step, or one of its packs failing to load (raised on every rank): the
+            # steps trained since the last checkpoint are kept, as the producer moved on
+            if run.rollouts is None:
+                raise
             kept = _keep_trained_steps(run, step, saver)
             if comm.rank() == 0:
                 logger.error("rollout step %d cannot train; %s", step + 1, kept)
