@@ -139,4 +139,6 @@ def test_compare_alst_runs_both_sides_in_fresh_processes_and_their_losses_agree(
     assert report["mode"] == "compare_alst" and row["sp_size"] == 1
     assert [run["side"] for run in row["vlmcp"] + row["alst"]] == ["vlmcp", "alst"]
     assert row["step_time_ratio"]["median"] > 0 and row["activation_memory_ratio"]["each"]
+    assert row["step_cpu_time_ratio"]["median"] > 0
+    assert all(run["step_cpu_time_s"] > 0 for run in row["vlmcp"] + row["alst"])
     assert row["loss_rel_diff"] <= 1e-4

@@ -13,7 +13,10 @@ every step sees the same weights), in fresh processes of their own (`--sp-size` 
 Each repeat runs vlmcp then ALST (interleaved, so both see the same machine load); a row reports
 each side's step time (slowest rank, mean over `--steps`), activation memory (peak resident set
 minus the memory after the engine is built, largest rank), the losses, and the per-repeat ratios
-vlmcp / ALST with their median, min and max.
+vlmcp / ALST with their median, min and max. On CPU a row also gives each side's step CPU time
+(the process CPU time of every rank summed, mean over `--steps`) and its ratios: the work a step
+does, which on a loaded machine depends less than the wall time on how the OS schedules the ranks
+(a rank that waits in a collective for a descheduled peer adds wall time, not CPU time).
 """
 
 from __future__ import annotations
@@ -65,19 +68,24 @@ class CompareTask:
         gc.collect()
         model_mb = memory.current_mb()
         memory.reset_peak()
-        times, losses = [], []
+        times, cpu_times, losses = [], [], []
         for index in range(self.warmup + self.steps):
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             losses.append(step())
             if index >= self.warmup:
                 times.append(time.perf_counter() - started)
-        mine = torch.tensor([model_mb, memory.peak_mb(), *times], dtype=torch.float64)
+                cpu_times.append(time.process_time() - cpu_started)
+        mine = torch.tensor([model_mb, memory.peak_mb(), *times, *cpu_times], dtype=torch.float64)
         table = torch.zeros(comm.world_size(), mine.numel(), dtype=torch.float64)
         table[comm.rank()] = mine
         table = comm.all_reduce_sum(table)
-        return {"side": self.side, "step_time_s": float(table[:, 2:].max(dim=0).values.mean()),
-                "activation_memory_mb": float((table[:, 1] - table[:, 0]).max()),
-                "peak_memory_mb": float(table[:, 1].max()), "loss": losses[-1]}
+        steps = len(times)
+        row = {"side": self.side, "step_time_s": float(table[:, 2:2 + steps].max(dim=0).values.mean()),
+               "activation_memory_mb": float((table[:, 1] - table[:, 0]).max()),
+               "peak_memory_mb": float(table[:, 1].max()), "loss": losses[-1]}
+        if device.type == "cpu":
+            row["step_cpu_time_s"] = float(table[:, 2 + steps:].sum(dim=0).mean())
+        return row
 
 
 def _engine(model: torch.nn.Module, mpu: Any) -> Any:
@@ -185,11 +193,15 @@ def compare_alst(model_dir: str, seq_lens: list[int], sp_size: int, steps: int, 
         time_ratios = [v["step_time_s"] / a["step_time_s"] for v, a in zip(runs["vlmcp"], runs["alst"])]
         memory_ratios = [v["activation_memory_mb"] / a["activation_memory_mb"]
                          for v, a in zip(runs["vlmcp"], runs["alst"])]
-        rows.append({"seq_len": seq_len, "sp_size": sp_size, "repeats": repeats,
-                     "vlmcp": runs["vlmcp"], "alst": runs["alst"],
-                     "step_time_ratio": _spread(time_ratios), "activation_memory_ratio": _spread(memory_ratios),
-                     "loss_rel_diff": abs(runs["vlmcp"][-1]["loss"] - runs["alst"][-1]["loss"])
-                     / abs(runs["alst"][-1]["loss"])})
+        row = {"seq_len": seq_len, "sp_size": sp_size, "repeats": repeats,
+               "vlmcp": runs["vlmcp"], "alst": runs["alst"],
+               "step_time_ratio": _spread(time_ratios), "activation_memory_ratio": _spread(memory_ratios),
+               "loss_rel_diff": abs(runs["vlmcp"][-1]["loss"] - runs["alst"][-1]["loss"])
+               / abs(runs["alst"][-1]["loss"])}
+        if device == "cpu":
+            row["step_cpu_time_ratio"] = _spread([v["step_cpu_time_s"] / a["step_cpu_time_s"]
+                                                  for v, a in zip(runs["vlmcp"], runs["alst"])])
+        rows.append(row)
     return rows
 
 

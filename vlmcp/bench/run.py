@@ -608,6 +608,10 @@ def _compare_alst(args: argparse.Namespace, device: torch.device) -> dict[str, A
                     row["step_time_ratio"]["median"], row["step_time_ratio"]["min"],
                     row["step_time_ratio"]["max"], row["activation_memory_ratio"]["median"],
                     row["loss_rel_diff"])
+        if "step_cpu_time_ratio" in row:
+            logger.info("seq_len %d, SP %d: vlmcp / ALST step CPU time (all ranks) %.3f (min %.3f, max %.3f)",
+                        row["seq_len"], row["sp_size"], row["step_cpu_time_ratio"]["median"],
+                        row["step_cpu_time_ratio"]["min"], row["step_cpu_time_ratio"]["max"])
     return {"mode": "compare_alst", "alst_model": None if args.model else ALST_MODEL,
             "sp_size": args.sp_size or 1, "results": rows}
 

@@ -135,9 +135,13 @@ def varlen_causal_attention(
          installed, else torch's built-in `varlen_attn` (which has no dropout: with dropout > 0
          and no flash-attn, 2. runs; torch < 2.13 lacks it, and 2. runs there too).
       2. Everything else (CPU in any dtype, fp32 on CUDA, other head dims): sdpa one segment at
-         a time on 4-D [1, H, L, D] views, which dispatches to a fused kernel (CPU flash; CUDA
+         a time on 4-D [1, H, L, D] tensors, which dispatches to a fused kernel (CPU flash; CUDA
          memory-efficient, flash or cuDNN). 3-D inputs would take the math kernel, which stores
          L x L. CPU's fused kernel has no dropout, so dropout > 0 on CPU is quadratic (warned).
+         Each segment's q, k, v are made contiguous per head first (a copy where a head-sharded
+         [S, H, D] holds more than one head; the copy replaces the view as what sdpa keeps for
+         backward): CPU's flash kernel gives the same bits on either layout and runs a little
+         faster on contiguous heads (about 1 % at 16k tokens; docs/memory.md, vlmcp against ALST).
     """
     if flash_kernels_apply(q, k, v, dropout):
         cu = torch.tensor(cu_seqlens, dtype=torch.int32, device=q.device)
@@ -159,7 +163,7 @@ def varlen_causal_attention(
         )
     pieces = []
     for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]):
-        qs, ks, vs = (t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        qs, ks, vs = (t[a:b].transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))
         out = F.scaled_dot_product_attention(
             qs, ks, vs, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
         )
