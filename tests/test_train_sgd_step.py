@@ -211,6 +211,16 @@ def test_policy_gradient_sgd_step_with_sequence_normalisation_matches_plain_tran
         str(checkpoint), dtype=torch.float32, attn_implementation="sdpa")
     ref_loss, reference = _reference_policy_gradient_update(model, samples)
     truth_loss, truth = float64_reference(_reference_policy_gradient_update, model, samples)
+    _assert_language_update_is_exact(checkpoint, out, reference, truth)
+    (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert_within_fp32_error(row["loss"], ref_loss, truth_loss, at_least=1e-5, name="loss")
+    assert row["entropy"] > 0 and "clip_fraction" not in row
+
+
+def _assert_language_update_is_exact(checkpoint, out, reference, truth):
+    """OUTPUT_DIR/final minus the checkpoint, per language-model weight, within fp32's allowance
+    of the float64 update `truth` (`reference`: the same update in fp32), plus the rounding of
+    adding it to the weight."""
     before = load_file(checkpoint / "model.safetensors")
     after = Qwen3_5ForConditionalGeneration.from_pretrained(str(out / "final"),
                                                             dtype=torch.float32).state_dict()
@@ -220,10 +230,7 @@ def test_policy_gradient_sgd_step_with_sequence_normalisation_matches_plain_tran
         update, ref, exact = after[key] - w0, reference[key], truth[key]
         error = float((update - exact).norm())
         allowed = fp32_allowance(ref, exact, at_least=1e-5) * float(exact.norm()) + ROUNDING * float(w0.norm())
-        assert error <= allowed, f"{key}: |update - ref| = {error:.3e} > {allowed:.3e}"
-    (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert_within_fp32_error(row["loss"], ref_loss, truth_loss, at_least=1e-5, name="loss")
-    assert row["entropy"] > 0 and "clip_fraction" not in row
+        assert error <= allowed, f"{key}: |update - exact| = {error:.3e} > {allowed:.3e}"
 
 
 def _digit_pairs_jsonl(digits_dir, out_path, count=4):
@@ -290,16 +297,7 @@ def test_dpo_sgd_step_on_trl_pairs_with_initial_reference_matches_plain_transfor
         for half, ref32, ref64 in zip(("chosen", "rejected"), sums32, sums64, strict=True):
             assert_within_fp32_error(record[half]["logprob_sum"], ref32, ref64, at_least=1e-5,
                                      name=f"{half} reference sum")
-    before = load_file(checkpoint / "model.safetensors")
-    after = Qwen3_5ForConditionalGeneration.from_pretrained(str(out / "final"),
-                                                            dtype=torch.float32).state_dict()
-    for key, w0 in before.items():
-        if key.startswith("model.visual."):
-            continue
-        update, ref, exact = after[key] - w0, reference[key], truth[key]
-        error = float((update - exact).norm())
-        allowed = fp32_allowance(ref, exact, at_least=1e-5) * float(exact.norm()) + ROUNDING * float(w0.norm())
-        assert error <= allowed, f"{key}: |update - exact| = {error:.3e} > {allowed:.3e}"
+    _assert_language_update_is_exact(checkpoint, out, reference, truth)
     (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert_within_fp32_error(row["loss"], ref_loss, truth_loss, at_least=1e-5, name="loss")
     assert abs(row["rewards/margins"]) < 1e-4 and row["logps/chosen"] < 0
