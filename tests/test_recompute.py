@@ -14,8 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.helpers.parity import (assert_within_fp32_error, build_model, float64_reference, make_sample,
                                   pack, reference_loss_and_grads, seed_adapter_weights)
-from vlmcp.bench.inputs import synthetic_pack
-from vlmcp.bench.saved_bytes import counting_saved_bytes, layer_summary
+from tests.helpers.saved_bytes import saved_bytes_per_layer_kind
 from vlmcp.config import LoraSection
 from vlmcp.model.lora import apply_lora
 from vlmcp.model.packed import PackedVLM
@@ -27,20 +26,11 @@ ATTENTION = "language_model.layers.*.self_attn"
 EXPERTS = "language_model.layers.*.mlp.experts"
 
 
-def _saved_per_layer_kind(module: PackedVLM) -> dict[str, float]:
-    """Bytes each kind of module keeps for backward, one layer of it, on one pack of TOKENS."""
-    batch = synthetic_pack(TOKENS, 1, module.hf_model.config)
-    with counting_saved_bytes(module) as counts:
-        loss, _, _ = module(batch)
-    loss.backward()
-    return {row["module"]: row["bytes_per_token"] * TOKENS for row in layer_summary(counts.per_token(TOKENS))}
-
-
 def test_head_norms_and_expert_gates_keep_only_their_inputs():
     recomputed = PackedVLM(build_model(moe=True)).train()
     plain = PackedVLM(build_model(moe=True)).train()
     uninstall_recompute(plain.recomputed)
-    after, before = _saved_per_layer_kind(recomputed), _saved_per_layer_kind(plain)
+    after, before = saved_bytes_per_layer_kind(recomputed, TOKENS), saved_bytes_per_layer_kind(plain, TOKENS)
     config = recomputed.hf_model.config.text_config
     heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     # q_norm: a compact copy of the query half; before, all of q_proj's output (query and gate

@@ -8,25 +8,16 @@ from __future__ import annotations
 import torch
 
 from tests.helpers.parity import build_model
-from vlmcp.bench.inputs import synthetic_pack
-from vlmcp.bench.saved_bytes import counting_saved_bytes, layer_summary
+from tests.helpers.saved_bytes import saved_bytes_per_layer_kind
+from vlmcp.bench.saved_bytes import counting_saved_bytes
 from vlmcp.model.delta_rule import CHUNK, STRETCH_CHUNKS
 from vlmcp.model.packed import PackedVLM
 
 TOKENS = 1100  # two stretches of the DeltaNet core: one saved state
 
 
-def _per_layer_kind() -> dict[str, float]:
-    module = PackedVLM(build_model()).train()
-    batch = synthetic_pack(TOKENS, 1, module.hf_model.config)
-    with counting_saved_bytes(module) as counts:
-        loss, _, _ = module(batch)
-    loss.backward()
-    return {row["module"]: row["bytes_per_token"] * TOKENS for row in layer_summary(counts.per_token(TOKENS))}
-
-
 def test_deltanet_layer_keeps_pre_conv_channels_gates_one_state_per_stretch_and_its_norm_inputs_only():
-    saved = _per_layer_kind()
+    saved = saved_bytes_per_layer_kind(PackedVLM(build_model()).train(), TOKENS)
     config = build_model().config.text_config
     heads, kdim, vdim = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
     mixed = TOKENS * (2 * config.linear_num_key_heads * kdim + heads * vdim) * 4

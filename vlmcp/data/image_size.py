@@ -22,15 +22,16 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
 from vlmcp.errors import DataError
 
 
-def header_size(path: Path, source: str) -> tuple[int, int]:
-    """(width, height) of the image at `path` from its header; DataError naming `source`."""
+def header_size(path: Path, source: str, what: str = "image") -> tuple[int, int]:
+    """(width, height) of the image at `path` from its header; DataError naming `source` and
+    the file as `what` ("image", "video frame")."""
     if not path.is_file():
-        raise DataError(f"{source}: image not found: {path}")
+        raise DataError(f"{source}: {what} not found: {path}")
     try:
         with Image.open(path) as image:
             return image.size
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-        raise DataError(f"{source}: cannot decode image {path}: {e}") from e
+        raise DataError(f"{source}: cannot decode {what} {path}: {e}") from e
 
 
 def grid_for_size(width: int, height: int, image_processor: Qwen2VLImageProcessorPil

@@ -27,6 +27,7 @@ from pathlib import Path
 import av
 from PIL import Image
 
+from vlmcp.data.image_size import header_size
 from vlmcp.errors import DataError
 
 #: Native fps assumed for a container that states none (transformers' choice).
@@ -87,16 +88,6 @@ def _open(video: VideoSource, source: str) -> av.container.InputContainer:
     return container
 
 
-def _frame_image_size(path: Path, source: str) -> tuple[int, int]:
-    if not path.is_file():
-        raise DataError(f"{source}: video frame not found: {path}")
-    try:
-        with Image.open(path) as image:
-            return image.size
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-        raise DataError(f"{source}: cannot decode video frame {path}: {e}") from e
-
-
 def probe_video(video: VideoSource, source: str) -> VideoMeta:
     """The video's `VideoMeta`, from its container header (or, for a frame list, its first
     frame's image header); no frame is decoded. Raises DataError for a video that cannot be
@@ -104,7 +95,7 @@ def probe_video(video: VideoSource, source: str) -> VideoMeta:
     if video.path is None:
         if not video.frames:
             raise _fail(source, video, "the frame list is empty")
-        width, height = _frame_image_size(video.frames[0], source)
+        width, height = header_size(video.frames[0], source, "video frame")
         return VideoMeta(len(video.frames), float(video.fps), width, height, "frame list",
                          video.fps_source)
     with _open(video, source) as container:
