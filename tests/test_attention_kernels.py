@@ -12,7 +12,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.helpers.parity import assert_within_fp32_error
 from tests.helpers.references import causal_attention_f64
-from vlmcp.model.attention import flash_kernels_apply, varlen_attn_usable, varlen_causal_attention
+from vlmcp.model.attention import (
+    cpu_backward_kv_heads,
+    flash_kernels_apply,
+    varlen_attn_usable,
+    varlen_causal_attention,
+)
 
 CU = (0, 5, 6, 23, 40)  # segments of 5, 1, 17 and 17 tokens
 
@@ -33,8 +38,17 @@ def _out_and_grads(fn, tensors, weight):
     return out.detach().double(), [t.grad.double() for t in leaves]
 
 
+@pytest.fixture(params=[1, 2, 3], ids=["1-thread", "2-threads", "3-threads"])
+def intra_op_threads(request):
+    """torch's intra-op thread count for one test (with 2 and 3, CPU training repeats kv heads)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("kv_heads", [1, 2, 4], ids=["mqa", "gqa", "mha"])
-def test_varlen_attention_equals_float64_causal_softmax_per_segment(kv_heads):
+def test_varlen_attention_equals_float64_causal_softmax_per_segment(kv_heads, intra_op_threads):
     tensors, weight = _inputs(kv_heads)
     scale = 0.3
     out, grads = _out_and_grads(lambda q, k, v: varlen_causal_attention(q, k, v, CU, scaling=scale), tensors, weight)
@@ -44,6 +58,42 @@ def test_varlen_attention_equals_float64_causal_softmax_per_segment(kv_heads):
     assert_within_fp32_error(out, ref32, ref, name="out")
     for name, got, fp32, expected in zip("qkv", grads, ref32_grads, ref_grads, strict=True):
         assert_within_fp32_error(got, fp32, expected, name=name)
+
+
+def test_cpu_training_hands_the_kernel_the_fewest_kv_heads_that_reach_the_thread_count():
+    assert cpu_backward_kv_heads(q_heads=4, kv_heads=1, threads=1) == 1
+    assert cpu_backward_kv_heads(q_heads=4, kv_heads=1, threads=2) == 2
+    assert cpu_backward_kv_heads(q_heads=4, kv_heads=1, threads=3) == 4
+    assert cpu_backward_kv_heads(q_heads=4, kv_heads=2, threads=2) == 2
+    assert cpu_backward_kv_heads(q_heads=16, kv_heads=2, threads=5) == 8
+    assert cpu_backward_kv_heads(q_heads=6, kv_heads=1, threads=4) == 6
+    assert cpu_backward_kv_heads(q_heads=8, kv_heads=2, threads=16) == 8
+    assert cpu_backward_kv_heads(q_heads=4, kv_heads=4, threads=8) == 4
+
+
+class _FlashKvHeads(TorchDispatchMode):
+    """Records the kv head count of every call of CPU's fused attention forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.kv_heads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default:
+            self.kv_heads.append(args[1].shape[1])
+        return func(*args, **(kwargs or {}))
+
+
+def test_cpu_training_with_more_threads_than_kv_heads_hands_the_kernel_repeated_kv_heads(intra_op_threads):
+    tensors, _ = _inputs(kv_heads=1)
+    leaves = [t.clone().requires_grad_(True) for t in tensors]
+    with _FlashKvHeads() as training:
+        varlen_causal_attention(*leaves, CU, scaling=None)
+    with torch.no_grad(), _FlashKvHeads() as inference:
+        varlen_causal_attention(*tensors, CU, scaling=None)
+    expected = cpu_backward_kv_heads(q_heads=4, kv_heads=1, threads=intra_op_threads)
+    assert training.kv_heads == [expected] * (len(CU) - 1)
+    assert inference.kv_heads == [1] * (len(CU) - 1)
 
 
 def test_varlen_attention_on_cpu_runs_on_the_fused_kernel():

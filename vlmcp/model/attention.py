@@ -126,8 +126,8 @@ def varlen_causal_attention(
 ) -> torch.Tensor:
     """Causal attention inside each segment of a packed sequence, never across segments.
 
-    q: [S, Hq, D]; k, v: [S, Hk, D] with Hq a multiple of Hk (kv heads are shared, never
-    copied); cu_seqlens: global segment starts then S. Returns [S, Hq, D].
+    q: [S, Hq, D]; k, v: [S, Hk, D] with Hq a multiple of Hk (kv heads are shared, not copied,
+    except as 2. says); cu_seqlens: global segment starts then S. Returns [S, Hq, D].
 
     No kernel stores a segment x segment score matrix. In order of precedence:
       1. CUDA, bf16/fp16, a head dim the flash kernels take (`flash_kernels_apply`): one varlen
@@ -142,6 +142,10 @@ def varlen_causal_attention(
          [S, H, D] holds more than one head; the copy replaces the view as what sdpa keeps for
          backward): CPU's flash kernel gives the same bits on either layout and runs a little
          faster on contiguous heads (about 1 % at 16k tokens; docs/memory.md, vlmcp against ALST).
+         In training on CPU, k and v are handed over with `cpu_backward_kv_heads` heads: CPU's
+         fused backward splits its work over the kv heads, so with fewer kv heads than threads
+         it cannot use them all (docs/memory.md: 1.25x the backward's time at 16k tokens, 4
+         query heads on 1 kv head, 2 threads).
     """
     if flash_kernels_apply(q, k, v, dropout):
         cu = torch.tensor(cu_seqlens, dtype=torch.int32, device=q.device)
@@ -161,14 +165,35 @@ def varlen_causal_attention(
             "falls back to its math kernel, which stores an L x L matrix per segment",
             stacklevel=2,
         )
+    kv_repeat = 1
+    if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        kv_repeat = cpu_backward_kv_heads(q.shape[1], k.shape[1], torch.get_num_threads()) // k.shape[1]
     pieces = []
     for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]):
         qs, ks, vs = (t[a:b].transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))
+        if kv_repeat > 1:
+            ks, vs = (t.repeat_interleave(kv_repeat, dim=1) for t in (ks, vs))
         out = F.scaled_dot_product_attention(
-            qs, ks, vs, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
+            qs, ks, vs, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=qs.shape[1] != ks.shape[1]
         )
         pieces.append(out[0].transpose(0, 1))
     return torch.cat(pieces, dim=0)
+
+
+def cpu_backward_kv_heads(q_heads: int, kv_heads: int, threads: int) -> int:
+    """How many kv heads (of one sample) to hand CPU's fused attention kernel in training.
+
+    Its backward runs one kv head (with the query heads that share it) per thread, so `kv_heads`
+    below `threads` leaves threads idle. Returns the fewest heads, a multiple of `kv_heads` that
+    divides `q_heads`, reaching `threads` (`q_heads` if none does): each kv head repeated that
+    many times over, the query heads of a group still sharing one copy. Repeating changes no
+    value; autograd sums a repeated head's gradients.
+    """
+    group = q_heads // kv_heads
+    for repeat in range(1, group + 1):
+        if group % repeat == 0 and kv_heads * repeat >= threads:
+            return kv_heads * repeat
+    return q_heads
 
 
 def flash_kernels_apply(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> bool:
