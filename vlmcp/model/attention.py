@@ -186,8 +186,8 @@ def cpu_backward_kv_heads(q_heads: int, kv_heads: int, threads: int) -> int:
     Its backward runs one kv head (with the query heads that share it) per thread, so `kv_heads`
     below `threads` leaves threads idle. Returns the fewest heads, a multiple of `kv_heads` that
     divides `q_heads`, reaching `threads` (`q_heads` if none does): each kv head repeated that
-    many times over, the query heads of a group still sharing one copy. Repeating changes no
-    value; autograd sums a repeated head's gradients.
+    many times over, the query heads of a group still sharing one copy. The result is the same
+    up to fp32 rounding: autograd sums a repeated head's gradients in another order.
     """
     group = q_heads // kv_heads
     for repeat in range(1, group + 1):
