@@ -170,9 +170,8 @@ def varlen_causal_attention(
         kv_repeat = cpu_backward_kv_heads(q.shape[1], k.shape[1], torch.get_num_threads()) // k.shape[1]
     pieces = []
     for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]):
-        qs, ks, vs = (t[a:b].transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))
-        if kv_repeat > 1:
-            ks, vs = (t.repeat_interleave(kv_repeat, dim=1) for t in (ks, vs))
+        qs = _contiguous_heads(q[a:b])
+        ks, vs = (_contiguous_heads(t[a:b], kv_repeat) for t in (k, v))
         out = F.scaled_dot_product_attention(
             qs, ks, vs, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=qs.shape[1] != ks.shape[1]
         )
@@ -180,13 +179,20 @@ def varlen_causal_attention(
     return torch.cat(pieces, dim=0)
 
 
+def _contiguous_heads(segment: torch.Tensor, repeat: int = 1) -> torch.Tensor:
+    """[L, H, D] -> [1, H * repeat, L, D], contiguous, each head repeated `repeat` times in place
+    (one copy either way: `repeat_interleave` writes a contiguous result itself)."""
+    heads = segment.transpose(0, 1).unsqueeze(0)
+    return heads.repeat_interleave(repeat, dim=1) if repeat > 1 else heads.contiguous()
+
+
 def cpu_backward_kv_heads(q_heads: int, kv_heads: int, threads: int) -> int:
     """How many kv heads (of one sample) to hand CPU's fused attention kernel in training.
 
-    Its backward runs one kv head (with the query heads that share it) per thread, so `kv_heads`
-    below `threads` leaves threads idle. Returns the fewest heads, a multiple of `kv_heads` that
-    divides `q_heads`, reaching `threads` (`q_heads` if none does): each kv head repeated that
-    many times over, the query heads of a group still sharing one copy. The result is the same
+    Its backward runs one kv head (with the query heads that share it) per thread, so with
+    `kv_heads` below `threads` it cannot use them all. Returns the fewest heads, a multiple of
+    `kv_heads` that divides `q_heads`, reaching `threads` (`q_heads` if none does): each kv
+    head repeated that many times over, the query heads of a group still sharing one copy. The result is the same
     up to fp32 rounding: autograd sums a repeated head's gradients in another order.
     """
     group = q_heads // kv_heads
