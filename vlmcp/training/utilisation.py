@@ -41,12 +41,12 @@ logger = logging.getLogger(__name__)
 #: GH200 Grace Hopper Superchip datasheet, A100 datasheet (SXM and PCIe alike), L40S, L40 and L4
 #: datasheets, A10 datasheet, HGX B200 and GB200 NVL72 datasheets (per GPU).
 CUDA_PEAKS: dict[str, tuple[float, float, float]] = {
-    "H100": (989.4, 494.7, 66.9),
-    "H100 PCIe": (756.0, 378.0, 51.2),
+    "H100": (989.5, 494.5, 67.0),
+    "H100 PCIe": (756.5, 378.0, 51.0),
     "H100 NVL": (835.5, 417.5, 60.0),
-    "H200": (989.4, 494.7, 66.9),
+    "H200": (989.5, 494.5, 67.0),
     "H200 NVL": (835.5, 417.5, 60.0),
-    "GH200": (989.4, 494.7, 66.9),
+    "GH200": (989.5, 494.5, 67.0),
     "A100": (312.0, 156.0, 19.5),
     "L40S": (362.0, 183.0, 91.6),
     "L40": (181.0, 90.5, 90.5),
