@@ -4,8 +4,8 @@ through plain transformers (as packed samples attend only within themselves), fo
 counted apart, op by op (mm, bmm, convolution, convolution_backward), to the FLOP.
 
 What FlopCounterMode counts differently, and the test adds exactly:
-- sdpa (math backend, so that its products are visible) multiplies the whole L x L score matrix;
-  the formula counts the L (L + 1) / 2 causal pairs.
+- sdpa (the math backend: the counter sees nothing of the CPU's fused kernel) multiplies the
+  whole L x L score matrix; the formula counts the L (L + 1) / 2 causal pairs.
 - transformers' pure-torch DeltaNet solves the WY system with `solve_triangular`, which the counter
   does not see in forward; it sees that solve's backward products (2 C^2 (K + V) per chunk and
   value head), where the formula has fla's inverse and its two products (`deltanet_wy`).
@@ -155,6 +155,11 @@ def test_formula_equals_flop_counter_op_by_op_on_the_tiny_model_with_images_and_
                        trains=trains, adapters=adapters)
     assert (forward, backward) == _as_counted(count, config, SAMPLES, trains, adapters)
     assert count.forward["deltanet_wy"] and count.forward["attention_core"] and count.forward["lm_head"]
+    forward_only = step_flops(config, lengths, [g for _, images, _ in SAMPLES for g in images],
+                              [g for _, _, videos in SAMPLES for g in videos],
+                              lm_head_tokens=sum(lengths), trains=Trains(backward=False),
+                              adapters=adapters)
+    assert forward_only.backward == {} and forward_only.total == sum(count.forward.values())
     if moe:
         assert count.forward["moe_experts"] and "mlp" not in count.forward
         assert adapters.merged == {"gate_up_proj"} and adapters.per_token and adapters.per_forward

@@ -85,17 +85,6 @@ class FlopCount:
         """Forward + backward FLOPs of every term."""
         return sum(self.forward.values()) + sum(self.backward.values())
 
-    def term(self, name: str) -> int:
-        """Forward + backward FLOPs of one term (0 when the model has none)."""
-        return self.forward.get(name, 0) + self.backward.get(name, 0)
-
-    def __add__(self, other: FlopCount) -> FlopCount:
-        return FlopCount(_added(self.forward, other.forward), _added(self.backward, other.backward))
-
-
-def _added(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
-    return {name: a.get(name, 0) + b.get(name, 0) for name in {**a, **b}}
-
 
 class _Counter:
     """Accumulates (forward, backward) FLOPs per term."""
@@ -130,8 +119,7 @@ def step_flops(config: Any, seq_lens: Sequence[int], image_grids: Sequence[Seque
     """
     text = config.get_text_config()
     counter = _Counter(trains.backward)
-    weight = 1 if trains.text_weights else 0
-    linear = 1 + weight  # the input gradient, plus the weight's
+    linear = 1 + int(trains.text_weights)  # the input gradient, plus the weight's
     tokens = sum(seq_lens)
     hidden = text.hidden_size
     kinds = list(text.layer_types)[: text.num_hidden_layers]
@@ -157,7 +145,8 @@ def step_flops(config: Any, seq_lens: Sequence[int], image_grids: Sequence[Seque
                 linear)
     chunks = sum(-(-length // CHUNK) for length in seq_lens)
     k, v, c = text.linear_key_head_dim, text.linear_value_head_dim, CHUNK
-    per_chunk = 2 * c * c * k * 2 + 2 * c * c * v + 3 * 2 * c * k * v
+    # q K^T and beta K K^T, (q K^T * decay) v_new, then w S, q S and K^T v_new
+    per_chunk = 4 * c * c * k + 2 * c * c * v + 6 * c * k * v
     counter.add("deltanet_chunk", deltanet_layers * chunks * value_heads * per_chunk, 2)
     wy_per_chunk = c**3 // 3 + 2 * c * c * (k + v)
     counter.add("deltanet_wy", deltanet_layers * chunks * value_heads * wy_per_chunk, 2)
@@ -168,7 +157,7 @@ def step_flops(config: Any, seq_lens: Sequence[int], image_grids: Sequence[Seque
         routed = layers * tokens * text.num_experts_per_tok * 2 * hidden * text.moe_intermediate_size
         for name, products in (("gate_up_proj", 2), ("down_proj", 1)):
             counter.add("moe_experts", routed * products,
-                        1 + int(bool(weight) or name in adapters.merged))
+                        1 + int(trains.text_weights or name in adapters.merged))
         # the shared expert's three products and its sigmoid gate (hidden -> 1)
         counter.add("moe_shared", layers * tokens * 2 * hidden
                     * (3 * text.shared_expert_intermediate_size + 1), linear)
