@@ -20,7 +20,9 @@ Steps:
        compare_alst       vlmcp bench --compare-alst at 16k tokens (SP 1)
      Each records the DeltaNet kernel it ran (`kernels`): the pytest parts from their test ids
      ([torch], [fla]: passed, or skipped with the gate's reason), the bench parts from the
-     bench's `deltanet_kernel_ran`. The benches run `model.deltanet_kernel` auto where the gate
+     bench's `deltanet_kernel_ran`. The bench parts also record the MFU of every length
+     (`mfu`: seq_len -> mfu, both sides' for compare_alst) against the peak the bench used
+     (`peak_tflops`, `peak_source`: the GPU's published dense peak). The benches run `model.deltanet_kernel` auto where the gate
      lets fla run, else torch (`deltanet_kernel_choice` says why).
 
 The pytest parts run with VLMCP_TEST_CUDA=1 (the suite hides GPUs otherwise) and
@@ -183,12 +185,20 @@ def bench_part(args: list[str], out: Path, env: dict[str, str], timeout_s: float
     part["report_file"] = str(out)
     part["results"] = report.get("results", [])
     part["kernels"] = sorted({row["deltanet_kernel_ran"] for row in part["results"] if "deltanet_kernel_ran" in row})
+    part["mfu"] = mfu_by_length(part["results"])
+    part["peak_tflops"], part["peak_source"] = report.get("peak_tflops"), report.get("peak_source")
     measured = {row.get("seq_len") for row in part["results"] if "error" not in row}
     part["errors"] = [f"no result for seq_len {n}" for n in expected if n not in measured]
     if part["returncode"] != 0:
         part["errors"].append(f"vlmcp bench exited with {part['returncode']}; see output_tail")
     part["passed"] = not part["errors"]
     return part
+
+
+def mfu_by_length(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """A bench report's MFU per length: a step row's `mfu`, a compare-alst row's {"vlmcp", "alst"}
+    medians; None where the row has none (an error row, or a GPU without a known peak)."""
+    return {str(row.get("seq_len")): row.get("mfu") for row in results}
 
 
 def _write(report: dict[str, Any], out: Path) -> None:
@@ -237,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     _write(report, out)
     for name, part in report["checks"].items():
         print(f"gpu-check {name}: {'pass' if part['passed'] else 'FAIL'} ({part['duration_s']} s, "
-              f"kernels {part.get('kernels')})")
+              f"kernels {part.get('kernels')}" + (f", mfu {part['mfu']}" if part.get("mfu") else "") + ")")
         for error in part["errors"]:
             print(f"  {error.splitlines()[0] if error else error}")
     print(f"gpu-check: report in {out}")

@@ -16,10 +16,13 @@ from vlmcp.data.batch import IGNORE_INDEX
 from vlmcp.model.loss import CE_BYTES_PER_LOGIT
 from vlmcp.model.tiny import tiny_qwen3_5_config
 
+UTILISATION_FIELDS = {"model_tflops", "tflops_per_s", "mfu"}
 STEP_FIELDS = {"seq_len", "step_time_s", "tokens_per_s", "model_memory_mb", "peak_memory_mb",
-               "activation_memory_mb", "vision_s", "per_rank", "fresh_process", "peak_is_cumulative"}
+               "activation_memory_mb", "vision_s", "per_rank", "fresh_process", "peak_is_cumulative",
+               *UTILISATION_FIELDS}
 LOSS_FIELDS = {"seq_len", "vocab_size", "hidden_size", "chunk_rows", "loss_time_s",
-               "loss_peak_transient_mb", "logits_peak_transient_mb", "lm_head_grad_mb"}
+               "loss_peak_transient_mb", "logits_peak_transient_mb", "lm_head_grad_mb",
+               *UTILISATION_FIELDS}
 
 
 def test_bench_parses_every_flag():
@@ -99,6 +102,7 @@ def test_loss_only_reports_the_loss_transient_from_fresh_processes(tmp_path):
     assert report["mode"] == "loss_only" and LOSS_FIELDS <= set(row)
     assert row["chunk_rows"] == int(0.25 * 2**20) // (2000 * CE_BYTES_PER_LOGIT) and row["fresh_process"]
     assert row["loss_peak_transient_mb"] >= 0 and row["loss_time_s"] > 0
+    assert row["model_tflops"] == 6 * 96 * 16 * 2000 / 1e12 and row["mfu"] > 0
 
 
 @pytest.mark.e2e
@@ -112,6 +116,9 @@ def test_step_bench_writes_every_field_from_a_fresh_process(tmp_path):
     assert row["fresh_process"] and not row["peak_is_cumulative"]
     assert row["peak_memory_mb"] >= row["model_memory_mb"] > 0 and row["vision_s"] > 0
     assert row["activation_memory_mb"] == row["peak_memory_mb"] - row["model_memory_mb"]
+    assert report["peak_source"].startswith("measured") and report["peak_tflops"] > 0
+    assert row["tflops_per_s"] == pytest.approx(row["model_tflops"] / row["step_time_s"])
+    assert row["mfu"] == pytest.approx(row["tflops_per_s"] / report["peak_tflops"])
 
 
 @pytest.mark.e2e
@@ -142,3 +149,7 @@ def test_compare_alst_runs_both_sides_in_fresh_processes_and_their_losses_agree(
     assert row["step_cpu_time_ratio"]["median"] > 0
     assert all(run["step_cpu_time_s"] > 0 for run in row["vlmcp"] + row["alst"])
     assert row["loss_rel_diff"] <= 1e-4
+    # one model-FLOPs count for both sides: their MFUs differ as their step times do
+    runs = row["vlmcp"] + row["alst"]
+    assert all(run["model_tflops"] == row["model_tflops"] > 0 and run["mfu"] > 0 for run in runs)
+    assert row["mfu"]["vlmcp"] / row["mfu"]["alst"] == pytest.approx(1 / row["step_time_ratio"]["median"])

@@ -1,7 +1,8 @@
 """The GPU check's preparation, without a GPU: the wheel-set check names a requirement that neither
 the set nor the lent machine meets, a version below one, a torch wheel and a set over 64 MiB, and
 accepts vlmcp's own torch floor there; `scripts/gpu_check.py` without a GPU exits 2 at once, before
-it installs anything, with a report saying so. (`make gpu-rehearsal` does the download and the
+it installs anything, with a report saying so; its bench parts record each length's MFU, shown
+here on a real CPU bench. (`make gpu-rehearsal` does the download and the
 install into a fresh --target; it needs registry access, so it is not part of the suite.)"""
 
 from __future__ import annotations
@@ -54,3 +55,17 @@ def test_gpu_check_without_a_gpu_exits_2_at_once_before_installing_anything(tmp_
     assert not report["passed"] and report["error"].startswith("no CUDA device")
     assert report["checks"] == {} and "install" not in report
     assert "no CUDA device" in proc.stderr
+
+
+@pytest.mark.e2e
+def test_gpu_check_bench_part_records_the_mfu_of_every_length_from_a_real_bench(tmp_path):
+    check = _script("gpu_check")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    part = check.bench_part(["--seq-lens", "128,256", "--samples-per-pack", "1", "--steps", "1",
+                             "--warmup", "0"], tmp_path / "bench.json", env, 300, [128, 256])
+    assert part["passed"], part["output_tail"]
+    assert set(part["mfu"]) == {"128", "256"} and all(mfu > 0 for mfu in part["mfu"].values())
+    assert part["peak_tflops"] > 0 and part["peak_source"].startswith("measured")
+    compare = [{"seq_len": 16384, "mfu": {"vlmcp": 0.3, "alst": 0.25}}, {"seq_len": 65536, "error": "x"}]
+    assert check.mfu_by_length(compare) == {"16384": {"vlmcp": 0.3, "alst": 0.25}, "65536": None}

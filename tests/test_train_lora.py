@@ -68,6 +68,8 @@ def test_lora_final_adapter_loads_in_peft_resumes_exactly_and_exports_merged(
     straight = tmp_path / "straight"
     job = write_job(tmp_path / "straight.json", _job(tiny_checkpoint, digits_jsonl, straight))
     assert_ok(run_vlmcp(["train", str(job)], launcher="torchrun", nproc=2))
+    rows = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    assert all(row["model_tflops"] > 0 and row["mfu"] > 0 for row in rows if "loss" in row)
 
     final = straight / "final"
     config = json.loads((final / "adapter_config.json").read_text())

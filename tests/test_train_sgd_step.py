@@ -27,8 +27,10 @@ from tests.helpers.parity import (RawSample, assert_within_fp32_error, float64_r
                                   make_lively, plain_sample_loss)
 from tests.helpers.router_reference import reference_router_aux_and_grads
 from vlmcp.data.dataset import load_samples
-from vlmcp.data.pack import PackedDataset, first_fit
+from vlmcp.data.pack import PackedDataset, build_batch, first_fit
 from vlmcp.data.processor import load_processor
+from vlmcp.model.flops import Trains, batch_flops
+from vlmcp.model.load import load_config
 from vlmcp.model.tiny import build_tiny_checkpoint
 
 pytestmark = pytest.mark.e2e
@@ -154,6 +156,20 @@ def test_one_sgd_step_under_torchrun_matches_plain_transformers(
         allowed = fp32_allowance(ref, exact, at_least=1e-5) * float(exact.norm()) + ROUNDING * float(w0.norm())
         assert error <= allowed, f"{key}: |update - ref| = {error:.3e} > {allowed:.3e}"
     assert len(train_losses(out)) == 1
+    _assert_row_counts_the_step_flops(out, checkpoint, samples, step_packs, freeze_vision)
+
+
+def _assert_row_counts_the_step_flops(out, checkpoint, samples, step_packs, freeze_vision):
+    """The training row's model FLOPs are the formula's over every pack of the step (each DP
+    group's packs once), its tflops_per_s per device, and its mfu against a measured CPU peak."""
+    (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+              if "loss" in json.loads(line)]
+    config = load_config(checkpoint)
+    flops = sum(batch_flops(config, build_batch([samples[i] for i in pack]),
+                            Trains(vision=not freeze_vision)).total for pack in step_packs)
+    assert row["model_tflops"] == pytest.approx(flops / 1e12, rel=1e-12)
+    assert row["tflops_per_s"] == pytest.approx(flops / 1e12 / row["step_time_s"] / WORLD, rel=1e-6)
+    assert row["mfu"] > 0
 
 
 def _tokens_jsonl_with_advantages(samples, out_path, seed=0):

@@ -17,6 +17,12 @@ vlmcp / ALST with their median, min and max. On CPU a row also gives each side's
 (the process CPU time of every rank summed, mean over `--steps`) and its ratios: the work a step
 does, which on a loaded machine depends less than the wall time on how the OS schedules the ranks
 (a rank that waits in a collective for a descheduled peer adds wall time, not CPU time).
+
+Both sides' runs carry `model_tflops`, `tflops_per_s` and `mfu` (`vlmcp.training.utilisation`)
+from one count of the model FLOPs of the sample's step (`vlmcp.model.flops`, the lm_head over the
+sample's seq_len - 1 targets, the work the loss needs, although ALST's forward computes one more
+row of logits), so that the two MFUs differ exactly as the step times do; the row gives each side's
+median `mfu`.
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ from typing import Any
 import torch
 
 from vlmcp.bench.procs import Memory, run_fresh
+from vlmcp.model.flops import step_flops
 from vlmcp.parallel import comm
+from vlmcp.training.utilisation import utilisation
 
 #: The comparison model: hidden 96, 4 query heads and 1 kv head of 24, every layer full
 #: attention (ALST's Ulysses attention is exact there; it has no DeltaNet support).
@@ -178,18 +186,23 @@ def _alst_steps(task: CompareTask, device: torch.device):
 
 
 def compare_alst(model_dir: str, seq_lens: list[int], sp_size: int, steps: int, warmup: int,
-                 repeats: int, device: str = "cpu") -> list[dict[str, Any]]:
+                 repeats: int, device: str = "cpu", peak_tflops: float | None = None) -> list[dict[str, Any]]:
     """Per length, `repeats` interleaved pairs of fresh-process runs (vlmcp, then ALST) on `device`
-    ("cuda": one process, SP 1); the rows."""
+    ("cuda": one process, SP 1); the rows. `peak_tflops`: the device's peak, for the mfu."""
+    from vlmcp.model.load import load_config
+
+    config = load_config(model_dir)
     rows = []
     for seq_len in seq_lens:
+        flops = step_flops(config, [seq_len], lm_head_tokens=seq_len - 1).total
         runs: dict[str, list[dict[str, Any]]] = {"vlmcp": [], "alst": []}
         for _ in range(repeats):
             for side in ("vlmcp", "alst"):
                 task = CompareTask(side, model_dir, seq_len, sp_size, steps, warmup)
                 # always through vlmcp's process-group start (also at SP 1), which keeps DeepSpeed
                 # from JIT-building its CPU shm comm op in every fresh process
-                runs[side].append(run_fresh(task, sp_size, distributed=True, device=device))
+                run = run_fresh(task, sp_size, distributed=True, device=device)
+                runs[side].append({**run, **utilisation(flops, run["step_time_s"], sp_size, peak_tflops)})
         time_ratios = [v["step_time_s"] / a["step_time_s"] for v, a in zip(runs["vlmcp"], runs["alst"])]
         memory_ratios = [v["activation_memory_mb"] / a["activation_memory_mb"]
                          for v, a in zip(runs["vlmcp"], runs["alst"])]
@@ -197,12 +210,17 @@ def compare_alst(model_dir: str, seq_lens: list[int], sp_size: int, steps: int, 
                "vlmcp": runs["vlmcp"], "alst": runs["alst"],
                "step_time_ratio": _spread(time_ratios), "activation_memory_ratio": _spread(memory_ratios),
                "loss_rel_diff": abs(runs["vlmcp"][-1]["loss"] - runs["alst"][-1]["loss"])
-               / abs(runs["alst"][-1]["loss"])}
+               / abs(runs["alst"][-1]["loss"]), "model_tflops": flops / 1e12,
+               "mfu": {side: _median_or_none([run["mfu"] for run in runs[side]]) for side in runs}}
         if device == "cpu":
             row["step_cpu_time_ratio"] = _spread([v["step_cpu_time_s"] / a["step_cpu_time_s"]
                                                   for v, a in zip(runs["vlmcp"], runs["alst"])])
         rows.append(row)
     return rows
+
+
+def _median_or_none(values: list[float | None]) -> float | None:
+    return None if None in values else statistics.median(values)
 
 
 def _spread(values: list[float]) -> dict[str, Any]:

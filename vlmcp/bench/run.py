@@ -59,9 +59,11 @@ from vlmcp.bench.procs import Memory, MemoryLimitExceeded, run_fresh
 from vlmcp.bench.saved_bytes import SavedBytesTask
 from vlmcp.data.batch import PackedBatch
 from vlmcp.device import compute_device
+from vlmcp.model.flops import Trains, batch_flops, gemm_shapes, lm_head_flops
 from vlmcp.model.loss import CE_BYTES_PER_LOGIT, DEFAULT_LOSS_CHUNK_MB, shard_loss_sum, vocab_chunk_rows
 from vlmcp.parallel import comm
 from vlmcp.parallel.modes import DELTANET_KERNELS, DELTANET_MODES
+from vlmcp.training.utilisation import Peak, device_peak, utilisation
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +98,8 @@ class StepTask:
     videos: int = 0
     frames: int = 0
     video_grid: tuple[int, int] = (16, 16)
+    #: The device's peak in 10^12 FLOP/s (`vlmcp.training.utilisation`), for the row's mfu.
+    peak_tflops: float | None = None
 
     def run(self, device: torch.device, sp: Any = None) -> dict[str, Any]:
         """This rank's numbers gathered over the world; returns the row (the same on every rank).
@@ -119,7 +123,9 @@ class StepTask:
             batch = synthetic_pack(self.seq_len, self.samples, config, self.images,
                                    videos=self.videos, frames=self.frames,
                                    video_group_hw=self.video_grid)
+        flops = batch_flops(config, batch, Trains(vision=module.vision_trainable)).total
         row = {**measure_steps(module, batch, self, memory), "deltanet_kernel_ran": module.deltanet_kernel}
+        row.update(utilisation(flops, row["step_time_s"], comm.world_size(), self.peak_tflops))
         return {**row, "pair_images": self.pair_images} if self.pair_images else row
 
 
@@ -301,7 +307,8 @@ def _step_task(args: argparse.Namespace, model_dir: str, seq_len: int, samples: 
                     vision=vision or args.vision, loss_chunk_mb=args.loss_chunk_mb,
                     seq_len=seq_len, samples=samples, images=args.images, steps=steps,
                     warmup=warmup, pair_images=pair_images, memory_options=_memory_options(args),
-                    videos=args.videos, frames=args.frames, video_grid=args.video_grid)
+                    videos=args.videos, frames=args.frames, video_grid=args.video_grid,
+                    peak_tflops=args.peak.tflops)
 
 
 def _memory_options(args: argparse.Namespace) -> tuple[tuple[str, bool], ...]:
@@ -345,10 +352,12 @@ def _bench_steps(args: argparse.Namespace, model_dir: str, device: torch.device,
             for row in measured:
                 if "error" not in row:
                     logger.info("seq_len %d (%s vision%s): %.3f s per forward+backward, %.0f "
-                                "tokens/s, model %.0f MiB, peak %.0f MiB, activations %.0f MiB, "
-                                "vision %.3f s on the slowest rank", seq_len, row["vision"],
+                                "tokens/s, %.3g model TFLOPs, mfu %s, model %.0f MiB, peak %.0f "
+                                "MiB, activations %.0f MiB, vision %.3f s on the slowest rank",
+                                seq_len, row["vision"],
                                 f", pair images {pair_images}" if pair_images else "",
-                                row["step_time_s"], row["tokens_per_s"], row["model_memory_mb"],
+                                row["step_time_s"], row["tokens_per_s"], row["model_tflops"],
+                                _percent(row["mfu"]), row["model_memory_mb"],
                                 row["peak_memory_mb"], row["activation_memory_mb"],
                                 row["vision_s"])
             rows.append(_compared(*measured) if len(measured) == 2 else measured[0])
@@ -419,6 +428,7 @@ def _bench_loss(args: argparse.Namespace, device: torch.device) -> list[dict[str
     """Per length: the loss with a trainable lm_head (the training case) and with a frozen one
     (only the logits transient), each in a fresh process on CPU."""
     vocab, hidden = _model_sizes(args)
+    peak = _bench_peak(args, "", device, torch.get_num_threads(), shapes=[(hidden, vocab)])
     rows = []
     for seq_len in _lengths(args.seq_lens):
         measured = {}
@@ -439,7 +449,10 @@ def _bench_loss(args: argparse.Namespace, device: torch.device) -> list[dict[str
                "lm_head_grad_mb": vocab * hidden * itemsize / 2**20,
                "base_memory_mb": trained["base_memory_mb"], "memory_kind": trained["memory_kind"],
                "peak_is_cumulative": trained["peak_is_cumulative"] or frozen_head["peak_is_cumulative"],
-               "fresh_process": device.type == "cpu"}
+               "fresh_process": device.type == "cpu", "peak_tflops": peak.tflops,
+               # the trained head's forward, and its backward for the hidden states and the weight
+               **utilisation(3 * lm_head_flops(seq_len, hidden, vocab), trained["loss_time_s"], 1,
+                             peak.tflops)}
         rows.append(row)
         logger.info("seq_len %d: loss %.2f s, transient %.0f MiB (logits alone %.0f MiB), %d rows "
                     "per chunk", seq_len, row["loss_time_s"], row["loss_peak_transient_mb"],
@@ -600,20 +613,44 @@ def _compare_alst(args: argparse.Namespace, device: torch.device) -> dict[str, A
 
     with tempfile.TemporaryDirectory(prefix="vlmcp-bench-") as scratch:
         model_dir = args.model or build_compare_model(scratch, args.vocab_size)
+        peak = _bench_peak(args, model_dir, device, max(1, torch.get_num_threads() // (args.sp_size or 1)))
         rows = compare_alst(model_dir, _lengths(args.seq_lens), args.sp_size or 1, args.steps,
-                            args.warmup, args.repeats, device.type)
+                            args.warmup, args.repeats, device.type, peak.tflops)
     for row in rows:
         logger.info("seq_len %d, SP %d: vlmcp / ALST step time %.3f (min %.3f, max %.3f), activation "
                     "memory %.3f; losses differ by %.1e", row["seq_len"], row["sp_size"],
                     row["step_time_ratio"]["median"], row["step_time_ratio"]["min"],
                     row["step_time_ratio"]["max"], row["activation_memory_ratio"]["median"],
                     row["loss_rel_diff"])
+        logger.info("seq_len %d, SP %d: mfu vlmcp %s, ALST %s (%.3g model TFLOPs a step)",
+                    row["seq_len"], row["sp_size"], _percent(row["mfu"]["vlmcp"]),
+                    _percent(row["mfu"]["alst"]), row["model_tflops"])
         if "step_cpu_time_ratio" in row:
             logger.info("seq_len %d, SP %d: vlmcp / ALST step CPU time (all ranks) %.3f (min %.3f, max %.3f)",
                         row["seq_len"], row["sp_size"], row["step_cpu_time_ratio"]["median"],
                         row["step_cpu_time_ratio"]["min"], row["step_cpu_time_ratio"]["max"])
     return {"mode": "compare_alst", "alst_model": None if args.model else ALST_MODEL,
-            "sp_size": args.sp_size or 1, "results": rows}
+            "sp_size": args.sp_size or 1, "peak_tflops": peak.tflops, "peak_source": peak.source,
+            "results": rows}
+
+
+def _percent(fraction: float | None) -> str:
+    return "unknown" if fraction is None else f"{100 * fraction:.2f} %"
+
+
+def _bench_peak(args: argparse.Namespace, model_dir: str, device: torch.device, threads: int,
+                shapes: list[tuple[int, int]] | None = None) -> Peak:
+    """The device's peak for the run's mfu, once per bench run: on CPU measured on the GEMMs of
+    the benched model (or `shapes`) at the longest length's rows per rank, on `threads` threads."""
+    if shapes is None:
+        from vlmcp.model.load import load_config
+
+        shapes = gemm_shapes(load_config(model_dir))
+    rows = max(_lengths(args.seq_lens)) // (args.sp_size or 1)
+    peak = device_peak(device, getattr(torch, args.dtype), shapes, rows, threads)
+    logger.info("peak for mfu: %s TFLOP/s per device (%s)",
+                "unknown" if peak.tflops is None else f"{peak.tflops:.3g}", peak.source)
+    return peak
 
 
 def _write_report(args: argparse.Namespace, report: dict[str, Any]) -> dict[str, Any]:
@@ -647,6 +684,8 @@ def _bench_model(args: argparse.Namespace, model_dir: str, device: torch.device)
                               **dict(_memory_options(args))}
     if args.saved_bytes:
         return {**report, "mode": "saved_bytes", "results": _bench_saved_bytes(args, model_dir, device, sp)}
+    args.peak = _bench_peak(args, model_dir, device, threads)
+    report.update(peak_tflops=args.peak.tflops, peak_source=args.peak.source)
     if not args.find_max_len:
         return {**report, "mode": "step", "results": _bench_steps(args, model_dir, device, sp)}
     max_len, probes = find_max_len(args, model_dir, device, sp)

@@ -45,6 +45,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from vlmcp.config import LoraSection
 from vlmcp.errors import LoraError
+from vlmcp.model.flops import AdapterFlops
 from vlmcp.model.load import MODEL_CLASSES
 
 logger = logging.getLogger(__name__)
@@ -272,3 +273,25 @@ def lora_problems(model_config: PretrainedConfig, section: LoraSection) -> list[
     except LoraError as exc:
         return exc.problems
     return []
+
+
+def adapter_flops(model: nn.Module) -> AdapterFlops:
+    """Forward FLOPs of the active LoRA adapters in `model` (`vlmcp.model.flops.AdapterFlops`):
+    per text token for those on Linear layers (x A^T, then B), per forward for those on the
+    routed experts' fused weights (PEFT's `ParamWrapper` adds B A to the weight, expert by
+    expert), and which fused weights carry one."""
+    per_token = per_forward = 0
+    merged: set[str] = set()
+    for module in model.modules():
+        if not hasattr(module, "lora_A"):
+            continue
+        for name in module.active_adapters:
+            if name not in module.r:
+                continue
+            rank = module.r[name]
+            if hasattr(module, "parameter_name"):
+                per_forward += 2 * rank * module.in_features * module.out_features * module.num_experts
+                merged.add(module.parameter_name)
+            else:
+                per_token += 2 * rank * (module.in_features + module.out_features)
+    return AdapterFlops(per_token=per_token, per_forward=per_forward, merged=frozenset(merged))

@@ -58,6 +58,7 @@ from vlmcp.training.score import score_initial_reference
 from vlmcp.training.setup import build_engine, seed_everything, start_checked
 from vlmcp.training.signals import StopRequested, StopSignals
 from vlmcp.training.step_packs import StepBatches, StepPacks
+from vlmcp.training.utilisation import RunUtilisation
 from vlmcp.training.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,8 @@ class Run:
     module: PackedVLM
     metrics: MetricsWriter
     start_step: int
+    #: The model FLOPs of a pack and the device's peak (the rows' model_tflops, tflops_per_s, mfu).
+    utilisation: RunUtilisation
     #: Where each step's micro-batches come from: data.train, or rollouts.dir.
     step_packs: StepPacks | None = None
     rollouts: RolloutSteps | None = None
@@ -135,7 +138,8 @@ def start_run(job: JobConfig) -> Run:
                publisher=Publisher(job, engine, module, adapter) if job.publish.dir else None,
                metrics=MetricsWriter(job.output_dir, enabled=comm.rank() == 0,
                                      start_step=start_step),
-               start_step=start_step, adapter=adapter)
+               start_step=start_step, adapter=adapter,
+               utilisation=RunUtilisation.of_run(job, module, engine, adapter))
 
 
 def _step_batches(run: Run, step: int) -> StepBatches:
@@ -174,9 +178,9 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     # term of a micro-batch, scaled so, adds up to the mean over the step's micro-batches.
     router_scale = sp.dp_size * grad_accum / max(fetched.micro_batches, 1)
     # [shard loss sum, pack tokens (once per SP group), 1 where the optimizer step was not
-    # applied, this rank's shares of the router aux losses, then the objective's metric sums
-    # (Loss.stat_specs)]
-    sums = torch.zeros(4 + len(objective.stat_specs()), dtype=torch.float64)
+    # applied, this rank's shares of the router aux losses, the packs' model FLOPs (once per SP
+    # group), then the objective's metric sums (Loss.stat_specs)]
+    sums = torch.zeros(5 + len(objective.stat_specs()), dtype=torch.float64)
     grad_norm = None
     skipped_before = engine.skipped_steps
     last = len(fetched.batches) - 1
@@ -185,7 +189,7 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         with run.module.micro_batch():
             loss_sum, _, router_share, stat_sums = engine(
                 batch, stats=True, denominators=counts.shard_denominators)
-            sums[4:] += stat_sums * weight
+            sums[5:] += stat_sums * weight
             engine.backward(scale_for_deepspeed(loss_sum * weight, counts.denominator,
                                                 dp_size=sp.dp_size, grad_accum=grad_accum)
                             + router_objective(router_share, run.module.router_aux_coef)
@@ -201,6 +205,7 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
             sums[3] += float(router_share.detach()) * weight
         if sp.rank == 0:
             sums[1] += batch.num_tokens * weight
+            sums[4] += run.utilisation.pack_flops(batch) * weight
     sums[2] = float(engine.skipped_steps > skipped_before)
     comm.all_reduce_sum(sums)
     elapsed = time.perf_counter() - started
@@ -216,7 +221,8 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         "tokens_per_s": float(sums[1]) / elapsed,
         "step_time_s": elapsed,
         **fetched.row,
-        **objective_metrics(sums[4:], counts, objective),
+        **objective_metrics(sums[5:], counts, objective),
+        **run.utilisation.row(float(sums[4]), elapsed),
     }
     if run.module.router_loss is not None:
         row["router_aux_loss"] = float(sums[3]) / max(fetched.micro_batches, 1)
