@@ -58,17 +58,21 @@ def mismatch_weights(term: LossTerm, old: torch.Tensor, inference: torch.Tensor,
     """The weight of each of this shard's targets ([N] fp32, no autograd) and the per-target
     metric values ([N] each, `mismatch_metric_keys`).
 
-    old, inference: [N] this shard's old_logprobs and inference_logprobs at its targets;
+    old, inference: [N] this shard's old_logprobs and inference_logprobs at its targets, on the
+    model's device (that of samples.local; the weight and metrics come out there);
     whole_old, whole_inference: [N_pack] the same arrays at every target of the pack (for the
-    sequence level); samples: the micro-batch's `SampleTargets`.
+    sequence level), on any device (the batch's host tensors); samples: the micro-batch's
+    `SampleTargets`.
     """
     with torch.no_grad():
         token_log_w = (old - inference).float()
         if term.mismatch_level == "sequence":
+            # the whole-pack arrays are host data: the per-sample sums are taken there, then
+            # moved to the device of this shard's targets (samples.local) before indexing
             per_sample = samples.whole_sums(whole_old - whole_inference)
             if term.mismatch_reduce == "mean":
-                per_sample = per_sample / samples.counts.clamp_min(1)
-            log_w = per_sample.float()[samples.local]
+                per_sample = per_sample / samples.counts.to(per_sample.device).clamp_min(1)
+            log_w = per_sample.float().to(old.device)[samples.local]
         else:
             log_w = token_log_w
         stats: dict[str, torch.Tensor] = {}
