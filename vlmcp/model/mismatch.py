@@ -35,6 +35,7 @@ import math
 import torch
 
 from vlmcp.config.schema import LossTerm
+from vlmcp.model.log_ratio import bounded
 from vlmcp.model.sample_sums import SampleTargets
 
 #: The metric sums `mismatch_sums` returns, in order.
@@ -88,7 +89,8 @@ def mismatch_weights(term: LossTerm, old: torch.Tensor, inference: torch.Tensor,
             stats.update(is_masked_fraction=below | above, is_masked_low=below,
                          is_masked_high=above)
         stats["is_weight"] = weight
-        stats["is_kl"] = token_log_w.exp() - 1.0 - token_log_w
+        bounded_log_w = bounded(token_log_w)
+        stats["is_kl"] = bounded_log_w.exp() - 1.0 - bounded_log_w
     return weight, stats
 
 

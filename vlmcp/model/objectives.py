@@ -5,7 +5,9 @@ logp [N] = log pi(y_t) under the current policy (`model.token_logprobs`); the pe
 the data, each [N], are the entries aligned with those targets: loss_weights w, advantages A,
 old_logprobs (the generating policy, recomputed by the trainer), inference_logprobs mu (the
 inference engine's), ref_logprobs, teacher_logprobs. Ratios are taken in log space, in fp32;
-sg() is stop-gradient.
+sg() is stop-gradient. Every exp of a log-ratio (r_t, k3_t, s_i, and their metrics) takes the
+log-ratio capped where fp32's exp overflows (`model.log_ratio.bounded`): unchanged, gradient
+included, wherever the exp was finite, and no NaN from a branch that is not selected.
 
 Per-token loss l_t:
     ce               -logp
@@ -50,6 +52,7 @@ import torch
 
 from vlmcp.config.loss_checks import POLICY_OBJECTIVES
 from vlmcp.config.schema import LossTerm
+from vlmcp.model.log_ratio import bounded
 from vlmcp.model.mismatch import mismatch_metric_keys
 
 _CLIP_KEYS = ("clip_fraction", "clip_low", "clip_high")
@@ -146,7 +149,7 @@ def token_losses(term: LossTerm, logp: torch.Tensor, arrays: dict[str, torch.Ten
         return _dppo(term, logp, advantages, arrays["inference_logprobs"])
     if kind == "gspo":
         return _gspo(term, logp, advantages, sequence_log_ratio)
-    log_ratio = logp - arrays["old_logprobs"]
+    log_ratio = bounded(logp - arrays["old_logprobs"])
     ratio = log_ratio.exp()
     approx_kl = ((ratio - 1.0) - log_ratio).detach()
     if kind == "cispo":
@@ -162,7 +165,7 @@ def token_losses(term: LossTerm, logp: torch.Tensor, arrays: dict[str, torch.Ten
         losses = torch.where(capped, cap, losses)
         stats["dual_clip_fraction"] = capped
     if term.kl_coef > 0:
-        ref_diff = arrays["ref_logprobs"] - logp
+        ref_diff = bounded(arrays["ref_logprobs"] - logp)
         k3 = ref_diff.exp() - ref_diff - 1.0
         losses = losses + term.kl_coef * k3
         stats["ref_kl"] = k3.detach()
@@ -171,7 +174,7 @@ def token_losses(term: LossTerm, logp: torch.Tensor, arrays: dict[str, torch.Ten
 
 def _gspo(term: LossTerm, logp: torch.Tensor, advantages: torch.Tensor,
           sequence_log_ratio: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    ratio = sequence_log_ratio.exp() * (logp - logp.detach()).exp()
+    ratio = bounded(sequence_log_ratio).exp() * (logp - logp.detach()).exp()
     clipped, low, high = _clip_sides(ratio, advantages, term)
     losses = -torch.minimum(ratio * advantages, clipped * advantages)
     return losses, _clip_stats(low, high, ratio)
@@ -180,7 +183,7 @@ def _gspo(term: LossTerm, logp: torch.Tensor, advantages: torch.Tensor,
 def _dppo(term: LossTerm, logp: torch.Tensor, advantages: torch.Tensor, inference: torch.Tensor
           ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     log_ratio = logp - inference
-    ratio = log_ratio.exp()
+    ratio = bounded(log_ratio).exp()
     with torch.no_grad():
         gap = logp.exp() - inference.exp()
         high = (advantages > 0) & (gap > term.delta_high)
