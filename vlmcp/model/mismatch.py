@@ -15,7 +15,8 @@ is multiplied by a weight that is never differentiated:
 Metrics (per target; the caller sums them over the term's targets): "is_weight" (the weight applied), "is_clamped_fraction"
 (tis: w above the cap) or "is_masked_fraction" (mis: w outside the range, "is_masked_low" and
 "is_masked_high" each side), and "is_kl", the k3 estimate (w_t - 1) - log w_t of KL(mu || pi_old)
-from the token-level w, whatever the level.
+from the token-level w, whatever the level (log w_t capped where fp32's exp overflows,
+`model.log_ratio.bounded`).
 
 Mismatch metrics (`mismatch_sums`, whatever the objective and its correction): how far mu lies
 from the trainer's current logprob logp (at the same per-token temperature). Per target token
