@@ -9,15 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.loss_cases import shard_inputs, shard_step, token_arrays, token_batch
+from tests.helpers.loss_cases import (PPO_CLIP, SENTINELS, place_sentinel, shard_inputs,
+                                      shard_step, token_arrays, token_batch)
 from vlmcp.config import LossTerm
 from vlmcp.data.batch import IGNORE_INDEX
 from vlmcp.model.log_ratio import LOG_RATIO_MAX, bounded
 from vlmcp.model.loss_terms import Loss
 from vlmcp.parallel.shard import ShardPlan
 from vlmcp.training.objective_step import StepCounts, objective_metrics
-
-_PPO = dict(clip_low=0.2, clip_high=0.25)
 
 
 def _without(*names):
@@ -33,7 +32,7 @@ def test_a_term_without_targets_in_the_step_contributes_zero_and_reports_no_toke
     # the documented three-term recipe in an RL step without SFT or distillation tokens
     batch = token_batch(arrays=_without("sft_weights", "distill_weights"))
     plan = ShardPlan.build(batch.seq_lens)
-    three = Loss((LossTerm("ppo_clip", **_PPO), LossTerm("ce", weights="sft_weights", coef=0.1),
+    three = Loss((LossTerm("ppo_clip", **PPO_CLIP), LossTerm("ce", weights="sft_weights", coef=0.1),
                   LossTerm("opd", weights="distill_weights", normalize="sequence", coef=0.5)))
     counts = three.batch_counts(batch)
     assert counts["tokens1"] == counts["tokens2"] == counts["seqs2"] == 0
@@ -47,47 +46,14 @@ def test_a_term_without_targets_in_the_step_contributes_zero_and_reports_no_toke
     assert {"term0_loss", "term0_clip_fraction", "term0_ratio", "entropy"} <= set(row)
 
 
-#: Per case: the objective, and the sentinel it meets on the pack's first target (sample 0):
-#: array -> value there ("logp": the policy's own logprob; "old_logprobs_sample": on every
-#: target of sample 0), and whether that token's branch is unselected (its gradient is then 0).
-_SENTINELS = {
-    "ppo_clip_clipped": (LossTerm("ppo_clip", **_PPO),
-                         {"old_logprobs": -100.0, "advantages": 1.5}, True),
-    "ppo_clip_dual_clip": (LossTerm("ppo_clip", clip_ratio_c=3.0, **_PPO),
-                           {"old_logprobs": -100.0, "advantages": -1.5}, True),
-    "ppo_clip_k3": (LossTerm("ppo_clip", kl_coef=0.1, **_PPO),
-                    {"logp": -95.0, "ref_logprobs": -1.0, "advantages": 1.0}, False),
-    "dppo_dropped": (LossTerm("dppo", kl_tau=0.01),
-                     {"logp": -0.5, "inference_logprobs": -100.0, "advantages": 1.5}, False),
-    "gspo_clipped": (LossTerm("gspo", normalize="sequence"),
-                     {"old_logprobs_sample": -100.0, "advantages_sample": 1.0}, True),
-    "cispo": (LossTerm("cispo", **_PPO), {"old_logprobs": -100.0}, False),
-    "tis_sequence": (LossTerm("policy_gradient", mismatch="tis", mismatch_level="sequence"),
-                     {"inference_logprobs": -100.0}, False),
-    "mis_token": (LossTerm("policy_gradient", mismatch="mis"),
-                  {"inference_logprobs": -100.0}, True),
-}
-
-
-@pytest.mark.parametrize("name", list(_SENTINELS))
+@pytest.mark.parametrize("name", list(SENTINELS))
 def test_a_large_finite_log_ratio_gives_a_finite_loss_gradient_and_metrics(name):
-    term, sentinel, unselected = _SENTINELS[name]
+    term, sentinel, unselected = SENTINELS[name]
     batch = token_batch()
     plan = ShardPlan.build(batch.seq_lens)
     logp, entropy, keep = shard_inputs(batch, plan)
-    is_target = batch.targets != IGNORE_INDEX
-    first = int(is_target.nonzero()[0])
-    sample0 = torch.zeros_like(is_target)
-    sample0[:batch.seq_lens[0]] = True
-    for key, value in sentinel.items():
-        if key == "logp":
-            logp[0] = value
-        elif key.endswith("_sample"):
-            batch.token_arrays[key.removesuffix("_sample")][sample0 & is_target] = value
-        else:
-            batch.token_arrays[key][first] = value
-    loss = Loss((term,))
-    total, stats, grad = shard_step(loss, batch, plan, logp, entropy, keep)
+    place_sentinel(batch, logp, sentinel)
+    total, stats, grad = shard_step(Loss((term,)), batch, plan, logp, entropy, keep)
     assert torch.isfinite(total) and torch.isfinite(grad).all() and torch.isfinite(stats).all()
     if unselected:
         assert grad[0] == 0
@@ -108,3 +74,29 @@ def test_the_bounded_log_ratio_changes_no_value_or_gradient_whose_exp_was_finite
     capped = bounded(z).exp()
     capped.sum().backward()
     assert torch.equal(capped, edge.exp().expand(3)) and torch.equal(z.grad, torch.zeros(3))
+
+
+def test_importance_weighted_opd_equals_its_definition_and_the_on_policy_form_where_pi_is_mu():
+    batch = token_batch()
+    plan = ShardPlan.build(batch.seq_lens)
+    logp, entropy, keep = shard_inputs(batch, plan)
+    is_target = batch.targets != IGNORE_INDEX
+    loss = Loss((LossTerm("opd", opd_form="importance"),))
+    total, stats, grad = shard_step(loss, batch, plan, logp, entropy, keep)
+    # the definition, in float64: -(pi / mu) (teacher - mu), the mean over the step's targets
+    mu = batch.token_arrays["inference_logprobs"][is_target].double()
+    teacher = batch.token_arrays["teacher_logprobs"][is_target].double()
+    x = logp.double().requires_grad_(True)
+    want = (-(x - mu).exp() * (teacher - mu)).sum() / len(x)
+    want.backward()
+    assert torch.allclose(total.double(), want, rtol=1e-6, atol=0)
+    assert torch.allclose(grad.double(), x.grad, rtol=1e-6, atol=1e-9)
+    keys = [key for key, _ in loss.stat_specs()]
+    assert torch.allclose(stats[keys.index("ratio")], (x - mu).exp().sum().detach(), rtol=1e-6)
+    assert torch.allclose(stats[keys.index("teacher_kl")], (x - teacher).sum().detach(),
+                          rtol=1e-6)
+    # on the policy's own samples (mu = pi) its gradient is the on-policy form's
+    batch.token_arrays["inference_logprobs"][is_target] = logp
+    on_policy = shard_step(Loss((LossTerm("opd"),)), batch, plan, logp, entropy, keep)[2]
+    assert torch.allclose(shard_step(loss, batch, plan, logp, entropy, keep)[2], on_policy,
+                          rtol=1e-6, atol=0)

@@ -1,7 +1,9 @@
 """Packs and objectives for in-process checks of the loss terms (`Loss.shard_loss`) with the
 model-side tensors (logp, entropy, keep) on a device of the caller's choice: every objective
 type and option, the mismatch correction at both levels, several terms and the preference
-objectives, on text-only packs built with `build_batch` (the data path's host tensors).
+objectives, on text-only packs of host tensors laid out as the data path packs them; and
+sentinel logprobs that put a log-ratio of about 100 on one token of each objective that
+exponentiates one.
 
 Legend: S = packed length, N = this shard's targets.
 """
@@ -14,8 +16,6 @@ import torch
 
 from vlmcp.config import LossTerm
 from vlmcp.data.batch import IGNORE_INDEX, REF_LOGP, PackedBatch
-from vlmcp.data.formats import Sample
-from vlmcp.data.pack import build_batch
 from vlmcp.model.loss_terms import Loss
 from vlmcp.parallel.shard import ShardPlan
 
@@ -24,7 +24,8 @@ VOCAB = 50
 TOKEN_SAMPLES = ((3, 6), (2, 9), (4, 5))
 #: (prompt length, chosen length, rejected length) of each pair.
 PAIRS = ((3, 4, 6), (2, 5, 3))
-_PPO = dict(clip_low=0.2, clip_high=0.25)
+#: ppo_clip's (and gspo's, cispo's) clip range in the cases.
+PPO_CLIP = dict(clip_low=0.2, clip_high=0.25)
 
 
 def objectives() -> dict[str, Loss]:
@@ -35,19 +36,20 @@ def objectives() -> dict[str, Loss]:
         "weighted_ce": [LossTerm("weighted_ce")],
         "policy_gradient_constant": [LossTerm("policy_gradient", normalize="constant",
                                               normalize_constant=40.0)],
-        "ppo_clip_kl_dual_clip": [LossTerm("ppo_clip", kl_coef=0.1, clip_ratio_c=1.4, **_PPO)],
+        "ppo_clip_kl_dual_clip": [LossTerm("ppo_clip", kl_coef=0.1, clip_ratio_c=1.4, **PPO_CLIP)],
         "tis_token": [LossTerm("policy_gradient", mismatch="tis", mismatch_cap=1.5)],
         "tis_sequence_sum": [LossTerm("ppo_clip", mismatch="tis", mismatch_level="sequence",
-                                      mismatch_reduce="sum", **_PPO)],
+                                      mismatch_reduce="sum", **PPO_CLIP)],
         "mis_token": [LossTerm("cispo", mismatch="mis", mismatch_low=0.6, mismatch_high=1.6,
-                               **_PPO)],
+                               **PPO_CLIP)],
         "mis_sequence_mean": [LossTerm("policy_gradient", normalize="sequence", mismatch="mis",
                                        mismatch_level="sequence", mismatch_reduce="mean")],
         "dppo": [LossTerm("dppo", delta_low=0.05, delta_high=0.05, kl_tau=0.05)],
         "gspo": [LossTerm("gspo", normalize="sequence", clip_low=0.08, clip_high=0.08)],
-        "cispo": [LossTerm("cispo", **_PPO)],
+        "cispo": [LossTerm("cispo", **PPO_CLIP)],
         "opd": [LossTerm("opd", mismatch="tis", mismatch_level="sequence")],
-        "three_terms": [LossTerm("ppo_clip", **_PPO),
+        "opd_importance": [LossTerm("opd", opd_form="importance")],
+        "three_terms": [LossTerm("ppo_clip", **PPO_CLIP),
                         LossTerm("ce", weights="sft_weights", coef=0.5),
                         LossTerm("opd", weights="distill_weights", normalize="sequence",
                                  coef=0.3)],
@@ -58,18 +60,72 @@ def objectives() -> dict[str, Loss]:
     return out
 
 
-def _sample(gen: torch.Generator, prompt: int, completion: int, source: str,
-            arrays: dict[str, torch.Tensor], pair: str | None = None,
-            values: dict[str, float] | None = None) -> Sample:
-    length = prompt + completion
-    ids = torch.randint(1, VOCAB, (length,), generator=gen)
-    labels = ids.clone()
-    labels[:prompt] = IGNORE_INDEX
-    return Sample(input_ids=ids.tolist(), labels=labels.tolist(), image_paths=[],
-                  pixel_values=None, image_grid_thw=None,
-                  mm_token_type_ids=torch.zeros(length, dtype=torch.long),
-                  position_ids=torch.arange(length).expand(3, length).clone(), source=source,
-                  token_arrays=arrays, pair=pair, values=values or {})
+#: Per case: the objective, the sentinel it meets on the pack's first target (`place_sentinel`),
+#: and whether that token's branch is not selected (its gradient is then 0).
+SENTINELS = {
+    "ppo_clip_clipped": (LossTerm("ppo_clip", **PPO_CLIP),
+                         {"old_logprobs": -100.0, "advantages": 1.5}, True),
+    "ppo_clip_dual_clip": (LossTerm("ppo_clip", clip_ratio_c=3.0, **PPO_CLIP),
+                           {"old_logprobs": -100.0, "advantages": -1.5}, True),
+    "ppo_clip_k3": (LossTerm("ppo_clip", kl_coef=0.1, **PPO_CLIP),
+                    {"logp": -95.0, "ref_logprobs": -1.0, "advantages": 1.0}, False),
+    "dppo_dropped": (LossTerm("dppo", kl_tau=0.01),
+                     {"logp": -0.5, "inference_logprobs": -100.0, "advantages": 1.5}, False),
+    "gspo_clipped": (LossTerm("gspo", normalize="sequence"),
+                     {"old_logprobs_sample": -100.0, "advantages_sample": 1.0}, True),
+    "cispo": (LossTerm("cispo", **PPO_CLIP), {"old_logprobs": -100.0}, False),
+    "tis_sequence": (LossTerm("policy_gradient", mismatch="tis", mismatch_level="sequence"),
+                     {"inference_logprobs": -100.0}, False),
+    "mis_token": (LossTerm("policy_gradient", mismatch="mis"),
+                  {"inference_logprobs": -100.0}, True),
+}
+
+
+def place_sentinel(batch: PackedBatch, logp: torch.Tensor, sentinel: dict[str, float]) -> None:
+    """Write `sentinel` (array -> value) at the pack's first target, in place: "logp" is the
+    shard's first logprob (`shard_inputs`, SP 1), a name ending in "_sample" sets that array on
+    every target of sample 0."""
+    is_target = batch.targets != IGNORE_INDEX
+    first = int(is_target.nonzero()[0])
+    sample0 = torch.zeros_like(is_target)
+    sample0[:batch.seq_lens[0]] = True
+    for key, value in sentinel.items():
+        if key == "logp":
+            logp[0] = value
+        elif key.endswith("_sample"):
+            batch.token_arrays[key.removesuffix("_sample")][sample0 & is_target] = value
+        else:
+            batch.token_arrays[key][first] = value
+
+
+def _pack(gen: torch.Generator, parts: list[tuple[int, int, dict[str, torch.Tensor]]],
+          source: str, pairs: list[tuple[int, int]] | None = None,
+          references: list[float] | None = None) -> PackedBatch:
+    """A text pack of samples (prompt length, completion length, arrays aligned with labels),
+    shifted as `vlmcp.data.pack.build_batch` shifts them: targets[t] = labels[t + 1], the
+    arrays likewise, IGNORE_INDEX / 0 at each sample's last token. (Built here, not through the
+    data path, which imports PyAV for video and so does not import on the lent GPU machine.)"""
+    ids, targets, arrays = [], [], {}
+    for prompt, completion, sample_arrays in parts:
+        length = prompt + completion
+        sample_ids = torch.randint(1, VOCAB, (length,), generator=gen)
+        labels = sample_ids.clone()
+        labels[:prompt] = IGNORE_INDEX
+        ids.append(sample_ids)
+        targets.append(torch.cat([labels[1:], torch.tensor([IGNORE_INDEX])]))
+        for name, values in sample_arrays.items():
+            arrays.setdefault(name, []).append(torch.cat([values[1:], values.new_zeros(1)]))
+    lens = [p + c for p, c, _ in parts]
+    total = sum(lens)
+    return PackedBatch(
+        input_ids=torch.cat(ids), targets=torch.cat(targets),
+        position_ids=torch.cat([torch.arange(n) for n in lens]).expand(3, total).clone(),
+        mm_token_type_ids=torch.zeros(total, dtype=torch.long), seq_lens=lens,
+        sample_ids=[f"{source}:{i + 1}" for i in range(len(lens))],
+        token_arrays={name: torch.cat(values) for name, values in arrays.items()},
+        pairs=pairs or [],
+        sample_values={} if references is None else {
+            REF_LOGP: torch.tensor(references, dtype=torch.float64)})
 
 
 def token_arrays(gen: torch.Generator, length: int) -> dict[str, torch.Tensor]:
@@ -89,19 +145,15 @@ def token_batch(seed: int = 0, arrays: Callable | None = None) -> PackedBatch:
     """A pack of the `TOKEN_SAMPLES`, each with `arrays(gen, length)` (default `token_arrays`)."""
     gen = torch.Generator().manual_seed(seed)
     make = arrays or token_arrays
-    return build_batch([_sample(gen, p, c, f"t.jsonl:{i + 1}", make(gen, p + c))
-                        for i, (p, c) in enumerate(TOKEN_SAMPLES)])
+    return _pack(gen, [(p, c, make(gen, p + c)) for p, c in TOKEN_SAMPLES], "t.jsonl")
 
 
 def pair_batch(seed: int = 0) -> PackedBatch:
     """A pack of the `PAIRS` (each half a prompt and a completion), with reference sums."""
     gen = torch.Generator().manual_seed(seed)
-    samples = []
-    for i, (prompt, chosen, rejected) in enumerate(PAIRS):
-        for role, completion in (("chosen", chosen), ("rejected", rejected)):
-            samples.append(_sample(gen, prompt, completion, f"p.jsonl:{i + 1}", {}, role,
-                                   {REF_LOGP: float(-2.0 * completion)}))
-    return build_batch(samples)
+    halves = [(prompt, n, {}) for prompt, *completions in PAIRS for n in completions]
+    return _pack(gen, halves, "p.jsonl", [(2 * i, 2 * i + 1) for i in range(len(PAIRS))],
+                 [-2.0 * n for _, n, _ in halves])
 
 
 def batch_for(loss: Loss, seed: int = 0) -> PackedBatch:

@@ -63,6 +63,8 @@ def _because(term: LossTerm, name: str, prefix: str) -> str:
         return f" with {prefix}kl_coef > 0"
     if name == term.weights:
         return f" with {prefix}weights"
+    if name == "inference_logprobs" and term.opd_form == "importance":
+        return f" with {prefix}opd_form \"importance\""
     return f" with {prefix}mismatch {term.mismatch!r}"
 
 
