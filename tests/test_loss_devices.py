@@ -14,23 +14,16 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers.loss_cases import batch_for, objectives, shard_inputs, shard_step
+from tests.helpers.loss_cases import case_step, chunked_logprobs, logprob_inputs, objectives
 from tests.helpers.off_host import MODEL_DEVICE, MixedDevices, OffHost, off_host, to_model_device
-from vlmcp.data.batch import IGNORE_INDEX
-from vlmcp.model.token_logprobs import shard_token_logprobs
-from vlmcp.parallel.shard import ShardPlan
 
 
 @pytest.mark.parametrize("sp_rank", [(1, 0), (2, 1)], ids=["sp1", "sp2_rank1"])
 @pytest.mark.parametrize("name", list(objectives()))
 def test_every_loss_term_keeps_model_tensors_on_the_model_device(name, sp_rank):
-    loss = objectives()[name]
-    batch = batch_for(loss)
-    plan = ShardPlan.build(batch.seq_lens, *sp_rank)
-    host = shard_step(loss, batch, plan, *shard_inputs(batch, plan))
+    host = case_step(name, *sp_rank)
     with off_host():
-        total, stats, grad = shard_step(loss, batch, plan,
-                                        *to_model_device(shard_inputs(batch, plan)))
+        total, stats, grad = case_step(name, *sp_rank, move=to_model_device)
     assert total.device == MODEL_DEVICE and grad.device == MODEL_DEVICE
     assert stats.device.type == "cpu" and not isinstance(stats, OffHost)
     for got, want in zip((total.elem, stats, grad.elem), host):
@@ -50,34 +43,17 @@ def test_the_device_check_catches_a_host_tensor_indexed_by_a_device_tensor():
 @pytest.mark.parametrize("grad", [True, False], ids=["fused", "no_autograd"])
 @pytest.mark.parametrize("zero3", [False, True], ids=["plain_head", "zero3_head"])
 def test_chunked_logprobs_keep_every_tensor_on_the_model_device(grad, zero3):
-    gen = torch.Generator().manual_seed(3)
-    hidden = torch.randn(9, 8, generator=gen)
-    targets = torch.randint(0, 40, (9,), generator=gen)
-    targets[[0, 4]] = IGNORE_INDEX
-    temperatures = 0.5 + torch.rand(9, generator=gen)
-    head = nn.Linear(8, 40)
-
-    def run(hidden, targets, temperatures, head):
-        if zero3:
-            head.weight.ds_id = 0
-        with torch.set_grad_enabled(grad):
-            hidden = hidden.detach().requires_grad_(grad)
-            out = shard_token_logprobs(hidden, targets, head, 40 * 4 * 3 / 2**20, temperatures)
-            if grad:
-                (out.logprobs.sum() + out.anchor).backward()
-        return out, hidden.grad, head.weight.grad
-
-    host = run(hidden, targets, temperatures, head)
+    hidden, targets, temperatures, head = logprob_inputs()
     moved = nn.Linear(8, 40)
     with off_host():
         moved.weight = nn.Parameter(to_model_device(head.weight.detach()))
         moved.bias = nn.Parameter(to_model_device(head.bias.detach()))
-        out, hidden_grad, weight_grad = run(*to_model_device((hidden, targets, temperatures)),
-                                            moved)
-    for got, want in ((out.logprobs, host[0].logprobs), (out.entropy, host[0].entropy),
-                      (out.keep, host[0].keep), (hidden_grad, host[1]), (weight_grad, host[2])):
+        got = chunked_logprobs(*to_model_device((hidden, targets, temperatures)), moved, grad,
+                               zero3)
+    for value, want in zip(got, chunked_logprobs(hidden, targets, temperatures, head, grad,
+                                                 zero3)):
         if want is None:
-            assert got is None
+            assert value is None
             continue
-        assert got.device == MODEL_DEVICE
-        assert torch.equal(got.elem, want)
+        assert value.device == MODEL_DEVICE
+        assert torch.equal(value.elem, want)

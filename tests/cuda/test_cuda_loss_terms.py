@@ -20,13 +20,9 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers.loss_cases import (SENTINELS, batch_for, objectives, place_sentinel,
-                                      shard_inputs, shard_step, token_batch)
-from vlmcp.data.batch import IGNORE_INDEX
+from tests.helpers.loss_cases import (SENTINELS, case_step, chunked_logprobs, logprob_inputs,
+                                      objectives, sentinel_step)
 from vlmcp.model.log_ratio import LOG_RATIO_MAX
-from vlmcp.model.loss_terms import Loss
-from vlmcp.model.token_logprobs import shard_token_logprobs
-from vlmcp.parallel.shard import ShardPlan
 
 pytestmark = [
     pytest.mark.cuda,
@@ -45,12 +41,8 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 @pytest.mark.parametrize("sp_rank", [(1, 0), (2, 1)], ids=["sp1", "sp2_rank1"])
 @pytest.mark.parametrize("name", list(objectives()))
 def test_cuda_loss_terms_keep_model_tensors_on_the_gpu_and_match_the_cpu(name, sp_rank):
-    loss = objectives()[name]
-    batch = batch_for(loss)
-    plan = ShardPlan.build(batch.seq_lens, *sp_rank)
-    host = shard_step(loss, batch, plan, *shard_inputs(batch, plan))
-    total, stats, grad = shard_step(loss, batch, plan,
-                                    *(t.to(CUDA) for t in shard_inputs(batch, plan)))
+    host = case_step(name, *sp_rank)
+    total, stats, grad = case_step(name, *sp_rank, move=lambda t: t.to(CUDA))
     assert total.device == CUDA and grad.device == CUDA and stats.device.type == "cpu"
     for got, want, what in zip((total, stats, grad), host, ("loss", "metric sums", "grad")):
         _assert_close(got, want, what)
@@ -64,43 +56,22 @@ def test_cuda_exp_of_the_capped_log_ratio_is_finite_and_the_next_fp32_overflows(
 
 @pytest.mark.parametrize("name", list(SENTINELS))
 def test_cuda_a_large_finite_log_ratio_gives_a_finite_loss_gradient_and_metrics(name):
-    term, sentinel, _ = SENTINELS[name]
-    batch = token_batch()
-    plan = ShardPlan.build(batch.seq_lens)
-    logp, entropy, keep = shard_inputs(batch, plan)
-    place_sentinel(batch, logp, sentinel)
-    total, stats, grad = shard_step(Loss((term,)), batch, plan, logp.to(CUDA),
-                                    entropy.to(CUDA), keep.to(CUDA))
+    total, stats, grad = sentinel_step(name, lambda t: t.to(CUDA))
     assert torch.isfinite(total) and torch.isfinite(grad).all() and torch.isfinite(stats).all()
 
 
 @pytest.mark.parametrize("grad", [True, False], ids=["fused", "no_autograd"])
 @pytest.mark.parametrize("zero3", [False, True], ids=["plain_head", "zero3_head"])
 def test_cuda_chunked_logprobs_stay_on_the_gpu_and_match_the_cpu(grad, zero3):
-    gen = torch.Generator().manual_seed(3)
-    hidden = torch.randn(9, 8, generator=gen)
-    targets = torch.randint(0, 40, (9,), generator=gen)
-    targets[[0, 4]] = IGNORE_INDEX
-    temperatures = 0.5 + torch.rand(9, generator=gen)
-    head = nn.Linear(8, 40)
-    if zero3:
-        head.weight.ds_id = 0
-    results = {}
-    for device in ("cpu", CUDA):
-        moved = nn.Linear(8, 40).to(device)
-        moved.load_state_dict(head.state_dict())
-        if zero3:
-            moved.weight.ds_id = 0
-        with torch.set_grad_enabled(grad):
-            h = hidden.to(device).requires_grad_(grad)
-            out = shard_token_logprobs(h, targets.to(device), moved, 40 * 4 * 3 / 2**20,
-                                       temperatures.to(device))
-            if grad:
-                (out.logprobs.sum() + out.anchor).backward()
-        results[str(device)] = (out.logprobs, out.entropy, h.grad, moved.weight.grad)
-    for got, want in zip(results[str(CUDA)], results["cpu"]):
-        if want is None:
-            assert got is None
+    hidden, targets, temperatures, head = logprob_inputs()
+    want = chunked_logprobs(hidden, targets, temperatures, head, grad, zero3)
+    moved = nn.Linear(8, 40).to(CUDA)
+    moved.load_state_dict(head.state_dict())
+    got = chunked_logprobs(hidden.to(CUDA), targets.to(CUDA), temperatures.to(CUDA), moved, grad,
+                           zero3)
+    for value, expected in zip(got, want):
+        if expected is None:
+            assert value is None
             continue
-        assert got.device == CUDA
-        _assert_close(got, want, "logprobs, entropy or gradient")
+        assert value.device == CUDA
+        _assert_close(value, expected, "logprobs, entropy, keep or gradient")

@@ -3,7 +3,7 @@ model-side tensors (logp, entropy, keep) on a device of the caller's choice: eve
 type and option, the mismatch correction at both levels, several terms and the preference
 objectives, on text-only packs of host tensors laid out as the data path packs them; and
 sentinel logprobs that put a log-ratio of about 100 on one token of each objective that
-exponentiates one.
+exponentiates one; inputs of the chunked per-token logprobs.
 
 Legend: S = packed length, N = this shard's targets.
 """
@@ -13,10 +13,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from vlmcp.config import LossTerm
 from vlmcp.data.batch import IGNORE_INDEX, REF_LOGP, PackedBatch
 from vlmcp.model.loss_terms import Loss
+from vlmcp.model.token_logprobs import shard_token_logprobs
 from vlmcp.parallel.shard import ShardPlan
 
 VOCAB = 50
@@ -180,3 +182,57 @@ def shard_step(loss: Loss, batch: PackedBatch, plan: ShardPlan, logp: torch.Tens
     total, stats = loss.shard_loss(logp, entropy, keep, batch, plan, loss.denominators(counts))
     total.backward()
     return total, stats, logp.grad
+
+
+def sentinel_step(name: str, move: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`shard_step` of the `SENTINELS` case `name` on a token pack at SP 1, with logp, entropy
+    and keep put on the model's device by `move`."""
+    term, sentinel, _ = SENTINELS[name]
+    batch = token_batch()
+    plan = ShardPlan.build(batch.seq_lens)
+    logp, entropy, keep = shard_inputs(batch, plan)
+    place_sentinel(batch, logp, sentinel)
+    return shard_step(Loss((term,)), batch, plan, move(logp), move(entropy), move(keep))
+
+
+def logprob_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, nn.Linear]:
+    """(hidden [9, 8], targets [9] with two IGNORE_INDEX, temperatures [9] in [0.5, 1.5], an
+    lm_head of 40 tokens) for the chunked logprobs, on the host."""
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(9, 8, generator=gen)
+    targets = torch.randint(0, 40, (9,), generator=gen)
+    targets[[0, 4]] = IGNORE_INDEX
+    temperatures = 0.5 + torch.rand(9, generator=gen)
+    head = nn.Linear(8, 40)
+    with torch.no_grad():
+        head.weight.copy_(0.3 * torch.randn(40, 8, generator=gen))
+        head.bias.copy_(0.1 * torch.randn(40, generator=gen))
+    return hidden, targets, temperatures, head
+
+
+def chunked_logprobs(hidden: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor,
+                     head: nn.Linear, grad: bool, zero3: bool
+                     ) -> tuple[torch.Tensor | None, ...]:
+    """(logprobs, entropy, keep, d/d hidden, d/d head weight) of `shard_token_logprobs` in
+    3-row chunks, the gradients of sum(logprobs) (None without `grad`); `zero3` marks the head
+    partitioned (its checkpointed path)."""
+    if zero3:
+        head.weight.ds_id = 0
+    with torch.set_grad_enabled(grad):
+        hidden = hidden.detach().requires_grad_(grad)
+        out = shard_token_logprobs(hidden, targets, head, 40 * 4 * 3 / 2**20, temperatures)
+        if grad:
+            (out.logprobs.sum() + out.anchor).backward()
+    return out.logprobs, out.entropy, out.keep, hidden.grad, head.weight.grad
+
+
+def case_step(name: str, size: int, rank: int,
+              move: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`shard_step` of the `objectives()` case `name` on SP rank `rank` of `size`, with logp,
+    entropy and keep put on the model's device by `move`."""
+    loss = objectives()[name]
+    batch = batch_for(loss)
+    plan = ShardPlan.build(batch.seq_lens, size, rank)
+    return shard_step(loss, batch, plan, *(move(t) for t in shard_inputs(batch, plan)))

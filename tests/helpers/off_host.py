@@ -100,23 +100,24 @@ def _run(func: Any, args: tuple, kwargs: dict) -> Any:
     if len(devices) > 1 and func not in _CROSS_DEVICE:
         raise MixedDevices(f"{func}: tensors on {sorted(devices)} (the host is 'cpu', the "
                            "model's device 'model'); on CUDA this op raises")
-    if "device" in kwargs and kwargs["device"] is not None:
+    leaves = pytree.tree_leaves((args, kwargs))
+    if kwargs.get("device") is not None:
         wrap = _on_model_device(kwargs["device"])
         if wrap:
             kwargs = {**kwargs, "device": torch.device("cpu")}
     else:
-        wrap = "model" in devices or any(isinstance(leaf, OffHost)
-                                         for leaf in pytree.tree_leaves((args, kwargs)))
-    wrappers = {id(leaf.elem): leaf for leaf in pytree.tree_leaves((args, kwargs))
-                if isinstance(leaf, OffHost)}
+        wrap = any(isinstance(leaf, OffHost) for leaf in leaves)
+    # an in-place op returns its input: the same wrapper, or the same host tensor
+    inputs = {id(leaf.elem if isinstance(leaf, OffHost) else leaf): leaf for leaf in leaves
+              if isinstance(leaf, torch.Tensor)}
     plain_args, plain_kwargs = pytree.tree_map_only(OffHost, lambda t: t.elem, (args, kwargs))
     out = func(*plain_args, **plain_kwargs)
 
     def back(value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
-        if id(value) in wrappers:
-            return wrappers[id(value)]
+        if id(value) in inputs:
+            return inputs[id(value)]
         return OffHost(value) if wrap else value
 
     return pytree.tree_map(back, out)
