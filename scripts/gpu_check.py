@@ -12,6 +12,10 @@ Steps:
        cuda_kernels       pytest tests/cuda/test_cuda_kernels.py: the delta rule through vlmcp's pure-
                           torch kernel and through fla's (where the version gate allows fla), the
                           attention kernels, the DeltaNet conv; against float64 / CPU references
+       loss_terms         pytest tests/cuda/test_cuda_loss_terms.py: every objective and option
+                          (mismatch at both levels, several terms, pairs) and the chunked logprobs
+                          with the model-side tensors on the GPU and the batch on the host, as in
+                          training; against the same run on CPU
        deltanet_sp2_gloo  pytest tests/cuda/test_cuda_deltanet_sp.py: the DeltaNet hook at SP 2, two
                           ranks on cuda:0 over gloo, each kernel as above, against the CPU hook
        bench_bf16         vlmcp bench --dtype bfloat16 at --seq-lens, once plain
@@ -53,8 +57,8 @@ NEVER_INSTALLED = ("torch", "triton")
 TAIL_CHARS = 4000
 #: Seconds for the whole check (install included) and each part's own limit.
 BUDGET_S = 480.0
-PART_LIMITS_S = {"install": 60, "cuda_kernels": 90, "deltanet_sp2_gloo": 90, "bench_bf16": 75,
-                 "bench_bf16_memory": 75, "compare_alst": 90}
+PART_LIMITS_S = {"install": 60, "cuda_kernels": 90, "loss_terms": 60, "deltanet_sp2_gloo": 90,
+                 "bench_bf16": 75, "bench_bf16_memory": 75, "compare_alst": 90}
 MEMORY_FLAGS = ["--gradient-checkpointing", "--tiled-mlp", "--offload-activations"]
 
 
@@ -259,6 +263,7 @@ def _run_parts(report: dict[str, Any], args: argparse.Namespace, env: dict[str, 
     lengths = [int(n) for n in args.seq_lens.split(",")]
     parts = {
         "cuda_kernels": lambda limit: pytest_part("tests/cuda/test_cuda_kernels.py", env, limit),
+        "loss_terms": lambda limit: pytest_part("tests/cuda/test_cuda_loss_terms.py", env, limit),
         "deltanet_sp2_gloo": lambda limit: pytest_part("tests/cuda/test_cuda_deltanet_sp.py", env, limit),
         "bench_bf16": lambda limit: bench_part(
             ["--dtype", "bfloat16", "--seq-lens", args.seq_lens, "--steps", "2", "--warmup", "1",

@@ -9,6 +9,7 @@ match the data names its line; `vlmcp score` writes one line per sample in data 
 from __future__ import annotations
 
 import json
+import logging
 import math
 
 import pytest
@@ -19,6 +20,7 @@ from vlmcp.config import job_from_dict
 from vlmcp.data.dataset import load_samples
 from vlmcp.data.pack import build_batch
 from vlmcp.errors import ConfigError, DataError
+from vlmcp.training.objective_step import objective_of
 
 IDS = [1, 10, 11, 12, 13, 2]
 LABELS = [-100, -100, 11, 12, 13, 2]
@@ -134,6 +136,10 @@ def test_score_refuses_a_lora_job_whose_adapters_are_not_at_model_path(make_json
     ({"terms": [{"type": "ce"}, {"type": "opd", "clip_low": 0.1}]}, "loss.terms[1].clip_low"),
     ({"terms": [{"type": "ce"}, {"type": "dpo"}]}, "loss.terms[1].type"),
     ({"terms": [{"type": "ce", "clip_lo": 0.1}]}, "loss.terms[0].clip_lo"),
+    ({"type": "dppo", "mismatch": "tis"}, "loss.mismatch"),
+    ({"terms": [{"type": "ce"}, {"type": "dppo", "mismatch": "mis"}]}, "loss.terms[1].mismatch"),
+    ({"type": "opd", "opd_form": "importance", "mismatch": "tis"}, "loss.mismatch"),
+    ({"type": "ppo_clip", "opd_form": "importance"}, "loss.opd_form"),
 ])
 def test_an_option_that_does_not_apply_or_lacks_its_setting_is_a_config_error_naming_the_key(
         loss, key, tiny_checkpoint, tmp_path):
@@ -141,6 +147,36 @@ def test_an_option_that_does_not_apply_or_lacks_its_setting_is_a_config_error_na
     with pytest.raises(ConfigError) as info:
         job_from_dict(raw)
     assert f"'{key}'" in str(info.value)
+
+
+def test_a_mismatch_correction_on_an_objective_already_against_mu_is_refused_as_double(
+        tiny_checkpoint, tmp_path):
+    for loss in ({"type": "dppo", "mismatch": "tis"},
+                 {"type": "opd", "opd_form": "importance", "mismatch": "mis"}):
+        raw = tiny_job(tiny_checkpoint, tmp_path / "d.jsonl", tmp_path / "out", loss=loss)
+        with pytest.raises(ConfigError, match="a second time"):
+            job_from_dict(raw)
+
+
+def test_gspo_normalizes_per_sample_by_default_and_warns_on_an_explicit_token(
+        tiny_checkpoint, tmp_path, caplog):
+    def normalizations(loss):
+        job = job_from_dict(tiny_job(tiny_checkpoint, tmp_path / "d.jsonl", tmp_path / "out",
+                                     loss=loss))
+        return [term.normalize for term in objective_of(job).terms]
+
+    with caplog.at_level(logging.WARNING, logger="vlmcp.config.load"):
+        assert normalizations({"type": "gspo"}) == ["sequence"]
+        assert normalizations({"terms": [{"type": "gspo"}, {"type": "ce"}]}) == ["sequence",
+                                                                                  "token"]
+        assert normalizations({"type": "ppo_clip"}) == ["token"]
+        assert not caplog.records
+        assert normalizations({"terms": [{"type": "ce"}, {"type": "gspo",
+                                                          "normalize": "token"}]}) == [
+            "token", "token"]
+    (record,) = caplog.records
+    assert "config key 'loss.terms[1].normalize'" in record.getMessage()
+    assert "GSPO paper" in record.getMessage()
 
 
 def _pair(**extra) -> dict:
@@ -196,6 +232,13 @@ def test_validate_names_each_sample_without_the_arrays_of_mis_and_of_a_terms_wei
     assert all("loss.terms[0].type 'ppo_clip' with loss.terms[0].mismatch 'mis'" in e for e in mis)
     (weights,) = [e for e in errors if "'sft_weights'" in e]
     assert weights.startswith(f"error: {data}:2: ") and "with loss.terms[1].weights" in weights
+    capsys.readouterr()
+    opd = write_job(tmp_path / "opd.json", tiny_job(tiny_checkpoint, data, tmp_path / "out", loss={
+        "type": "opd", "opd_form": "importance"}))
+    assert main(["validate", str(opd)]) == 1
+    mu = [e for e in _errors(capsys) if "'inference_logprobs'" in e]
+    assert [e.split(": ")[1] for e in mu] == [f"{data}:2", f"{data}:3"]
+    assert all("loss.type 'opd' with loss.opd_form \"importance\"" in e for e in mu)
 
 
 def test_a_reference_score_file_that_does_not_match_data_train_names_its_line(

@@ -3,9 +3,9 @@ ZeRO-2) and 4 (ZeRO-3, 4-row loss chunks through the partitioned head) equals pl
 with each sample forwarded alone: the step loss, every gradient and the
 metrics of weighted_ce, policy_gradient (token, sequence and constant normalisation), ppo_clip
 (k3 penalty; dual clip), the mismatch corrections tis and mis at token and sequence level, dppo,
-gspo, cispo, opd, a three-term loss, and dpo, ipo and simpo on preference pairs (one LoRA dpo
-case at SP 2); the train-inference mismatch metrics of every token case (its data carries
-inference_logprobs); one more case whose samples B and C (not the others) carry per-token
+gspo, cispo, opd (both forms), a three-term loss, and dpo, ipo and simpo on preference pairs
+(one LoRA dpo case at SP 2); the train-inference mismatch metrics of every token case (its data
+carries inference_logprobs); one more case whose samples B and C (not the others) carry per-token
 `temperatures` that vary inside each sample and `inference_logprobs`: its loss, gradients,
 entropy and mismatch metrics (over B and C only) are those of plain transformers'
 log_softmax(logits / tau), with the other samples at tau 1 (at SP 4 they share a pack with B and
@@ -110,6 +110,7 @@ def _objectives(dppo_delta: float) -> dict[str, list[LossTerm]]:
         "gspo": [LossTerm("gspo", normalize="sequence", clip_low=0.08, clip_high=0.08)],
         "cispo": [LossTerm("cispo", **ppo)],
         "opd": [LossTerm("opd")],
+        "opd_importance": [LossTerm("opd", opd_form="importance")],
         "three_terms": [LossTerm("ppo_clip", **ppo),
                         LossTerm("ce", weights="sft_weights", coef=0.5),
                         LossTerm("opd", weights="distill_weights", normalize="sequence",

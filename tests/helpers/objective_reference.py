@@ -104,6 +104,11 @@ def _token_losses(term: LossTerm, logp, a, seq_log_ratio, cover: Counter):
         return -a["loss_weights"] * logp, {}
     if kind == "policy_gradient":
         return -a["advantages"] * logp, {}
+    if kind == "opd" and term.opd_form == "importance":
+        ratio = torch.exp(logp - a["inference_logprobs"])
+        losses = -ratio * (a["teacher_logprobs"] - a["inference_logprobs"])
+        return losses, {"teacher_kl": (logp - a["teacher_logprobs"]).detach(),
+                        "ratio": ratio.detach()}
     if kind == "opd":
         advantage = (a["teacher_logprobs"] - logp).detach()
         return -advantage * logp, {"teacher_kl": (logp - a["teacher_logprobs"]).detach()}

@@ -4,17 +4,20 @@ settings."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from vlmcp.config.checks import build_section, cross_key_problems, training_data_problems
 from vlmcp.config.launch_env import apply_launch_env
-from vlmcp.config.loss_checks import loss_problems
+from vlmcp.config.loss_checks import loss_problems, loss_warnings
 from vlmcp.config.overrides import apply_overrides
 from vlmcp.config.schema import JobConfig
 from vlmcp.data import json_text
 from vlmcp.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 def _leaf_keys(raw: Any, prefix: str = "") -> set[str]:
@@ -45,6 +48,8 @@ def job_from_dict(raw: Any, job_dir: str | Path = ".",
         problems.extend(loss_problems(job.loss, job.explicit_keys))
     if problems:
         raise ConfigError(problems)
+    for line in loss_warnings(job.loss, job.explicit_keys):
+        logger.warning("%s", line)
     job.job_dir = str(job_dir)
     job.deepspeed_overrides = dict(deepspeed_overrides or {})
     if environ is not None:

@@ -33,6 +33,7 @@ APPLIES_TO: dict[str, tuple[str, ...]] = {
     "delta_low": ("dppo",),
     "delta_high": ("dppo",),
     "kl_tau": ("dppo",),
+    "opd_form": ("opd",),
     "mismatch": POLICY_OBJECTIVES,
     **{name: POLICY_OBJECTIVES for name in _MISMATCH_OPTIONS},
     "beta": PAIR_OBJECTIVES,
@@ -76,10 +77,32 @@ def term_problems(term: LossTerm, given: set[str], prefix: str) -> list[str]:
         problems.append(f"config key '{prefix}mismatch_reduce' is set but "
                         f"{prefix}mismatch_level is {term.mismatch_level!r} (it applies to "
                         "\"sequence\")")
+    if term.mismatch != "none" and term.type == "dppo":
+        problems.append(f"config key '{prefix}mismatch': {prefix}type \"dppo\" takes its ratio "
+                        "against inference_logprobs already (pi / mu); a mismatch correction "
+                        "would weight by pi_old / mu a second time (leave it \"none\")")
+    if term.mismatch != "none" and term.opd_form == "importance":
+        problems.append(f"config key '{prefix}mismatch': {prefix}opd_form \"importance\" "
+                        "weights by pi / mu already; a mismatch correction would weight by "
+                        "pi_old / mu a second time (leave it \"none\")")
     if term.mismatch == "mis" and term.mismatch_low > term.mismatch_high:
         problems.append(f"config key '{prefix}mismatch_low' ({term.mismatch_low}) is above "
                         f"{prefix}mismatch_high ({term.mismatch_high})")
     return problems
+
+
+def loss_warnings(loss: LossSection, explicit: frozenset[str]) -> list[str]:
+    """Settings of a checked `loss` section that vlmcp honours but that depart from the
+    objective's paper, one line each naming the key (`explicit`: the job's set key paths)."""
+    given = {key.removeprefix("loss.") for key in explicit if key.startswith("loss.")}
+    named = ([(loss, "loss.", given)] if not loss.terms else
+             [(term, f"loss.terms[{k}].", set(raw)) for k, (term, raw)
+              in enumerate(zip(loss_terms(loss), loss.terms))])
+    return [f"config key '{prefix}normalize': \"token\" with {prefix}type \"gspo\" divides by "
+            "the step's target count, so long samples weigh more; the GSPO paper takes each "
+            "sample's mean (\"sequence\", gspo's default)"
+            for term, prefix, keys in named
+            if term.type == "gspo" and term.normalize == "token" and "normalize" in keys]
 
 
 def loss_problems(loss: LossSection, explicit: frozenset[str]) -> list[str]:

@@ -211,7 +211,8 @@ PAIR_OBJECTIVES = ("dpo", "ipo", "simpo")
 @dataclass
 class LossTerm:
     """One objective and its options: the `loss` section itself, or one of its `loss.terms`.
-    Which option applies to which type: `vlmcp.config.loss_checks`; definitions: docs/losses.md."""
+    Which option applies to which type: `vlmcp.config.loss_checks`; definitions: docs/losses.md.
+    A `normalize` of None becomes the type's default on construction."""
 
     type: str = field(default="ce", metadata=_key(
         "training objective: per target token ce, weighted_ce (per-token loss_weights), "
@@ -219,11 +220,12 @@ class LossTerm:
         "old_logprobs or inference_logprobs, with advantages), opd (on-policy distillation from "
         "per-token teacher_logprobs); per preference pair dpo, ipo, simpo",
         choices=list(TOKEN_OBJECTIVES + PAIR_OBJECTIVES)))
-    normalize: str = field(default="token", metadata=_key(
+    normalize: str | None = field(default=None, metadata=_key(
         "token: divide by the step's global target count (of the term's weights, when it has "
         "them); sequence: mean over each sample's targets, then over the step's samples; "
-        "constant: divide by loss.normalize_constant (Dr. GRPO); preference objectives take "
-        "the mean over the step's pairs", choices=["token", "sequence", "constant"]))
+        "constant: divide by loss.normalize_constant (Dr. GRPO); null: sequence for gspo (the "
+        "GSPO paper's per-sample mean), token for every other type; preference objectives take "
+        "the mean over the step's pairs", choices=[None, "token", "sequence", "constant"]))
     normalize_constant: float | None = field(default=None, metadata=_key(
         "normalize constant: the step's fixed divisor (Dr. GRPO: samples x max length)",
         min=1e-12))
@@ -255,7 +257,8 @@ class LossTerm:
         "train-inference mismatch correction of a policy objective with w = pi_old / mu "
         "(per-token old_logprobs and inference_logprobs): tis multiplies the token loss by "
         "min(w, mismatch_cap), mis by w where mismatch_low <= w <= mismatch_high and 0 "
-        "elsewhere (w not differentiated)", choices=["none", "tis", "mis"]))
+        "elsewhere (w not differentiated); not for dppo or opd_form importance, whose ratio is "
+        "already against mu", choices=["none", "tis", "mis"]))
     mismatch_level: str = field(default="token", metadata=_key(
         "w per token, or per sequence: exp of the sum or mean (mismatch_reduce) of log w over "
         "the sample's targets", choices=["token", "sequence"]))
@@ -268,6 +271,11 @@ class LossTerm:
         "mis: the lowest w that is kept", min=0.0))
     mismatch_high: float = field(default=2.0, metadata=_key(
         "mis: the highest w that is kept", min=1e-12))
+    opd_form: str = field(default="on_policy", metadata=_key(
+        "opd: on_policy: -sg(teacher_logprobs - logp) logp, for samples of the current policy; "
+        "importance: -(pi / mu) (teacher_logprobs - inference_logprobs), Thinking Machines' "
+        "importance-weighted form for tokens an engine mu sampled off-policy (needs "
+        "inference_logprobs)", choices=["on_policy", "importance"]))
     beta: float = field(default=0.1, metadata=_key(
         "dpo, ipo, simpo: the temperature beta", min=1e-12))
     gamma: float = field(default=0.5, metadata=_key(
@@ -278,6 +286,10 @@ class LossTerm:
         "initial policy before the first step (kept in output_dir/reference_logps.jsonl for "
         "resumes); else the path of a `vlmcp score` output of data.train by the reference "
         "model"))
+
+    def __post_init__(self) -> None:
+        if self.normalize is None:
+            self.normalize = "sequence" if self.type == "gspo" else "token"
 
 
 @dataclass

@@ -14,7 +14,8 @@ with l_kt the term's per-token loss (`model.objectives`) times its mismatch weig
 A preference objective (`model.pair_objectives`, always the only term) sums its pairs' losses and
 N = the step's pairs. Counts are global: over the SP ranks, the DP ranks and the accumulation
 micro-batches of the step (`batch_counts` on the whole pack, summed by the trainer,
-training/objective_step.py).
+training/objective_step.py). A term whose N_k is 0 (no target of the step has its weight)
+contributes 0.
 
 Sequence-level quantities (gspo's ratio, the pair sums) come from one all-reduce per micro-batch
 of every column the terms need (`model.sample_sums.SampleTargets.sums`). A pair's loss enters
@@ -49,6 +50,15 @@ from vlmcp.parallel.shard import ShardPlan
 
 #: Count keys whose metrics a step reports only when the count is not 0, with the count itself.
 REPORTED_COUNTS = (MISMATCH_COUNT,)
+
+
+def _scale(coef: float, denominators: Sequence[float] | None, k: int) -> float:
+    """coef_k / N_k (N_k = 1 without `denominators`). A term whose global count is 0 (no target
+    of the step has its weight, e.g. CE on `sft_weights` in a step without SFT tokens) has a sum
+    of 0 on every shard: it contributes 0, and stays in the graph with weight 0."""
+    if denominators is None:
+        return coef
+    return coef / denominators[k] if denominators[k] else 0.0
 
 
 @dataclass(frozen=True)
@@ -182,8 +192,7 @@ class Loss:
                 if len(self.terms) > 1:
                     term_stats = [term_sum.detach().double()] + term_stats
             stats += term_stats
-            scale = term.coef / (denominators[k] if denominators is not None else 1.0)
-            total = total + term_sum * scale
+            total = total + term_sum * _scale(term.coef, denominators, k)
         inference = batch.token_arrays.get("inference_logprobs")
         if inference is not None:
             inference = plan.shard(inference.to(device), dim=0)[keep]

@@ -15,7 +15,8 @@ is multiplied by a weight that is never differentiated:
 Metrics (per target; the caller sums them over the term's targets): "is_weight" (the weight applied), "is_clamped_fraction"
 (tis: w above the cap) or "is_masked_fraction" (mis: w outside the range, "is_masked_low" and
 "is_masked_high" each side), and "is_kl", the k3 estimate (w_t - 1) - log w_t of KL(mu || pi_old)
-from the token-level w, whatever the level.
+from the token-level w, whatever the level (log w_t capped where fp32's exp overflows,
+`model.log_ratio.bounded`).
 
 Mismatch metrics (`mismatch_sums`, whatever the objective and its correction): how far mu lies
 from the trainer's current logprob logp (at the same per-token temperature). Per target token
@@ -35,6 +36,7 @@ import math
 import torch
 
 from vlmcp.config.schema import LossTerm
+from vlmcp.model.log_ratio import bounded
 from vlmcp.model.sample_sums import SampleTargets
 
 #: The metric sums `mismatch_sums` returns, in order.
@@ -58,17 +60,21 @@ def mismatch_weights(term: LossTerm, old: torch.Tensor, inference: torch.Tensor,
     """The weight of each of this shard's targets ([N] fp32, no autograd) and the per-target
     metric values ([N] each, `mismatch_metric_keys`).
 
-    old, inference: [N] this shard's old_logprobs and inference_logprobs at its targets;
+    old, inference: [N] this shard's old_logprobs and inference_logprobs at its targets, on the
+    model's device (that of samples.local; the weight and metrics come out there);
     whole_old, whole_inference: [N_pack] the same arrays at every target of the pack (for the
-    sequence level); samples: the micro-batch's `SampleTargets`.
+    sequence level), on any device (the batch's host tensors); samples: the micro-batch's
+    `SampleTargets`.
     """
     with torch.no_grad():
         token_log_w = (old - inference).float()
         if term.mismatch_level == "sequence":
+            # the whole-pack arrays are host data: the per-sample sums are taken there, then
+            # moved to the device of this shard's targets (samples.local) before indexing
             per_sample = samples.whole_sums(whole_old - whole_inference)
             if term.mismatch_reduce == "mean":
-                per_sample = per_sample / samples.counts.clamp_min(1)
-            log_w = per_sample.float()[samples.local]
+                per_sample = per_sample / samples.counts.to(per_sample.device).clamp_min(1)
+            log_w = per_sample.float().to(old.device)[samples.local]
         else:
             log_w = token_log_w
         stats: dict[str, torch.Tensor] = {}
@@ -84,7 +90,8 @@ def mismatch_weights(term: LossTerm, old: torch.Tensor, inference: torch.Tensor,
             stats.update(is_masked_fraction=below | above, is_masked_low=below,
                          is_masked_high=above)
         stats["is_weight"] = weight
-        stats["is_kl"] = token_log_w.exp() - 1.0 - token_log_w
+        bounded_log_w = bounded(token_log_w)
+        stats["is_kl"] = bounded_log_w.exp() - 1.0 - bounded_log_w
     return weight, stats
 
 

@@ -5,7 +5,9 @@ logp [N] = log pi(y_t) under the current policy (`model.token_logprobs`); the pe
 the data, each [N], are the entries aligned with those targets: loss_weights w, advantages A,
 old_logprobs (the generating policy, recomputed by the trainer), inference_logprobs mu (the
 inference engine's), ref_logprobs, teacher_logprobs. Ratios are taken in log space, in fp32;
-sg() is stop-gradient.
+sg() is stop-gradient. Every exp of a log-ratio (r_t, k3_t, s_i, and their metrics) takes the
+log-ratio capped where fp32's exp overflows (`model.log_ratio.bounded`): unchanged, gradient
+included, wherever the exp was finite, and no NaN from a branch that is not selected.
 
 Per-token loss l_t:
     ce               -logp
@@ -25,10 +27,15 @@ Per-token loss l_t:
                      dropped (keep_t = 0) when A_t > 0 and exp(logp) - exp(mu_t) > delta_high,
                      or A_t < 0 and exp(logp) - exp(mu_t) < -delta_low
     opd              -sg(teacher_logprobs - logp) logp (on-policy distillation: the per-token
-                     advantage is the reverse-KL reward, in the policy-gradient form)
+                     advantage is the reverse-KL reward, in the policy-gradient form); with
+                     opd_form "importance" -r_t (teacher_logprobs - mu_t), r_t = exp(logp - mu_t)
+                     (Thinking Machines' off-policy form: the tokens mu sampled, importance-
+                     weighted to pi, the advantage taken at the sampler; its gradient is the
+                     on-policy form's where pi = mu)
 
 The policy objectives (config.loss_checks.POLICY_OBJECTIVES) may be multiplied by a train-inference
-mismatch weight (`loss.mismatch`, model.mismatch). Normalisation and several terms:
+mismatch weight (`loss.mismatch`, model.mismatch; config.loss_checks refuses it on dppo and on
+opd's importance form, whose ratios are already against mu). Normalisation and several terms:
 model.loss_terms. Preference objectives (dpo, ipo, simpo): model.pair_objectives.
 
 Metrics (per target; the caller sums them over the term's targets and divides by their global
@@ -38,7 +45,8 @@ KL(pi_old || pi)), "dual_clip_fraction" with clip_ratio_c, "ref_kl" (k3) with kl
 "clip_fraction" (r outside the range, "clip_low" / "clip_high"), "ratio", "approx_kl"; gspo
 "clip_fraction", "clip_low", "clip_high", "ratio" (s_i); dppo "dropped_fraction"
 ("dropped_low" for A < 0, "dropped_high" for A > 0), "ratio" (r against mu); opd "teacher_kl"
-(logp - teacher_logprobs, the k1 estimate of KL(pi || teacher)).
+(logp - teacher_logprobs, the k1 estimate of KL(pi || teacher)), and "ratio" (r against mu)
+with opd_form "importance".
 
 logp is at each token's sampling temperature when the data gives `temperatures`
 (`model.token_logprobs`): log_softmax(logits / tau).
@@ -50,6 +58,7 @@ import torch
 
 from vlmcp.config.loss_checks import POLICY_OBJECTIVES
 from vlmcp.config.schema import LossTerm
+from vlmcp.model.log_ratio import bounded
 from vlmcp.model.mismatch import mismatch_metric_keys
 
 _CLIP_KEYS = ("clip_fraction", "clip_low", "clip_high")
@@ -76,6 +85,8 @@ def required_arrays(term: LossTerm) -> tuple[str, ...]:
     needs = list(_ARRAYS[term.type])
     if term.type == "ppo_clip" and term.kl_coef > 0:
         needs.append("ref_logprobs")
+    if term.type == "opd" and term.opd_form == "importance":
+        needs.append("inference_logprobs")
     if term.mismatch != "none":
         needs += ["old_logprobs", "inference_logprobs"]
     if term.weights is not None:
@@ -90,6 +101,8 @@ def metric_keys(term: LossTerm) -> tuple[str, ...]:
         keys += ("dual_clip_fraction",)
     if term.type == "ppo_clip" and term.kl_coef > 0:
         keys += ("ref_kl",)
+    if term.type == "opd" and term.opd_form == "importance":
+        keys += ("ratio",)
     if term.type in POLICY_OBJECTIVES:
         keys += mismatch_metric_keys(term)
     return keys
@@ -136,6 +149,11 @@ def token_losses(term: LossTerm, logp: torch.Tensor, arrays: dict[str, torch.Ten
         return -logp, {}
     if kind == "weighted_ce":
         return -arrays["loss_weights"] * logp, {}
+    if kind == "opd" and term.opd_form == "importance":
+        mu = arrays["inference_logprobs"]
+        ratio = bounded(logp - mu).exp()
+        return -ratio * (arrays["teacher_logprobs"] - mu), {
+            "teacher_kl": (logp - arrays["teacher_logprobs"]).detach(), "ratio": ratio.detach()}
     if kind == "opd":
         reward = (arrays["teacher_logprobs"] - logp).detach()
         return -reward * logp, {"teacher_kl": -reward}
@@ -146,7 +164,7 @@ def token_losses(term: LossTerm, logp: torch.Tensor, arrays: dict[str, torch.Ten
         return _dppo(term, logp, advantages, arrays["inference_logprobs"])
     if kind == "gspo":
         return _gspo(term, logp, advantages, sequence_log_ratio)
-    log_ratio = logp - arrays["old_logprobs"]
+    log_ratio = bounded(logp - arrays["old_logprobs"])
     ratio = log_ratio.exp()
     approx_kl = ((ratio - 1.0) - log_ratio).detach()
     if kind == "cispo":
@@ -162,7 +180,7 @@ def token_losses(term: LossTerm, logp: torch.Tensor, arrays: dict[str, torch.Ten
         losses = torch.where(capped, cap, losses)
         stats["dual_clip_fraction"] = capped
     if term.kl_coef > 0:
-        ref_diff = arrays["ref_logprobs"] - logp
+        ref_diff = bounded(arrays["ref_logprobs"] - logp)
         k3 = ref_diff.exp() - ref_diff - 1.0
         losses = losses + term.kl_coef * k3
         stats["ref_kl"] = k3.detach()
@@ -171,7 +189,7 @@ def token_losses(term: LossTerm, logp: torch.Tensor, arrays: dict[str, torch.Ten
 
 def _gspo(term: LossTerm, logp: torch.Tensor, advantages: torch.Tensor,
           sequence_log_ratio: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    ratio = sequence_log_ratio.exp() * (logp - logp.detach()).exp()
+    ratio = bounded(sequence_log_ratio).exp() * (logp - logp.detach()).exp()
     clipped, low, high = _clip_sides(ratio, advantages, term)
     losses = -torch.minimum(ratio * advantages, clipped * advantages)
     return losses, _clip_stats(low, high, ratio)
@@ -180,7 +198,7 @@ def _gspo(term: LossTerm, logp: torch.Tensor, advantages: torch.Tensor,
 def _dppo(term: LossTerm, logp: torch.Tensor, advantages: torch.Tensor, inference: torch.Tensor
           ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     log_ratio = logp - inference
-    ratio = log_ratio.exp()
+    ratio = bounded(log_ratio).exp()
     with torch.no_grad():
         gap = logp.exp() - inference.exp()
         high = (advantages > 0) & (gap > term.delta_high)

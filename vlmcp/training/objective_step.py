@@ -7,7 +7,8 @@ micro-batches) or a constant. Metrics are means over the step's global targets (
 each term's targets (its token metrics), or over its pairs (TRL's rewards/...), strict JSON.
 When the step's data carries `inference_logprobs`, "mismatch_logprob_diff" and "mismatch_kl"
 (`model.mismatch`) are means over the "mismatch_targets" tokens that have one, reported with
-that count; a step without such tokens reports none of the three.
+that count; a step without such tokens reports none of the three. Likewise a term with no target
+in the step (its global count 0) reports "term{k}_loss" 0 and none of its token metrics.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def _because(term: LossTerm, name: str, prefix: str) -> str:
         return f" with {prefix}kl_coef > 0"
     if name == term.weights:
         return f" with {prefix}weights"
+    if name == "inference_logprobs" and term.opd_form == "importance":
+        return f" with {prefix}opd_form \"importance\""
     return f" with {prefix}mismatch {term.mismatch!r}"
 
 
@@ -149,14 +152,17 @@ def step_counts(module: Any, batches: Sequence[PackedBatch], objective: Loss) ->
 
 def objective_metrics(sums: torch.Tensor, counts: StepCounts, objective: Loss) -> dict[str, Any]:
     """Metrics row entries from the globally summed metric sums of a step (`Loss.stat_specs`
-    order), each divided by its global count; a count of `REPORTED_COUNTS` is reported itself
-    (an int), and its metrics only when it is not 0."""
+    order), each divided by its global count. A metric whose count is 0 in the step (a mean over
+    no token) is left out of the row, except a term's "term{k}_loss", which is then 0 (the term
+    contributes nothing, `model.loss_terms`); a count of `REPORTED_COUNTS` is reported itself
+    (an int) when it is not 0."""
     counted = {**counts.counts, **{f"norm{k}": n for k, n in enumerate(counts.terms)}}
     row: dict[str, Any] = {}
     for i, (key, count) in enumerate(objective.stat_specs()):
-        if count in REPORTED_COUNTS and not counted[count]:
-            continue
-        row[key] = float(sums[i]) / counted[count] if counted[count] else 0.0
-        if count in REPORTED_COUNTS:
+        if counted[count]:
+            row[key] = float(sums[i]) / counted[count]
+        elif count.startswith("norm"):
+            row[key] = 0.0
+        if count in REPORTED_COUNTS and counted[count]:
             row[count] = int(counted[count])
     return row
