@@ -70,7 +70,8 @@ def _check(expect: Expect, step: Path, outcome, setting: str, total: int) -> str
         if "\n" in problem or "Traceback" in problem or str(step) not in problem:
             return f"not one clear line naming {step}: {problem!r}"
     named = f"{step}/{expect.names}" if expect.names else str(step)
-    clean = not problems and outcome.skip is None and outcome.row.get("rollout_skipped_samples") == 0
+    clean = not problems and outcome.skip is None \
+        and outcome.row.get("rollout_skipped_samples") == 0
     if not expect.sure and clean:
         return None
     if expect.where == STEP or setting == "error":
@@ -163,11 +164,10 @@ def test_a_2_rank_rollout_job_under_skip_trains_through_bad_samples_counting_eac
         assert rows[number]["rollout_samples"] == mutation.expect.kept, mutation.name
         assert f"{step_dir(rollouts, number)}/{mutation.expect.names}" in result.stderr
     assert rows[1]["rollout_skipped_samples"] == 0 and rows[1]["rollout_samples"] == len(base.lines)
-    assert newest_complete(out / "checkpoints")[0] == f"step{len(picks) + 2}"
+    assert (out / "final" / "model.safetensors").is_file()
 
 
-@pytest.mark.parametrize("name", ["a NUL byte in a string", "meta.json is a list",
-                                  "the step directory an empty file"])
+@pytest.mark.parametrize("name", ["a NUL byte in a string", "the step directory an empty file"])
 def test_a_2_rank_rollout_job_under_error_stops_at_a_bad_step_with_one_line_and_a_checkpoint(
         name, base, tiny_checkpoint, tiny_processor, tmp_path):
     found = mutations(base, tiny_processor.tokenizer, SEED)
@@ -179,4 +179,5 @@ def test_a_2_rank_rollout_job_under_error_stops_at_a_bad_step_with_one_line_and_
     errors = _errors(result.stderr)
     named = f"{step_dir(rollouts, 2)}/{mutation.expect.names}".rstrip("/")
     assert len(errors) == 1 and named in errors[0], (named, errors, result.stderr[-3000:])
+    assert "rollouts.timeout_s" not in errors[0]  # the step was read and refused, not waited for
     assert newest_complete(out / "checkpoints")[0] == "step1"

@@ -370,7 +370,7 @@ def mutations(base: BaseStep, tokenizer: Any, seed: int = 0) -> list[Mutation]:
     raw("the file cut off in line 1", rows[0][:len(rows[0]) // 2], Expect(FILE, DATA_FILE))
     line = rng.randrange(n - 1)
     raw(f"lines {line + 1} and {line + 2} on one line",
-        b"".join(rows[:line]) + rows[line].rstrip(b"\n") + rows[line + 1] + b"".join(rows[line + 2:]),
+        b"".join(rows[:line]) + rows[line].rstrip(b"\n") + b"".join(rows[line + 1:]),
         Expect(RECORD, f"{DATA_FILE}:{line + 1}", n - 2))
     raw("the file emptied", b"", Expect(FILE, DATA_FILE))
     raw("the file only blank lines", b"\n  \n\t\n", Expect(FILE, DATA_FILE))

@@ -274,8 +274,9 @@ def _jsonl_records(path: Path) -> Iterator[tuple[str, Any | DataError, Position]
             try:
                 line = raw.decode(encoding)
             except UnicodeDecodeError as e:
-                yield label, DataError(f"{label}: not UTF-8 text ({_bad_byte(raw, e.start, encoding)}, "
-                                       f"byte {position[1] + e.start} of the file)"), position
+                where = _bad_byte(raw, e.start, encoding)
+                yield label, DataError(f"{label}: not UTF-8 text ({where}, byte "
+                                       f"{position[1] + e.start} of the file)"), position
                 first = False
                 continue
             if not line.strip(_WHITESPACE):
