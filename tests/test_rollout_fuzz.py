@@ -27,7 +27,7 @@ import pytest
 
 from tests.helpers.images import save_png
 from tests.helpers.launching import run_vlmcp, tiny_job, write_job
-from tests.helpers.rollout_mutations import (DATA_FILE, FILE, RECORD, STEP, BaseStep, Expect,
+from tests.helpers.rollout_mutations import (FILE, RECORD, STEP, BaseStep, Expect,
                                              base_step, mutations)
 from tests.helpers.videos import write_video
 from vlmcp.config import job_from_dict
@@ -134,16 +134,15 @@ def _errors(stderr: str) -> list[str]:
 
 
 def _train(tmp_path: Path, tiny_checkpoint: Path, steps: list, setting: str):
-    """`vlmcp train` on 2 ranks (DP 2) over the rollout steps `steps` (each a write function)."""
+    """`vlmcp train` on 2 ranks (DP 2) over the rollout steps `steps` (each a write function),
+    killed after 300 s (a rank left waiting fails the test): (result, output_dir, ROLLOUTS)."""
     rollouts, out = tmp_path / "rollouts", tmp_path / "out"
     for number, write in enumerate(steps, start=1):
         write(step_dir(rollouts, number))
     job = write_job(tmp_path / "job.json", _rollout_job(
         tiny_checkpoint, rollouts, out, train={"max_steps": len(steps)},
         data={"num_workers": 0}, rollouts={"on_bad_sample": setting, "timeout_s": 30}))
-    started = time.monotonic()
-    result = run_vlmcp(["train", str(job)], launcher="torchrun", nproc=2, timeout=300)
-    return result, out, rollouts, time.monotonic() - started
+    return run_vlmcp(["train", str(job)], launcher="torchrun", nproc=2, timeout=300), out, rollouts
 
 
 def test_a_2_rank_rollout_job_under_skip_trains_through_bad_samples_counting_each(
@@ -153,7 +152,7 @@ def test_a_2_rank_rollout_job_under_skip_trains_through_bad_samples_counting_eac
              for pattern in ("inside a string", "a 5000-digit integer beside",
                              "(a target) is an integer of 400 digits", "images/0.png missing")]
     picks.append(next(m for m in found if m.name == "a second data file: empty"))
-    result, out, rollouts, seconds = _train(
+    result, out, rollouts = _train(
         tmp_path, tiny_checkpoint, [base.write, *(m.write for m in picks), base.write], "skip")
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     assert not VLMCP_FRAME.search(result.stderr), result.stderr[-4000:]
@@ -172,8 +171,8 @@ def test_a_2_rank_rollout_job_under_error_stops_at_a_bad_step_with_one_line_and_
         name, base, tiny_checkpoint, tiny_processor, tmp_path):
     found = mutations(base, tiny_processor.tokenizer, SEED)
     mutation = next(m for m in found if m.name.endswith(name))
-    result, out, rollouts, seconds = _train(tmp_path, tiny_checkpoint,
-                                            [base.write, mutation.write, base.write], "error")
+    result, out, rollouts = _train(tmp_path, tiny_checkpoint,
+                                   [base.write, mutation.write], "error")
     assert result.returncode == 1, (result.stdout + result.stderr)[-4000:]
     assert not VLMCP_FRAME.search(result.stderr), result.stderr[-4000:]
     errors = _errors(result.stderr)
