@@ -125,12 +125,18 @@ def test_validate_reports_each_bad_input_on_its_own_line(tiny_checkpoint, bad_da
 
 #: Nested deeper than Python's JSON parser (json.loads raises RecursionError on it).
 _DEEP = 5000
+#: JSON that Python's parser cannot read: (the value, what the error says).
+_UNREADABLE = {"nested too deeply": ("[" * _DEEP + "]" * _DEEP,
+                                     "levels deep, deeper than the JSON parser can read"),
+               "an integer too long": ("7" * 5000, "an integer of 5000 digits, more than the 4300 "
+                                                   "Python reads")}
 
 
+@pytest.mark.parametrize("what", sorted(_UNREADABLE))
 @pytest.mark.parametrize("where", ["data_jsonl", "data_json_array", "job", "deepspeed_json"])
-def test_deeply_nested_json_is_one_error_line_naming_the_file(where, tiny_checkpoint, digits_jsonl,
-                                                              tmp_path, capsys):
-    deep = "[" * _DEEP + "]" * _DEEP
+def test_json_python_cannot_read_is_one_error_line_naming_the_file(where, what, tiny_checkpoint,
+                                                                   digits_jsonl, tmp_path, capsys):
+    deep, expected = _UNREADABLE[what]
     data = digits_jsonl / "train.jsonl"
     job = tiny_job(tiny_checkpoint, data, tmp_path / "out")
     if where == "data_jsonl":
@@ -155,7 +161,7 @@ def test_deeply_nested_json_is_one_error_line_naming_the_file(where, tiny_checkp
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, errors
     assert str(data) in errors[0], errors[0]
-    assert "levels deep, deeper than the JSON parser can read" in errors[0], errors[0]
+    assert expected in errors[0], errors[0]
 
 
 def test_validate_accepts_a_clean_job_and_names_the_world(tiny_checkpoint, digits_jsonl,

@@ -44,6 +44,11 @@ def test_unknown_key_error_names_full_key_path():
     assert _problems({**MINIMAL, "optimiser": {}}) == ["unknown config key 'optimiser'"]
 
 
+def test_a_number_beyond_the_float_range_is_a_problem_not_a_crash():
+    assert _problems({**MINIMAL, "optimizer": {"lr": 10**400}}) == [
+        "config key 'optimizer.lr': must be a finite number, got inf"]
+
+
 def test_every_problem_is_reported_on_its_own_line():
     problems = _problems({"model": {"path": "ckpt", "dtype": "float64"},
                           "data": {"train": "t.jsonl", "max_seq_len": 1},

@@ -88,7 +88,7 @@ def test_array_record_that_is_not_an_object_names_its_index(tmp_path):
     path = _write_array(tmp_path / "data.json", [{"a": 1}, [1, 2]])
     (_, first), (label, error) = iter_records(path)
     assert first == {"a": 1}
-    assert str(error) == f"{path}[1] (line 3): a record must be a JSON object, got list"
+    assert str(error) == f"{path}[1] (line 3): a record must be a JSON object, got an array"
 
 
 def test_empty_array_and_missing_file_are_one_error_each(tmp_path):

@@ -163,7 +163,7 @@ BAD_LINES = {
                                               {"role": "assistant", "content": "7"}],
                                  "videos": ["clip.mp4"]}, "video not found: {dir}/clip.mp4"),
     "unknown role": (lambda p: {"messages": [{"role": "robot", "content": "hi"}]},
-                     "unknown role 'robot'"),
+                     'unknown role "robot"'),
 }
 
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import shutil
 from pathlib import Path
 
 import pytest
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
 from vlmcp.data.processor import image_processor_kwargs, load_processor
 from vlmcp.errors import ProcessorError
@@ -105,6 +107,35 @@ def test_video_settings_come_from_video_preprocessor_config(tiny_checkpoint, tmp
     overridden = load_processor(copy, video={"fps": 1.5, "max_pixels": 4096, "min_frames": None})
     assert (overridden.video.fps, overridden.video.max_pixels, overridden.video.min_frames) == \
         (1.5, 4096, 4)
+
+
+def test_video_config_min_and_max_pixels_fields_are_ignored_with_a_warning_as_qwen3_vl_does(
+        tiny_checkpoint, tmp_path, caplog):
+    # transformers' Qwen3VLVideoProcessor takes no min_pixels/max_pixels setting: its bounds are
+    # size's (only the Qwen2-VL video processor lets those fields override size).
+    settings = set(Qwen3VLVideoProcessor.valid_kwargs.__annotations__)
+    assert not {"min_pixels", "max_pixels"} & settings
+    copy = _copy(tiny_checkpoint, tmp_path)
+    path = copy / "video_preprocessor_config.json"
+    config = json.loads(path.read_text())
+    config.update(size={"shortest_edge": 2048, "longest_edge": 8192}, min_pixels=1,
+                  max_pixels=10**9)
+    path.write_text(json.dumps(config))
+    with caplog.at_level(logging.WARNING, logger="vlmcp.data.video_plan"):
+        video = load_processor(copy).video
+    assert (video.min_pixels, video.max_pixels) == (2048, 8192)
+    assert "field 'min_pixels' (1) is ignored" in caplog.text
+    assert "field 'max_pixels' (1000000000) is ignored" in caplog.text
+    del config["size"]
+    path.write_text(json.dumps(config))
+    assert (load_processor(copy).video.min_pixels, load_processor(copy).video.max_pixels) == \
+        tuple(Qwen3VLVideoProcessor.size.values())  # the class default, as transformers
+    config["size"] = {"longest_edge": 8192}
+    path.write_text(json.dumps(config))
+    with pytest.raises(ProcessorError, match=r"video_preprocessor_config.json: size .* lacks "
+                                             r"size\['shortest_edge'\]"):
+        load_processor(copy)
+    assert load_processor(copy, video={"min_pixels": 1024}).video.min_pixels == 1024
 
 
 def test_a_checkpoint_without_video_config_trains_images_and_names_the_file_for_videos(

@@ -164,6 +164,73 @@ def test_a_pack_fills_in_temperatures_and_inference_logprobs_of_samples_without_
         Loss.of(LossTerm("dppo")).check_batch(batch)
 
 
+#: Producer-controlled inputs Python's parser or float() cannot take as they are: (line of a
+#: tokens record, what the error says).
+UNREADABLE_LINES = {
+    "an integer of 5000 digits": ('{"input_ids": [1, 10, 11, 12, 13, ' + "9" * 5000 + '], '
+                                  '"labels": [-100, -100, 11, 12, 13, 2]}',
+                                  "an integer of 5000 digits, more than the 4300 Python reads"),
+    "a per-token value beyond the float range": (
+        json.dumps(_record(advantages=[None, None, 1, 10**400, 1, 1])),
+        '"advantages"[3] is an integer of 401 digits on a target token'),
+    "a temperature beyond the float range": (
+        json.dumps(_record(temperatures=[None, None, 1, 1, -(10**309), 1])),
+        '"temperatures"[4] is an integer of 310 digits on a target token'),
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNREADABLE_LINES))
+def test_an_input_python_cannot_read_as_is_is_one_error_of_its_line_and_validate_reports_it(
+        case, make_jsonl, tiny_checkpoint, tiny_processor, tmp_path, capsys):
+    line, expected = UNREADABLE_LINES[case]
+    path = make_jsonl([_record(), line, _record()])
+    index, problems = build_index([path], tiny_processor, max_seq_len=64)
+    assert index.line.tolist() == [1, 3] and len(problems) == 1
+    assert problems[0].startswith(f"{path}:2: ") and expected in problems[0], problems
+    job = write_job(tmp_path / "job.json", tiny_job(tiny_checkpoint, path, tmp_path / "out",
+                                                    loss={"type": "policy_gradient"}))
+    assert main(["validate", str(job)]) == 1
+    errors = [e for e in capsys.readouterr().err.splitlines() if e.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {path}:2: "), errors
+
+
+def test_a_byte_that_is_not_utf8_is_the_error_of_its_line_or_array_element_only(
+        make_jsonl, tiny_processor, tmp_path):
+    good = json.dumps(_record()).encode()
+    lines = tmp_path / "rollouts.jsonl"
+    lines.write_bytes(good + b"\n" + good.replace(b'"labels"', b'"lab\xffels"') + b"\n" + good
+                      + b"\n")
+    index, problems = build_index([lines], tiny_processor, max_seq_len=64)
+    assert index.line.tolist() == [1, 3]
+    at = good.index(b"labels") + 3  # the byte's index in its line
+    assert problems == [f"{lines}:2: not UTF-8 text (byte 0xff at column {at + 1}, byte "
+                        f"{len(good) + 1 + at} of the file)"]
+    array = tmp_path / "rollouts.json"
+    array.write_bytes(b"[\n" + good + b",\n" + good.replace(b"advantages", b"adv\x80antages")
+                      + b",\n" + good + b"\n]\n")
+    index, problems = build_index([array], tiny_processor, max_seq_len=64)
+    assert index.record.tolist() == [0, 2] and index.line.tolist() == [2, 4]
+    assert len(problems) == 1 and problems[0].startswith(f"{array}[1] (line 3): not UTF-8 text "
+                                                         "(line 3, byte 0x80 at column"), problems
+
+
+def test_a_step_that_is_a_file_or_holds_a_data_file_that_is_not_one_is_an_error_naming_it(
+        tmp_path):
+    step = step_dir(tmp_path, 1)
+    step.write_text("")
+    assert is_complete(step)  # arrived: read, and refused, rather than waited for
+    with pytest.raises(DataError, match=r"step_1: not a directory"):
+        read_meta(step)
+    other = step_dir(tmp_path, 2)
+    (other / "rollouts.jsonl").mkdir(parents=True)
+    (other / STABLE).write_text("")
+    with pytest.raises(DataError, match=r"step_2/rollouts.jsonl: not a file"):
+        step_files(other)
+    (other / "meta.json").mkdir()
+    with pytest.raises(DataError, match=r"step_2/meta.json: cannot read"):
+        read_meta(other)
+
+
 def test_mismatch_sums_skip_absent_inference_logprobs_and_keep_a_tiny_kl():
     d = 2.0**-20  # exact in fp32 next to 1: k3 = exp(d) - 1 - d = d^2 / 2 + d^3 / 6 + ...
     logp = torch.tensor([-1.0 + d, -2.0, -3.0])

@@ -6,6 +6,7 @@ prompts, and one clear error per bad input, named by file:line."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -199,6 +200,48 @@ def test_the_tokens_format_takes_pre_expanded_video_placeholders(media, tiny_pro
     with pytest.raises(DataError, match=r"data.jsonl:1: temporal group 0 of video .*clip.mp4 has 3 "
                                         "placeholders at token"):
         _parse(short, media, tiny_processor)
+
+
+def _respelled(sample, tokenizer, old: str, new: str) -> dict:
+    """The tokens record of `sample` with the timestamp text `old` spelled `new`."""
+    ids, labels = list(sample.input_ids), list(sample.labels)
+    old_ids = tokenizer(old, add_special_tokens=False)["input_ids"]
+    at = next(i for i in range(len(ids)) if ids[i:i + len(old_ids)] == old_ids)
+    new_ids = tokenizer(new, add_special_tokens=False)["input_ids"]
+    return {"input_ids": ids[:at] + new_ids + ids[at + len(old_ids):],
+            "labels": labels[:at] + [IGNORE_INDEX] * len(new_ids) + labels[at + len(old_ids):],
+            "videos": ["clip.mp4"]}
+
+
+def test_tokens_format_timestamps_other_than_vlmcps_frame_plan_are_an_error_or_a_warning(
+        media, tiny_checkpoint, tiny_processor, caplog):
+    chat = _parse(_chat(f"<video>{QUESTION}", videos=["clip.mp4"]), media, tiny_processor)
+    assert [round(t, 2) for t in chat.videos[0].timestamps] == [0.06, 0.26]  # <0.1>, <0.3>
+    tokenizer = tiny_processor.tokenizer
+    same = _respelled(chat, tokenizer, "<0.3 seconds>", "<0.26 seconds>")  # more digits
+    assert _parse(same, media, tiny_processor).videos == chat.videos
+    other = _respelled(chat, tokenizer, "<0.3 seconds>", "<0.7 seconds>")
+    with pytest.raises(DataError, match=r"^data.jsonl:1: temporal group 1 of video .*clip.mp4 "
+                                        r"shows <0.7 seconds>, vlmcp's plan samples frames "
+                                        r"\[5, 8\] of it at 25 fps: <0.3 seconds>"):
+        _parse(other, media, tiny_processor)
+    missing = _respelled(chat, tokenizer, "<0.1 seconds>", "")
+    with pytest.raises(DataError, match=r"temporal group 0 of video .*clip.mp4 has no <t seconds>"):
+        _parse(missing, media, tiny_processor)
+    warned = load_processor(tiny_checkpoint, video={"on_timestamp_mismatch": "warn"})
+    with caplog.at_level(logging.WARNING, logger="vlmcp.data.formats"):
+        assert _parse(other, media, warned).videos == chat.videos
+    assert "data.jsonl:1: temporal group 1" in caplog.text and "trained anyway" in caplog.text
+
+
+def test_a_video_the_processor_rejects_is_one_data_error_naming_the_sample(
+        media, tiny_checkpoint, tmp_path):
+    copy = Path(shutil.copytree(tiny_checkpoint, tmp_path / "ckpt"))
+    config = json.loads((copy / "video_preprocessor_config.json").read_text())
+    config["image_mean"] = [0.5, 0.5]  # two channels' means for RGB frames
+    (copy / "video_preprocessor_config.json").write_text(json.dumps(config))
+    with pytest.raises(DataError, match=r"^data.jsonl:1: video processor rejected .*clip.mp4: "):
+        _parse(_chat(f"<video>{QUESTION}", videos=["clip.mp4"]), media, load_processor(copy))
 
 
 def test_a_generation_prompt_keeps_its_video_and_plain_generate_runs_on_it(

@@ -43,7 +43,12 @@ def _matches(value: Any, tp: Any) -> tuple[bool, Any]:
         return isinstance(value, int) and not isinstance(value, bool), value
     if tp is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        return ok, float(value) if ok else value
+        if not ok:
+            return False, value
+        try:
+            return True, float(value)
+        except OverflowError:  # an integer beyond the float range: not finite, as 1e400 is not
+            return True, math.inf if value > 0 else -math.inf
     if tp is str or tp is dict:
         return isinstance(value, tp), value
     origin = typing.get_origin(tp)

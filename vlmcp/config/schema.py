@@ -69,6 +69,10 @@ class VideoSection:
     frame_list_fps: float | None = field(default=None, metadata=_key(
         "native frame rate of a video given as a list of frame images, when its record has no "
         '"fps" (null: such a record is an error)', min=0.0))
+    on_timestamp_mismatch: str = field(default="error", metadata=_key(
+        "a tokens-format record whose <t seconds> texts are not the timestamps of vlmcp's own "
+        "frame plan (the engine sampled other frames than vlmcp decodes): an error naming the "
+        "sample, or a logged warning and trained anyway", choices=["error", "warn"]))
 
 
 @dataclass

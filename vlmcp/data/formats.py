@@ -68,8 +68,7 @@ Every bad input raises `DataError` whose message starts with the record's source
 
 from __future__ import annotations
 
-import json
-import math
+import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,13 +77,18 @@ from typing import Any
 import torch
 from PIL import Image
 
+from vlmcp.data import json_text
 from vlmcp.data.batch import IGNORE_INDEX, TOKEN_ARRAYS
+from vlmcp.data.media_paths import is_file, media_path
 from vlmcp.data.positions import IMAGE, VIDEO, mrope_positions
 from vlmcp.data.processor import IMAGE_PAD, VLProcessor
 from vlmcp.data.video import decode_frames
 from vlmcp.data.video_plan import VideoPlan
-from vlmcp.data.video_records import check_video_blocks, kept_videos, plan_videos, video_tokens
+from vlmcp.data.video_records import (check_video_blocks, kept_videos, plan_videos,
+                                      timestamp_problems, video_tokens)
 from vlmcp.errors import DataError
+
+logger = logging.getLogger(__name__)
 
 IMAGE_MARKER = "<image>"
 AUDIO_MARKER = "<audio>"
@@ -145,7 +149,7 @@ def _fail(source: str, message: str) -> DataError:
 
 
 def _load_image(path: Path, source: str) -> Image.Image:
-    if not path.is_file():
+    if not is_file(path):
         raise _fail(source, f"image not found: {path}")
     try:
         with Image.open(path) as image:
@@ -179,7 +183,7 @@ def _image_paths(record: dict[str, Any], base_dir: Path, source: str) -> list[Pa
     if not isinstance(images, list) or not all(isinstance(p, str) and p for p in images):
         raise _fail(source, f'"{key}" must be a list of path strings'
                             + (" or one path string" if key == "image" else ""))
-    return [base_dir / Path(p).expanduser() for p in images]
+    return [media_path(base_dir, p, source, f'"{key}"') for p in images]
 
 
 def process_images(
@@ -235,7 +239,8 @@ def _normalize_content(content: Any, source: str
             raise _fail(source, f'content entry of type "{kind}": audio is not supported (vlmcp '
                                 "trains text, images and video)")
         else:
-            raise _fail(source, f"content entry {entry!r} is not {{type: text|image|video}}")
+            raise _fail(source, f"content entry {json_text.brief(entry)} is not "
+                                "{type: text|image|video}")
     return (parts, sum(p["type"] == "image" for p in parts),
             sum(p["type"] == "video" for p in parts))
 
@@ -254,7 +259,7 @@ def _chat_messages(record: dict[str, Any], source: str) -> list[dict[str, Any]]:
             raise _fail(source, f'each message needs "{role_key}" and "{content_key}"')
         role = message[role_key]
         if not isinstance(role, str) or role not in roles:
-            raise _fail(source, f"unknown role {role!r}")
+            raise _fail(source, f"unknown role {json_text.brief(role)}")
         messages.append({"role": roles[role], "content": message[content_key]})
     return messages
 
@@ -392,6 +397,19 @@ def _int_list(value: Any, name: str, source: str) -> list[int]:
     return value
 
 
+def _check_timestamps(problems: list[str], source: str, processor: VLProcessor) -> None:
+    """Raise, or log a warning under data.video.on_timestamp_mismatch "warn", for the temporal
+    groups of a tokens-format record whose timestamps are not vlmcp's."""
+    if not problems:
+        return
+    more = f" (and {len(problems) - 1} more temporal groups)" if len(problems) > 1 else ""
+    message = (f"{source}: {problems[0]}{more}; the record's frames are not the ones vlmcp "
+               "decodes and trains on (an engine that samples frames differently?)")
+    if processor.video.on_timestamp_mismatch == "error":
+        raise DataError(message + "; data.video.on_timestamp_mismatch=\"warn\" trains it anyway")
+    logger.warning("%s (data.video.on_timestamp_mismatch=warn: trained anyway)", message)
+
+
 def _check_tokens(
     record: dict[str, Any], source: str, processor: VLProcessor, counts: list[int],
     paths: list[Path], videos: list[VideoPlan],
@@ -405,7 +423,8 @@ def _check_tokens(
     vocab = len(processor.tokenizer)
     bad = next((t for t in input_ids if not 0 <= t < vocab), None)
     if bad is not None:
-        raise _fail(source, f"token id {bad} outside the tokenizer vocabulary [0, {vocab})")
+        raise _fail(source, f"token id {json_text.brief(bad)} outside the tokenizer vocabulary "
+                            f"[0, {vocab})")
     wrong = next((t for t, (i, l) in enumerate(zip(input_ids, labels))
                   if l != IGNORE_INDEX and l != i), None)
     if wrong is not None:
@@ -428,6 +447,8 @@ def _check_tokens(
             raise _fail(source, f"temporal group {k} of video {plan.source.label} has "
                                 f"{end - start} placeholders at token {start}, its grid needs "
                                 f"{plan.tokens_per_group(processor.merge_size)}")
+    _check_timestamps(timestamp_problems(input_ids, group_runs, groups, processor), source,
+                      processor)
     placeholders = {i for start, end in runs + group_runs for i in range(start, end)}
     labels = [IGNORE_INDEX if i in placeholders else l for i, l in enumerate(labels)]
     return list(input_ids), labels
@@ -449,19 +470,20 @@ def _token_arrays(record: dict[str, Any], labels: list[int], source: str,
                                 "(one per label, aligned with labels)")
         out = []
         for t, (value, label) in enumerate(zip(values, labels)):
-            number = isinstance(value, (int, float)) and not isinstance(value, bool)
             if label == IGNORE_INDEX:
-                if not (number or value is None):
-                    raise _fail(source, f'"{name}"[{t}] is {value!r}, not a number or null')
+                if not (json_text.is_number(value) or value is None):
+                    raise _fail(source, f'"{name}"[{t}] is {json_text.brief(value)}, not a number '
+                                        "or null")
                 out.append(0.0)
-            elif not number or not math.isfinite(value):
-                raise _fail(source, f'"{name}"[{t}] is {json.dumps(value)} on a target token '
+                continue
+            number = json_text.finite(value)
+            if number is None:
+                raise _fail(source, f'"{name}"[{t}] is {json_text.brief(value)} on a target token '
                                     "(labels[t] != -100); it must be a finite number")
-            elif name == "temperatures" and value <= 0:
-                raise _fail(source, f'"temperatures"[{t}] is {json.dumps(value)} on a target token; '
-                                    "a sampling temperature must be > 0")
-            else:
-                out.append(float(value))
+            if name == "temperatures" and number <= 0:
+                raise _fail(source, f'"temperatures"[{t}] is {json_text.brief(value)} on a target '
+                                    "token; a sampling temperature must be > 0")
+            out.append(number)
         arrays[name] = out
     return arrays
 
@@ -536,7 +558,7 @@ def _process_videos(plans: list[VideoPlan], source: str, processor: VLProcessor
         try:
             pixels.append(processor.process_video(frames, plan))
         except ValueError as e:
-            raise _fail(source, f"video processor rejected {plan.source.label()}: {e}") from e
+            raise _fail(source, f"video processor rejected {plan.source.label}: {e}") from e
     return torch.cat(pixels)
 
 

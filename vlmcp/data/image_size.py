@@ -19,13 +19,14 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
     smart_resize,
 )
 
+from vlmcp.data.media_paths import is_file
 from vlmcp.errors import DataError
 
 
 def header_size(path: Path, source: str, what: str = "image") -> tuple[int, int]:
     """(width, height) of the image at `path` from its header; DataError naming `source` and
     the file as `what` ("image", "video frame")."""
-    if not path.is_file():
+    if not is_file(path):
         raise DataError(f"{source}: {what} not found: {path}")
     try:
         with Image.open(path) as image:

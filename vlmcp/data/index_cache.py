@@ -39,7 +39,7 @@ from vlmcp.data.processor import VLProcessor
 logger = logging.getLogger(__name__)
 
 #: Bumped whenever the index's content or meaning changes.
-INDEX_VERSION = 4
+INDEX_VERSION = 5
 
 
 def default_cache_dir() -> Path:

@@ -33,12 +33,12 @@ or is not a finite number; the record carries per-token arrays.
 
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vlmcp.data import json_text
 from vlmcp.data.batch import IGNORE_INDEX, PAIR_VALUES, REF_LOGP, TOKEN_ARRAYS
 from vlmcp.data.formats import (IMAGE_MARKER, SHAREGPT_ROLES, Sample, Tokens, parse_record,
                                 process_images, record_image_paths, sample_of, tokenize_record)
@@ -208,11 +208,11 @@ def _reference(record: dict[str, Any], source: str) -> tuple[float, float] | Non
         raise _fail(source, f'"{present[0]}" is given without "{other}"; give both or neither')
     values = []
     for name in PAIR_VALUES:
-        value = record[name]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                or not math.isfinite(value):
-            raise _fail(source, f'"{name}" must be a finite number, got {value!r}')
-        values.append(float(value))
+        value = json_text.finite(record[name])
+        if value is None:
+            raise _fail(source, f'"{name}" must be a finite number, got '
+                                f"{json_text.brief(record[name])}")
+        values.append(value)
     return values[0], values[1]
 
 

@@ -186,8 +186,8 @@ def _video_part(model_dir: Path, config: dict[str, Any], tokenizer: PreTrainedTo
                 ) -> tuple[int | None, VideoSettings | None, Qwen2VLImageProcessorPil | None, str]:
     """(video token id, settings, frame processor, why videos are unsupported) of a checkpoint.
 
-    video: the job's `data.video` section as a dict (its pixel, frame and fps overrides, and
-    frame_list_fps)."""
+    video: the job's `data.video` section as a dict (its pixel, frame and fps overrides,
+    frame_list_fps and on_timestamp_mismatch)."""
     path = model_dir / "video_preprocessor_config.json"
     video_id = tokenizer.convert_tokens_to_ids(VIDEO_PAD)
     if video_id is None or video_id == tokenizer.unk_token_id:
@@ -198,8 +198,9 @@ def _video_part(model_dir: Path, config: dict[str, Any], tokenizer: PreTrainedTo
     _check_against_model_config(config, {"video_token_id": int(video_id)}, file_config, path.name)
     overrides = dict(video or {})
     frame_list_fps = overrides.pop("frame_list_fps", None)
+    on_mismatch = overrides.pop("on_timestamp_mismatch", "error")
     try:
-        settings = video_settings(file_config, overrides, frame_list_fps)
+        settings = video_settings(file_config, overrides, frame_list_fps, on_mismatch)
     except VideoConfigError as e:
         raise ProcessorError(f"{path}: {e}") from e
     frame_processor = Qwen2VLImageProcessorPil(
@@ -218,9 +219,9 @@ def load_processor(model_dir: str | Path, chat_template_kwargs: dict[str, Any] |
     `chat_template_kwargs` are given to every `apply_chat_template` call that renders a sample;
     `empty_think` says whether an empty think block opening a reply is a "target" or "prompt";
     `video` is the job's `data.video` section (fps, min/max frames, min/max pixels overriding
-    video_preprocessor_config.json where not None, and frame_list_fps). Checks that the
-    tokenizer's vision tokens match config.json's ids and that patch/merge sizes match the
-    vision config.
+    video_preprocessor_config.json where not None, frame_list_fps and on_timestamp_mismatch).
+    Checks that the tokenizer's vision tokens match config.json's ids and that patch/merge sizes
+    match the vision config.
     """
     model_dir = Path(model_dir)
     preprocessor = _read_json(model_dir / "preprocessor_config.json")

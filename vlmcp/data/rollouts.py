@@ -46,8 +46,11 @@ def step_dir(root: str | Path, step: int) -> Path:
 
 
 def is_complete(path: str | Path) -> bool:
-    """Whether the directory holds its STABLE marker."""
-    return (Path(path) / STABLE).is_file()
+    """Whether the directory holds its STABLE marker; also True where `path` is there but is not
+    a directory (a producer's error, which `read_meta` then names, rather than a wait that
+    never ends)."""
+    path = Path(path)
+    return (path / STABLE).is_file() or (path.exists() and not path.is_dir())
 
 
 @dataclass(frozen=True)
@@ -64,32 +67,48 @@ class RolloutMeta:
 
 def read_meta(path: str | Path) -> RolloutMeta:
     """The meta.json of the step directory `path` (empty when there is none). Raises DataError
-    naming the file when it is not a JSON object or its policy_step is not an integer >= 0."""
-    meta_path = Path(path) / META
-    if not meta_path.is_file():
+    naming the step when it is not a directory, or naming the file when it is not a JSON object
+    or its policy_step is not an integer >= 0."""
+    path = Path(path)
+    if not path.is_dir():
+        raise DataError(f"{path}: not a directory (a rollout step is a directory of data files "
+                        f"and its {STABLE} marker)")
+    meta_path = path / META
+    if not meta_path.exists():
         return RolloutMeta()
     try:
-        raw = json_text.loads(meta_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DataError(f"{meta_path}: cannot read ({exc})") from exc
+        raw = json_text.loads(meta_path.read_bytes().decode("utf-8"))
+    except OSError as exc:
+        raise DataError(f"{meta_path}: cannot read ({exc.strerror or exc})") from exc
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{meta_path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at "
+                        f"byte {exc.start})") from exc
     except json.JSONDecodeError as exc:
         raise DataError(f"{meta_path}:{exc.lineno}:{exc.colno}: malformed JSON: {exc.msg}") from exc
     if not isinstance(raw, dict):
-        raise DataError(f"{meta_path}: expected a JSON object, got {type(raw).__name__}")
+        raise DataError(f"{meta_path}: expected a JSON object, got {json_text.kind(raw)}")
     policy_step = raw.get("policy_step")
     if policy_step is not None and (isinstance(policy_step, bool) or not isinstance(policy_step, int)
                                     or policy_step < 0):
         raise DataError(f"{meta_path}: \"policy_step\" must be an integer >= 0 (the optimizer "
-                        f"steps of the generating weights), got {json.dumps(policy_step)}")
+                        f"steps of the generating weights), got {json_text.brief(policy_step)}")
     return RolloutMeta(policy_step, raw)
 
 
 def step_files(path: str | Path) -> list[Path]:
     """The data files of the step directory `path`, in name order. Raises DataError when it holds
-    none."""
+    none, cannot be listed, or holds a data file name that is not a file."""
     path = Path(path)
-    files = sorted(p for p in path.iterdir()
-                   if p.is_file() and p.name != META and p.name.endswith(DATA_SUFFIXES))
+    try:
+        named = sorted(p for p in path.iterdir()
+                       if p.name != META and p.name.endswith(DATA_SUFFIXES))
+        files = [p for p in named if p.is_file()]
+    except OSError as exc:
+        raise DataError(f"{path}: cannot list the step's files ({exc.strerror or exc})") from exc
+    others = [p for p in named if p not in files]
+    if others:
+        raise DataError(f"{others[0]}: not a file (every *.jsonl and *.json of a step is a data "
+                        "file)")
     if not files:
         raise DataError(f"{path}: no data file (*.jsonl or *.json besides {META}) in a step "
                         f"marked {STABLE}")

@@ -28,6 +28,7 @@ import av
 from PIL import Image
 
 from vlmcp.data.image_size import header_size
+from vlmcp.data.media_paths import is_file
 from vlmcp.errors import DataError
 
 #: Native fps assumed for a container that states none (transformers' choice).
@@ -76,7 +77,7 @@ def _fail(source: str, video: VideoSource, message: str) -> DataError:
 
 
 def _open(video: VideoSource, source: str) -> av.container.InputContainer:
-    if not video.path.is_file():
+    if not is_file(video.path):
         raise DataError(f"{source}: video not found: {video.path}")
     try:
         container = av.open(str(video.path))

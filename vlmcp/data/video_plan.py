@@ -54,6 +54,10 @@ _INERT_FIELDS = {"video_processor_type", "processor_class", "image_processor_typ
                  "return_metadata", "return_tensors", "data_format", "input_data_format",
                  "device", "default_to_square", "video_metadata", "do_center_crop", "crop_size",
                  "do_pad"}
+#: The pixel bounds and the `size` keys they come from. Top-level min_pixels/max_pixels fields are
+#: not read: transformers' Qwen3VLVideoProcessor (5.x) takes its bounds from `size` alone (only the
+#: Qwen2-VL video processor lets those fields override `size`).
+_PIXEL_EDGES = {"min_pixels": "shortest_edge", "max_pixels": "longest_edge"}
 #: `data.video` keys that override a field of the file (the pixel bounds as min/max_pixels).
 OVERRIDE_KEYS = ("fps", "min_frames", "max_frames", "min_pixels", "max_pixels")
 
@@ -64,7 +68,8 @@ class VideoSettings:
 
     frame_kwargs: the normalisation fields (`FRAME_FIELDS`) for the frame image processor.
     frame_list_fps: native fps of frame-list videos without a record-level "fps" (None: such a
-    record is an error). sources: where each sampling and size setting came from, for logs.
+    record is an error). on_timestamp_mismatch: "error" or "warn", for a tokens-format record
+    whose ``<t seconds>`` texts are not the timestamps of this plan (`data.video`).
     """
 
     patch_size: int
@@ -82,6 +87,7 @@ class VideoSettings:
     resample: int
     frame_kwargs: dict[str, Any]
     frame_list_fps: float | None = None
+    on_timestamp_mismatch: str = "error"
 
     @property
     def factor(self) -> int:
@@ -100,11 +106,15 @@ def _default(name: str) -> Any:
 
 
 def video_settings(config: dict[str, Any], overrides: dict[str, Any] | None = None,
-                   frame_list_fps: float | None = None) -> VideoSettings:
+                   frame_list_fps: float | None = None,
+                   on_timestamp_mismatch: str = "error") -> VideoSettings:
     """`VideoSettings` from a video_preprocessor_config.json dict and the job's `data.video`
     overrides (`OVERRIDE_KEYS`; None values are not overrides). Pixel bounds come from `size`
-    ({"shortest_edge", "longest_edge"}) or min_pixels/max_pixels. Raises VideoConfigError for a
-    field vlmcp cannot honour (a fixed ``num_frames``); logs a warning per unknown field."""
+    ({"shortest_edge", "longest_edge"}; the class default where the file has none), as in
+    transformers' Qwen3VLVideoProcessor; top-level min_pixels/max_pixels fields are ignored with
+    a warning, as that processor ignores them. Raises VideoConfigError for a field vlmcp cannot
+    honour (a fixed ``num_frames``) and for a `size` without both bounds; logs a warning per
+    unknown field."""
     if config.get("num_frames") is not None:
         raise VideoConfigError("video_preprocessor_config.json sets num_frames; vlmcp samples "
                                "by fps only (set fps, or data.video.fps)")
@@ -113,15 +123,28 @@ def video_settings(config: dict[str, Any], overrides: dict[str, Any] | None = No
     for name in sorted(set(config) - known):
         logger.warning("video_preprocessor_config.json field %r is not used by vlmcp", name)
     values = {name: config.get(name, _default(name)) for name in _GEOMETRY_FIELDS}
-    size = dict(_default("size"))
-    size.update(config.get("size") or {})
-    pixels = {"min_pixels": config.get("min_pixels", size["shortest_edge"]),
-              "max_pixels": config.get("max_pixels", size["longest_edge"])}
+    size = config.get("size")
+    size = dict(_default("size")) if size is None else size
+    if not isinstance(size, dict):
+        raise VideoConfigError(f"size must be an object {{shortest_edge, longest_edge}}, got "
+                               f"{size!r}")
+    for name, edge in _PIXEL_EDGES.items():
+        if name in config:
+            logger.warning("video_preprocessor_config.json field %r (%s) is ignored, as "
+                           "transformers' Qwen3VLVideoProcessor ignores it: the pixel bounds "
+                           "come from size[%r] (%s); data.video.%s sets them", name,
+                           config[name], edge, size.get(edge), name)
+    pixels = {name: size.get(edge) for name, edge in _PIXEL_EDGES.items()}
     for key, value in (overrides or {}).items():
         if key not in OVERRIDE_KEYS:
             raise VideoConfigError(f"unknown video setting {key!r}")
         if value is not None:
             (pixels if key.endswith("_pixels") else values)[key] = value
+    lacking = [f"size[{_PIXEL_EDGES[name]!r}]" for name, value in pixels.items() if value is None]
+    if lacking:
+        raise VideoConfigError(f"size {size} lacks {' and '.join(lacking)}, which "
+                               "Qwen3VLVideoProcessor needs (or set data.video.min_pixels and "
+                               "max_pixels)")
     frame_kwargs = {name: config.get(name, _default(name)) for name in FRAME_FIELDS}
     settings = VideoSettings(
         patch_size=int(values["patch_size"]),
@@ -133,7 +156,7 @@ def video_settings(config: dict[str, Any], overrides: dict[str, Any] | None = No
         cap_pixels_per_frame=bool(values["cap_pixels_per_frame"]),
         max_video_tokens=int(values["max_video_tokens"]), do_resize=bool(values["do_resize"]),
         resample=int(values["resample"]), frame_kwargs=frame_kwargs,
-        frame_list_fps=frame_list_fps)
+        frame_list_fps=frame_list_fps, on_timestamp_mismatch=on_timestamp_mismatch)
     problems = [f"{name} must be > 0, got {getattr(settings, name)}"
                 for name in ("fps", "min_frames", "max_frames", "max_pixels", "patch_size",
                              "temporal_patch_size", "merge_size") if getattr(settings, name) <= 0]
@@ -151,7 +174,11 @@ def sample_indices(total_frames: int, native_fps: float, settings: VideoSettings
     ascending, before padding to a multiple of T."""
     if not settings.do_sample_frames:
         return list(range(total_frames))
-    count = int(total_frames / native_fps * settings.fps)
+    wanted = total_frames / native_fps * settings.fps
+    if not math.isfinite(wanted):
+        raise ValueError(f"{total_frames} frames at {native_fps:g} fps last longer than any "
+                         "sampling can count")
+    count = int(wanted)
     count = min(max(count, settings.min_frames), settings.max_frames, total_frames)
     return np.linspace(0, total_frames - 1, count).round().astype(int).tolist()
 

@@ -25,10 +25,12 @@ order.
 
 from __future__ import annotations
 
-import math
+import re
 from pathlib import Path
 from typing import Any
 
+from vlmcp.data import json_text
+from vlmcp.data.media_paths import media_path
 from vlmcp.data.processor import VIDEO_PAD, VISION_END, VISION_START, VLProcessor
 from vlmcp.errors import DataError
 from vlmcp.data.video import VideoSource, probe_video
@@ -54,10 +56,10 @@ def _frame_list_fps(record: dict[str, Any], index: int, default: float | None, s
             raise _fail(source, f"video {index} is a frame list and has no frame rate: set "
                                 '"fps" in the record or data.video.frame_list_fps in the job')
         return float(default), "data.video.frame_list_fps"
-    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not math.isfinite(fps) \
-            or fps <= 0:
-        raise _fail(source, f"{where} must be a number > 0, got {fps!r}")
-    return float(fps), where
+    rate = json_text.finite(fps)
+    if rate is None or rate <= 0:
+        raise _fail(source, f"{where} must be a number > 0, got {json_text.brief(fps)}")
+    return rate, where
 
 
 def record_videos(record: dict[str, Any], base_dir: Path, source: str,
@@ -80,16 +82,17 @@ def record_videos(record: dict[str, Any], base_dir: Path, source: str,
             if isinstance(fps, list) and fps[index] is not None:
                 raise _fail(source, f'"fps"[{index}] must be null: video {index} is a file, '
                                     "whose frame rate is its own")
-            videos.append(VideoSource(path=base_dir / Path(item).expanduser()))
+            where = f'"{key}"[{index}]'
+            videos.append(VideoSource(path=media_path(base_dir, item, source, where)))
         elif isinstance(item, list) and all(isinstance(p, str) and p for p in item):
             if not item:
                 raise _fail(source, f'"{key}"[{index}] is an empty frame list')
             rate, where = _frame_list_fps(record, index, frame_list_fps, source)
-            videos.append(VideoSource(frames=tuple(base_dir / Path(p).expanduser() for p in item),
-                                      fps=rate, fps_source=where))
+            frames = tuple(media_path(base_dir, p, source, f'"{key}"[{index}]') for p in item)
+            videos.append(VideoSource(frames=frames, fps=rate, fps_source=where))
         else:
             raise _fail(source, f'"{key}"[{index}] must be a path string or a list of frame path '
-                                f"strings, got {item!r}")
+                                f"strings, got {json_text.brief(item)}")
     if "fps" in record and not any(v.path is None for v in videos):
         raise _fail(source, '"fps" is set but the record has no frame-list video (a video '
                             "file's frame rate is its own)")
@@ -116,6 +119,41 @@ def plan_videos(record: dict[str, Any], base_dir: Path, source: str, processor: 
 def timestamp_text(timestamp: float) -> str:
     """A temporal group's timestamp as the prompt shows it: ``<12.5 seconds>``."""
     return f"<{timestamp:.1f} seconds>"
+
+
+#: A temporal group's timestamp text at the end of the text before it: ``<1.5 seconds>``.
+_SHOWN_TIMESTAMP = re.compile(r"<\s*([0-9]+(?:\.([0-9]*))?)\s*seconds\s*>\s*$")
+#: Tokens before a temporal group's vision start that are decoded to find its timestamp text.
+_TIMESTAMP_WINDOW = 32
+
+
+def timestamp_problems(input_ids: list[int], group_runs: list[tuple[int, int]],
+                       groups: list[tuple[VideoPlan, int]], processor: VLProcessor) -> list[str]:
+    """One line per temporal group of a tokens-format record whose ``<t seconds>`` text does not
+    show the timestamp of vlmcp's frame plan for it (within the digits it shows), or that has no
+    such text right before it. group_runs: (start, end) of each group's video pads in
+    `input_ids`; groups: (plan, group index) of each, in the same order."""
+    problems = []
+    previous_end = 0
+    for (start, end), (plan, k) in zip(group_runs, groups):
+        block_start = start - (start > 0 and input_ids[start - 1] == processor.vision_start_id)
+        window = input_ids[max(previous_end, block_start - _TIMESTAMP_WINDOW):block_start]
+        previous_end = end + (end < len(input_ids) and input_ids[end] == processor.vision_end_id)
+        expected = plan.timestamps[k]
+        temporal = len(plan.indices) // plan.grid[0]
+        frames = plan.indices[k * temporal:(k + 1) * temporal]
+        planned = (f"vlmcp's plan samples frames {list(frames)} of it at "
+                   f"{plan.meta.native_fps:g} fps: {timestamp_text(expected)}")
+        shown = _SHOWN_TIMESTAMP.search(processor.tokenizer.decode(window))
+        if shown is None:
+            problems.append(f"temporal group {k} of video {plan.source.label} has no <t seconds> "
+                            f"text before it ({planned})")
+            continue
+        allowed = 0.5 * 10.0 ** -len(shown.group(2) or "") + 1e-6
+        if abs(float(shown.group(1)) - expected) > allowed:
+            problems.append(f"temporal group {k} of video {plan.source.label} shows "
+                            f"{shown.group(0).strip()}, {planned}")
+    return problems
 
 
 def check_video_blocks(text: str, count: int, source: str) -> None:
