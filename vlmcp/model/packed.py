@@ -81,7 +81,7 @@ class PackedVLM(nn.Module):
     through DeepSpeed's TiledMLP (model.tiled_mlp). `offload_activations`
     (`train.offload_activations`, with `gradient_checkpointing`): DeepSpeed's
     `CheckpointHiddenStatesOffload` moves the checkpointed decoder-layer inputs to pinned host
-    memory on a side stream while `micro_batch()` is entered (a no-op move on CPU;
+    memory on a side stream while `micro_batch(batch)` is entered (a no-op move on CPU;
     model.activation_offload).
 
     `deltanet_kernel` is `model.deltanet_kernel` ("auto", "fla", "torch"); an impossible choice

@@ -68,8 +68,9 @@ class ShardRoutes:
     def of(cls, batch: PackedBatch, plan: ShardPlan, device: torch.device) -> ShardRoutes:
         """The shard of `batch.routes` (host [S, L_moe, K]) that `plan` gives this rank."""
         sentinel = no_route(batch.routes.dtype)
-        local = plan.shard(batch.routes, dim=0, pad_value=sentinel).to(device)
-        return cls(ids=local.long(), routed=(local != sentinel).all(dim=-1))
+        # widened on the host (uint16 has few device kernels), this rank's rows only
+        local = plan.shard(batch.routes, dim=0, pad_value=sentinel).long().to(device)
+        return cls(ids=local, routed=(local != sentinel).all(dim=-1))
 
 
 class ReplayCounts:
@@ -95,7 +96,6 @@ class RouterReplay:
         if len(self.routers) != num_layers:
             raise ValueError(f"routing replay: the model has {len(self.routers)} MoE routers for "
                              f"{num_layers} MoE layers; routes need one router per layer")
-        self.device = next(language_model.parameters()).device
         for layer, router in enumerate(self.routers):
             router.forward = functools.partial(self._forward, router, layer)
         self._batch: PackedBatch | None = None
@@ -111,6 +111,11 @@ class RouterReplay:
     @property
     def layers(self) -> int:
         return len(self.routers)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the routers run (read per micro-batch: the engine may move the model)."""
+        return self.routers[0].weight.device
 
     def uninstall(self) -> None:
         """Restore the class's forward on every router."""
