@@ -16,7 +16,7 @@ equal to the native ones give the native step exactly and agreement 1.0; routes 
 layer change the gradients as the reference does; random routes agree on about 1/C(E, K) of the
 rows. R2 round trip: the routes `score` records, replayed, give the native step and agreement 1.0.
 Errors: routes on a dense model, a wrong MoE layer count, training outside `micro_batch`, a router
-hook that did not fire. (SP = 2 and 4 with DeepSpeed: tests/test_router_replay_sp.py; the command
+hook that did not fire. (SP = 1, 2 and 4 with DeepSpeed: tests/test_router_replay_sp.py; the command
 line: test_score_routes_then_train_replays_them_with_agreement_one below.)"""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Routing replay under sequence parallelism equals its definition: for SP = 2 and 4 with the real
-DeepSpeed engine (ZeRO 2 and 3) over gloo, one SGD step's loss and every gradient (the routers'
+"""Routing replay under sequence parallelism equals its definition: for SP = 1, 2 and 4 with the
+real DeepSpeed engine (ZeRO 2 and 3) over gloo, one SGD step's loss and every gradient (the routers'
 included) equal plain transformers' `Qwen3_5MoeForConditionalGeneration` forwarding each sample
 alone with its routers forced to the sample's routes (tests/helpers/replay_reference.py), fp32 held
 to float64 with fp32's own error (`assert_within_fp32_error`).
@@ -44,6 +44,9 @@ PPO = LossTerm("ppo_clip", clip_low=0.2, clip_high=0.25)
 # target on, one row short); "nested" (every token); "holes" (nested, with -1 rows on one layer
 # of every third token). Shard lengths in brackets.
 CASES = {
+    "sp1_zero3_mixed_pack": dict(
+        world=1, sp=1, model={}, stage=3, mode="state",
+        samples=[(13, [], "compact"), (24, [(1, 4, 4)], "holes"), (8, [], "none")]),
     # [33] the image sample's routes (tokens 11..47) straddle the edge
     "p2_zero3_mixed_pack_routes_span_the_edge": dict(
         world=2, sp=2, model={}, stage=3, mode="state",
