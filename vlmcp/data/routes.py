@@ -183,8 +183,9 @@ def _check_ids(ids: np.ndarray, spec: RouteSpec, start: int, source: str) -> Non
                             f"to top-{spec.top_k} (shape [T, {spec.layers}, {spec.top_k}])")
     empty = np.all(ids == -1, axis=-1)
     problems = (
-        ("an id outside [0, num_experts) or a row partly -1",
-         (((ids < 0) | (ids >= spec.num_experts)).any(axis=-1) & ~empty)),
+        ("a row partly -1", (ids == -1).any(axis=-1) & ~empty),
+        ("an id outside [0, num_experts)",
+         (((ids < 0) & (ids != -1)) | (ids >= spec.num_experts)).any(axis=-1)),
         ("a duplicate expert id in a row",
          (np.diff(np.sort(ids, axis=-1), axis=-1) == 0).any(axis=-1) & ~empty),
     )

@@ -117,11 +117,6 @@ class RouterReplay:
         """Where the routers run (read per micro-batch: the engine may move the model)."""
         return self.routers[0].weight.device
 
-    def uninstall(self) -> None:
-        """Restore the class's forward on every router."""
-        for router in self.routers:
-            router.__dict__.pop("forward", None)
-
     def shard_routes(self, batch: PackedBatch, plan: ShardPlan) -> ShardRoutes | None:
         """This rank's `ShardRoutes` of `batch` (None without routes); ValueError when the routes
         cover another number of MoE layers than the model has (verl #7340)."""
