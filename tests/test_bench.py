@@ -33,14 +33,14 @@ def test_bench_parses_every_flag():
         "--loss-chunk-mb", "128", "--loss-only", "--find-max-len", "--memory-budget-gb", "4",
         "--granularity", "2048", "--max-probes", "6", "--pairs", "--deltanet-kernel", "torch",
         "--intermediate-size", "768", "--gradient-checkpointing", "--tiled-mlp",
-        "--offload-activations", "--saved-bytes", "--compare-alst", "--repeats", "2"])
+        "--offload-activations", "--saved-bytes", "--compare-alst", "--repeats", "2", "--routes"])
     assert (args.seq_lens, args.steps, args.warmup, args.dtype, args.sp_size) == ("16384,65536", 2, 1, "bfloat16", 2)
     assert (args.vocab_size, args.hidden_size, args.images, args.loss_chunk_mb) == (248320, 256, 8, 128.0)
     assert args.loss_only and args.find_max_len and args.moe and args.pairs
     assert (args.memory_budget_gb, args.granularity, args.max_probes) == (4.0, 2048, 6)
     assert (args.deltanet_kernel, args.intermediate_size, args.repeats) == ("torch", 768, 2)
     assert args.gradient_checkpointing and args.tiled_mlp and args.offload_activations
-    assert args.saved_bytes and args.compare_alst
+    assert args.saved_bytes and args.compare_alst and args.routes
 
 
 @pytest.mark.parametrize("mode,given,named", [
@@ -153,3 +153,25 @@ def test_compare_alst_runs_both_sides_in_fresh_processes_and_their_losses_agree(
     runs = row["vlmcp"] + row["alst"]
     assert all(run["model_tflops"] == row["model_tflops"] > 0 and run["mfu"] > 0 for run in runs)
     assert row["mfu"]["vlmcp"] / row["mfu"]["alst"] == pytest.approx(1 / row["step_time_ratio"]["median"])
+
+
+def test_routes_need_a_moe_model_and_one_vision_mode(tmp_path, capsys):
+    out = tmp_path / "never.json"
+    assert main(["bench", "--routes", "--out", str(out)]) == 1
+    assert "--routes replays MoE routes: it needs --moe" in capsys.readouterr().err
+    assert main(["bench", "--routes", "--moe", "--pairs", "--images", "2", "--out", str(out)]) == 1
+    assert "--routes compares replay with native routing" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.e2e
+def test_routes_bench_runs_native_and_replayed_steps_in_fresh_processes(tmp_path):
+    out = tmp_path / "routes.json"
+    assert main(["bench", "--moe", "--routes", "--sp-size", "2", "--seq-lens", "128",
+                 "--steps", "1", "--warmup", "0", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    (row,) = report["results"]
+    assert report["routes"] and STEP_FIELDS <= set(row["native"]) and STEP_FIELDS <= set(row["replayed"])
+    assert not row["native"]["routes"] and row["replayed"]["routes"]
+    assert row["replay_time_ratio"] == row["replayed"]["step_time_s"] / row["native"]["step_time_s"]
+    assert row["replay_peak_memory_mb"] == row["replayed"]["peak_memory_mb"] - row["native"]["peak_memory_mb"]

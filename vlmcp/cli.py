@@ -136,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--out", default=None, help="output JSONL (default OUTPUT_DIR/scores.jsonl)")
     score.add_argument("--entropy", action="store_true",
                        help='also write "entropy": the policy\'s entropy at each target position')
+    score.add_argument("--routes", action="store_true",
+                       help='MoE: also write "routed_experts", the experts each token went to in '
+                            "every MoE layer (compact form), to replay in training (R2)")
 
     bench = commands.add_parser(
         "bench", help="measure step time, tokens/s and memory of forward+backward",
@@ -196,6 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--offload-activations", action="store_true",
                        help="train.offload_activations: DeepSpeed's CheckpointHiddenStatesOffload on the "
                             "checkpointed layer inputs (needs --gradient-checkpointing)")
+    bench.add_argument("--routes", action="store_true",
+                       help="MoE: run every length without and with routing replay (random routes "
+                            "on every token) and report replay_time_ratio and "
+                            "replay_peak_memory_mb")
     bench.add_argument("--loss-chunk-mb", type=float, default=None,
                        help="memory budget (MiB) of one lm_head + cross-entropy chunk (default: "
                             "train.loss_chunk_mb's default)")
@@ -385,7 +392,7 @@ def _cmd_score(args: argparse.Namespace) -> int:
     from vlmcp.training.score import score
 
     try:
-        path = score(job, out=args.out, entropy=args.entropy)
+        path = score(job, out=args.out, entropy=args.entropy, routes=args.routes)
     except JobError as exc:
         if exc.on_every_rank:
             comm.shutdown()

@@ -63,8 +63,8 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
     of PackedBatch, optionally lora: LoraSection keys, objective (a LossTerm or model.loss_terms.Loss) and
     score (rows of Samples, one or a pair's two, to run `score_samples` on after the step, with
     score_max_len), partition_all (ZeRO-3 partitions every parameter, however small), tiled_mlp
-    and offload_activations (train.* switches; with the latter each micro-batch runs inside
-    `module.micro_batch()`)}: one DeepSpeed
+    and offload_activations (train.* switches); each micro-batch runs inside
+    `module.micro_batch(batch)` (its routes replayed on a MoE model)}: one DeepSpeed
     step; returns the step loss, the metrics (training/objective_step.objective_metrics), every trainable
     parameter's full gradient (HF names) as DeepSpeed holds them at the accumulation boundary,
     and the score records. A LoRA case injects vlmcp's adapters (then `seed_adapter_weights`)
@@ -132,7 +132,7 @@ def _one_step(engine, module: PackedVLM, objective: Loss, micro_batches: list, c
     stat_total = torch.zeros(len(objective.stat_specs()), dtype=torch.float64)
     offloaded = {"passed_hooks": 0}
     for batch in micro_batches:
-        with module.micro_batch():
+        with module.micro_batch(batch):
             loss_sum, _, router_share, stats = engine(batch, stats=True, objective=objective,
                                                       denominators=counts.shard_denominators)
             loss_total += loss_sum.detach()
@@ -172,4 +172,5 @@ def _one_step(engine, module: PackedVLM, objective: Loss, micro_batches: list, c
         "tiled_shards": module.tiled_mlps.shards if module.tiled_mlps is not None else None,
         "offloaded": offloaded,
         "tower_calls": tower_calls,
+        "replay": module.replay_metrics(),
     }

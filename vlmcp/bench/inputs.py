@@ -1,5 +1,6 @@
 """Synthetic packs for `vlmcp bench`: random text samples with images of mixed sizes and videos,
-or preference pairs whose halves show the same prompt images (`synthetic_pairs`).
+or preference pairs whose halves show the same prompt images (`synthetic_pairs`), and random MoE
+routes for a pack (`synthetic_routes`).
 
 Every rank builds the same pack from the same seed, so no data moves between ranks.
 """
@@ -14,6 +15,7 @@ from vlmcp.data.batch import IGNORE_INDEX, PackedBatch
 from vlmcp.data.formats import Sample
 from vlmcp.data.pack import build_batch
 from vlmcp.data.positions import IMAGE, VIDEO, mrope_positions
+from vlmcp.data.routes import route_spec
 
 #: (h, w) patch grids the `--images` images cycle through: mixed sizes and aspect ratios, from 4 to
 #: 192 image tokens each after the 2 x 2 merge.
@@ -145,3 +147,12 @@ def synthetic_pairs(seq_len: int, pairs: int, config: Any, images: int, shared: 
                 position_ids=mrope_positions(ids, kind, grid, merge), source=f"pair{index}",
                 pair=role if shared else None))
     return build_batch(samples)
+
+
+def synthetic_routes(tokens: int, text_config: Any, seed: int = 0) -> torch.Tensor:
+    """Host routes [tokens, L_moe, K] of a MoE text config: K distinct random experts for every
+    (token, layer), the same on every rank."""
+    spec = route_spec(text_config.to_dict())
+    generator = torch.Generator().manual_seed(seed)
+    scores = torch.rand(tokens, spec.layers, spec.num_experts, generator=generator)
+    return scores.argsort(dim=-1)[..., :spec.top_k].to(spec.dtype)

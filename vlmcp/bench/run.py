@@ -11,7 +11,10 @@ Five modes, each writing one JSON report:
   replicated vision, and the row compares them: `vision_s_ratio` is the slowest rank's split
   `vision_s` over the mean replicated `vision_s` (each rank's wall-clock seconds in the vision
   tower's forward per step), `vision_cpu_s_ratio` the same for the rank processes' CPU seconds
-  there (`vision_cpu_s`: on a shared CPU, what the rank itself spent).
+  there (`vision_cpu_s`: on a shared CPU, what the rank itself spent). With `--routes` (a MoE
+  model) every length runs without and with routing replay (random routes on every token,
+  model.router_replay), in fresh processes each, and the row compares them: `replay_time_ratio`
+  (step time with / without) and `replay_peak_memory_mb` (the peak's difference).
 - `--loss-only`: the lm_head + cross-entropy alone (`shard_loss_sum`, forward+backward) on random
   hidden states of each length.
 - `--find-max-len`: the longest single sample whose step's peak memory fits `--memory-budget-gb`.
@@ -54,7 +57,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlmcp.bench.inputs import synthetic_pack, synthetic_pairs
+from vlmcp.bench.inputs import synthetic_pack, synthetic_pairs, synthetic_routes
 from vlmcp.bench.procs import Memory, MemoryLimitExceeded, run_fresh
 from vlmcp.bench.saved_bytes import SavedBytesTask
 from vlmcp.data.batch import PackedBatch
@@ -100,6 +103,8 @@ class StepTask:
     video_grid: tuple[int, int] = (16, 16)
     #: The device's peak in 10^12 FLOP/s (`vlmcp.training.utilisation`), for the row's mfu.
     peak_tflops: float | None = None
+    #: Replay random routes on every token (`synthetic_routes`).
+    routes: bool = False
 
     def run(self, device: torch.device, sp: Any = None) -> dict[str, Any]:
         """This rank's numbers gathered over the world; returns the row (the same on every rank).
@@ -123,8 +128,11 @@ class StepTask:
             batch = synthetic_pack(self.seq_len, self.samples, config, self.images,
                                    videos=self.videos, frames=self.frames,
                                    video_group_hw=self.video_grid)
+        if self.routes:
+            batch.routes = synthetic_routes(batch.num_tokens, config.get_text_config())
         flops = batch_flops(config, batch, Trains(vision=module.vision_trainable)).total
-        row = {**measure_steps(module, batch, self, memory), "deltanet_kernel_ran": module.deltanet_kernel}
+        row = {**measure_steps(module, batch, self, memory), "deltanet_kernel_ran": module.deltanet_kernel,
+               "routes": self.routes}
         row.update(utilisation(flops, row["step_time_s"], comm.world_size(), self.peak_tflops))
         return {**row, "pair_images": self.pair_images} if self.pair_images else row
 
@@ -141,7 +149,7 @@ def measure_steps(module: nn.Module, batch: PackedBatch, task: StepTask, memory:
     for step in range(task.warmup + task.steps):
         vision_timer.restart()
         started = time.perf_counter()
-        with module.micro_batch():
+        with module.micro_batch(batch):
             loss, _, _ = module(batch)
             loss.backward()
         module.zero_grad(set_to_none=True)
@@ -290,6 +298,15 @@ def _model_dir(args: argparse.Namespace, scratch: str) -> str:
                                      vocab_size=args.vocab_size, hidden_size=args.hidden_size, **sizes))
 
 
+def _is_moe(model_dir: str | None) -> bool:
+    """Whether the checkpoint at `model_dir` (None: none given) is a mixture-of-experts model."""
+    if model_dir is None:
+        return False
+    from vlmcp.model.load import load_config
+
+    return getattr(load_config(model_dir).get_text_config(), "num_experts", None) is not None
+
+
 def _model_sizes(args: argparse.Namespace) -> tuple[int, int]:
     """(vocab, hidden) of the benched model: `--model`'s config, else the tiny model's flags."""
     if not args.model:
@@ -301,14 +318,15 @@ def _model_sizes(args: argparse.Namespace) -> tuple[int, int]:
 
 
 def _step_task(args: argparse.Namespace, model_dir: str, seq_len: int, samples: int, steps: int,
-               warmup: int, vision: str | None = None, pair_images: str = "") -> StepTask:
+               warmup: int, vision: str | None = None, pair_images: str = "",
+               routes: bool = False) -> StepTask:
     return StepTask(model_dir=model_dir, dtype=args.dtype, sp_size=args.sp_size or 1,
                     deltanet_cp=args.deltanet_cp, deltanet_kernel=args.deltanet_kernel,
                     vision=vision or args.vision, loss_chunk_mb=args.loss_chunk_mb,
                     seq_len=seq_len, samples=samples, images=args.images, steps=steps,
                     warmup=warmup, pair_images=pair_images, memory_options=_memory_options(args),
                     videos=args.videos, frames=args.frames, video_grid=args.video_grid,
-                    peak_tflops=args.peak.tflops)
+                    peak_tflops=args.peak.tflops, routes=routes)
 
 
 def _memory_options(args: argparse.Namespace) -> tuple[tuple[str, bool], ...]:
@@ -318,14 +336,27 @@ def _memory_options(args: argparse.Namespace) -> tuple[tuple[str, bool], ...]:
 
 
 def _one_step_row(args: argparse.Namespace, model_dir: str, seq_len: int, device: torch.device,
-                  sp: Any, vision: str, pair_images: str = "") -> dict[str, Any]:
+                  sp: Any, vision: str, pair_images: str = "", routes: bool = False
+                  ) -> dict[str, Any]:
     if device.type == "cpu" and not _launched():
         task = _step_task(args, model_dir, seq_len, args.samples_per_pack, args.steps,
-                          args.warmup, vision, pair_images)
+                          args.warmup, vision, pair_images, routes)
         return {**run_fresh(task, task.sp_size, distributed=task.sp_size > 1),
                 "fresh_process": True}
     return _in_process_step(args, model_dir, seq_len, device, sp, vision=vision,
-                            pair_images=pair_images)
+                            pair_images=pair_images, routes=routes)
+
+
+def _replay_compared(native: dict[str, Any], replayed: dict[str, Any]) -> dict[str, Any]:
+    """One length without and with routing replay side by side: the step-time ratio and the
+    peak and activation memory differences (MiB, largest rank)."""
+    row = {"seq_len": native["seq_len"], "native": native, "replayed": replayed}
+    if "error" in native or "error" in replayed:
+        return row
+    return {**row, "replay_time_ratio": replayed["step_time_s"] / native["step_time_s"],
+            "replay_peak_memory_mb": replayed["peak_memory_mb"] - native["peak_memory_mb"],
+            "replay_activation_memory_mb": (replayed["activation_memory_mb"]
+                                            - native["activation_memory_mb"])}
 
 
 def _compared(split: dict[str, Any], replicated: dict[str, Any]) -> dict[str, Any]:
@@ -346,6 +377,15 @@ def _bench_steps(args: argparse.Namespace, model_dir: str, device: torch.device,
     for seq_len in _lengths(args.seq_lens):
         _check_pack(args, model_dir, seq_len, args.samples_per_pack)
         modes = ["split", "replicated"] if args.vision == "both" else [args.vision]
+        if args.routes:
+            measured = [_one_step_row(args, model_dir, seq_len, device, sp, modes[0], routes=on)
+                        for on in (False, True)]
+            rows.append(_replay_compared(*measured))
+            if "replay_time_ratio" in rows[-1]:
+                logger.info("seq_len %d: routing replay / native step time %.3f, peak memory "
+                            "%+.0f MiB", seq_len, rows[-1]["replay_time_ratio"],
+                            rows[-1]["replay_peak_memory_mb"])
+            continue
         for pair_images in ("shared", "twice") if args.pairs else ("",):
             measured = [_one_step_row(args, model_dir, seq_len, device, sp, mode, pair_images)
                         for mode in modes]
@@ -408,12 +448,13 @@ def _check_pack(args: argparse.Namespace, model_dir: str, seq_len: int, samples:
 
 def _in_process_step(args: argparse.Namespace, model_dir: str, seq_len: int, device: torch.device, sp: Any,
                      samples: int | None = None, steps: int | None = None, warmup: int | None = None,
-                     vision: str | None = None, pair_images: str = "") -> dict[str, Any]:
+                     vision: str | None = None, pair_images: str = "", routes: bool = False
+                     ) -> dict[str, Any]:
     """One length on the current world (launcher ranks, or one CUDA process). A CUDA
     out-of-memory error becomes a row with `error`."""
     task = _step_task(args, model_dir, seq_len, samples or args.samples_per_pack,
                       args.steps if steps is None else steps, args.warmup if warmup is None else warmup,
-                      vision, pair_images)
+                      vision, pair_images, routes)
     try:
         row = {**task.run(device, sp), "fresh_process": False}
     except torch.OutOfMemoryError as exc:
@@ -518,11 +559,12 @@ def search_max_len(fits: Callable[[int], bool], unit: int, max_probes: int) -> i
 
 #: The step benchmark's flags that a separate mode does not use: given with it, they are refused.
 _IGNORED_BY_MODE = {
-    "saved_bytes": ("images", "videos", "vision", "loss_chunk_mb"),
-    "compare_alst": ("moe", "hidden_size", "intermediate_size", "images", "videos", "vision",
+    "saved_bytes": ("images", "videos", "vision", "loss_chunk_mb", "routes"),
+    "find_max_len": ("routes",),
+    "compare_alst": ("moe", "hidden_size", "intermediate_size", "images", "videos", "vision", "routes",
                      "dtype", "deltanet_cp", "deltanet_kernel", "gradient_checkpointing",
                      "tiled_mlp", "offload_activations", "loss_chunk_mb"),
-    "loss_only": ("model", "moe", "intermediate_size", "images", "videos", "vision", "sp_size",
+    "loss_only": ("model", "moe", "intermediate_size", "images", "videos", "vision", "sp_size", "routes",
                   "deltanet_cp", "deltanet_kernel", "gradient_checkpointing", "tiled_mlp",
                   "offload_activations"),
 }
@@ -573,6 +615,11 @@ def _resolve_args(args: argparse.Namespace, device: torch.device) -> None:
         problems.append(f"{' and '.join(modes)} are separate modes")
     if args.pairs and modes:
         problems.append(f"--pairs is a flag of the step benchmark, not of {modes[0]}")
+    if args.routes and (args.pairs or args.vision == "both"):
+        problems.append("--routes compares replay with native routing: give it without --pairs "
+                        "and with one --vision mode")
+    if args.routes and not (args.moe or _is_moe(args.model)):
+        problems.append("--routes replays MoE routes: it needs --moe or a MoE --model")
     if device.type == "cpu" and _launched() and (args.find_max_len or args.loss_only or args.compare_alst):
         problems.append("--find-max-len, --loss-only and --compare-alst start their own processes on "
                         "CPU: run them without a launcher")
@@ -681,6 +728,7 @@ def _bench_model(args: argparse.Namespace, model_dir: str, device: torch.device)
                               "vision": args.vision, "images": args.images, "pairs": args.pairs,
                               "videos": args.videos, "frames": args.frames,
                               "video_grid": list(args.video_grid), "threads_per_rank": threads,
+                              "routes": args.routes,
                               **dict(_memory_options(args))}
     if args.saved_bytes:
         return {**report, "mode": "saved_bytes", "results": _bench_saved_bytes(args, model_dir, device, sp)}

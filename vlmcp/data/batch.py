@@ -72,6 +72,9 @@ class PackedBatch:
                        halves of a pair are always in the same pack.
     sample_values:     per-sample values by name, each [B] float64 (`REF_LOGP`: a pair half's
                        reference logprob sum). Only values that every sample of the pack carries.
+    routes:            [S, L_moe, K] uint8/uint16 MoE routes of the tokens, unshifted (row t: the
+                       experts token t goes to in each MoE layer), NO_ROUTE rows where a sample
+                       has none (`vlmcp.data.routes`); None when no sample of the pack has routes.
     """
 
     input_ids: torch.Tensor
@@ -88,6 +91,7 @@ class PackedBatch:
     sample_values: dict[str, torch.Tensor] = field(default_factory=dict)
     pixel_values_videos: torch.Tensor | None = None
     video_grid_thw: torch.Tensor | None = None
+    routes: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -34,6 +34,9 @@ Accepted record formats:
   is read only where labels[t] is a target. On targets every entry must be a finite number; where
   labels[t] is -100 (and on image placeholders) an entry may be any number or null and is
   ignored. Chat formats carry no per-token arrays (they train with `ce` only).
+  Optional ``"routed_experts"``: the MoE experts each token was routed to, for routing replay, as
+  a nested list [T][L_moe][K] or the compact base64 form (`vlmcp.data.routes`); a chat record
+  carrying it is an error.
 * preference pairs (`vlmcp.data.pairs`): one record, two samples (chosen and rejected).
 
 Chat formats are rendered once with the tokenizer's chat template, given the processor's
@@ -82,6 +85,7 @@ from vlmcp.data.batch import IGNORE_INDEX, TOKEN_ARRAYS
 from vlmcp.data.media_paths import is_file, media_path
 from vlmcp.data.positions import IMAGE, VIDEO, mrope_positions
 from vlmcp.data.processor import IMAGE_PAD, VLProcessor
+from vlmcp.data.routes import ROUTES_KEY, parse_routes
 from vlmcp.data.video import decode_frames
 from vlmcp.data.video_plan import VideoPlan
 from vlmcp.data.video_records import (check_video_blocks, kept_videos, plan_videos,
@@ -123,6 +127,8 @@ class Sample:
     pixel_values_videos: [N_vpatch, C*T*P*P] float32 patches of the videos, group after group,
                        or None.
     video_grid_thw:    [V, 3] (groups, h, w) patch grid of each video, or None.
+    routes:            [L, L_moe, K] uint8/uint16 host routes of its tokens (`vlmcp.data.routes`,
+                       NO_ROUTE rows where it has none), or None without `routed_experts`.
     """
 
     input_ids: list[int]
@@ -139,6 +145,7 @@ class Sample:
     videos: list[VideoPlan] = field(default_factory=list)
     pixel_values_videos: torch.Tensor | None = None
     video_grid_thw: torch.Tensor | None = None
+    routes: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -509,7 +516,8 @@ class Tokens:
     input_ids / labels: as in `Sample` (after truncation); paths: the images kept, in
     placeholder order; grids: their (t, h, w) patch grids; arrays: the tokens format's per-token
     arrays (`TOKEN_ARRAYS`), aligned with labels; videos: the plans of the videos kept (a video
-    cut between temporal groups keeps its first groups).
+    cut between temporal groups keeps its first groups); routes: [L, L_moe, K] host routes, or
+    None (`vlmcp.data.routes`).
     """
 
     input_ids: list[int]
@@ -518,6 +526,7 @@ class Tokens:
     grids: list[tuple[int, int, int]]
     arrays: dict[str, list[float]] = field(default_factory=dict)
     videos: list[VideoPlan] = field(default_factory=list)
+    routes: torch.Tensor | None = None
 
     @property
     def num_targets(self) -> int:
@@ -529,7 +538,7 @@ def _cut(tokens: Tokens, source: str, processor: VLProcessor, max_seq_len: int,
          truncate: bool) -> Tokens:
     """Apply max_seq_len (failing, or truncating) and require a target."""
     input_ids, labels, paths, grids = tokens.input_ids, tokens.labels, tokens.paths, tokens.grids
-    arrays, videos = tokens.arrays, tokens.videos
+    arrays, videos, routes = tokens.arrays, tokens.videos, tokens.routes
     if len(input_ids) > max_seq_len:
         if not truncate:
             raise _fail(source, f"{len(input_ids)} tokens, more than max_seq_len {max_seq_len} "
@@ -537,13 +546,14 @@ def _cut(tokens: Tokens, source: str, processor: VLProcessor, max_seq_len: int,
         cut = _truncate_point(input_ids, processor, max_seq_len)
         input_ids, labels = input_ids[:cut], labels[:cut]
         arrays = {name: values[:cut] for name, values in arrays.items()}
+        routes = None if routes is None else routes[:cut]
         kept = len(_image_runs(input_ids, processor.image_token_id))
         paths, grids = paths[:kept], grids[:kept]
         videos = kept_videos(videos, len(_image_runs(input_ids, processor.video_token_id)))
     if all(l == IGNORE_INDEX for l in labels[1:]):
         raise _fail(source, "no target tokens (no assistant reply, or all labels -100"
                             + (" after truncation)" if truncate else ")"))
-    return Tokens(input_ids, labels, paths, grids, arrays, videos)
+    return Tokens(input_ids, labels, paths, grids, arrays, videos, routes)
 
 
 def _process_videos(plans: list[VideoPlan], source: str, processor: VLProcessor
@@ -588,7 +598,7 @@ def sample_of(tokens: Tokens, pixel_values: torch.Tensor | None, source: str,
         token_arrays={name: torch.tensor(values, dtype=torch.float32)
                       for name, values in tokens.arrays.items()},
         videos=list(tokens.videos), pixel_values_videos=pixel_values_videos,
-        video_grid_thw=video_grid,
+        video_grid_thw=video_grid, routes=tokens.routes,
     )
 
 
@@ -619,8 +629,9 @@ def tokenize_record(
         raise ValueError(f"{len(grids)} grids for {len(paths)} images")
     counts = [processor.num_placeholders(row) for row in grids]
     arrays: dict[str, list[float]] = {}
+    routes = None
     if "messages" in record or "conversations" in record:
-        present = [name for name in array_names if name in record]
+        present = [name for name in (*array_names, ROUTES_KEY) if name in record]
         if present:
             raise _fail(source, f"per-token arrays {present} need the tokens format "
                                 "(input_ids/labels); chat formats carry none")
@@ -628,8 +639,10 @@ def tokenize_record(
     else:
         input_ids, labels = _check_tokens(record, source, processor, counts, paths, videos)
         arrays = _token_arrays(record, labels, source, array_names)
+        if ROUTES_KEY in record:
+            routes = parse_routes(record[ROUTES_KEY], len(input_ids), processor.routes, source)
     tokens = Tokens(input_ids, labels, paths, [tuple(int(x) for x in g) for g in grids], arrays,
-                    videos)
+                    videos, routes)
     return _cut(tokens, source, processor, max_seq_len, truncate)
 
 

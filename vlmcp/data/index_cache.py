@@ -4,7 +4,7 @@ One file per (data files, processor, settings): `<cache_dir>/index-<key>.npz`, w
 SHA-256 over the absolute data file paths, a fingerprint of the processor (the tokenizer's
 serialized vocabulary, merges and added tokens, its chat template, the chat template kwargs and
 empty-think choice it renders with, the image processor's settings, the video settings and the
-vision token ids), the
+vision token ids, the MoE routing layout that `routed_experts` is checked against), the
 index-affecting settings (max_seq_len, truncate, image_root) and the index format version. Inside, next to the arrays, each data file's
 size, mtime and SHA-256 of its bytes.
 
@@ -63,6 +63,7 @@ def processor_fingerprint(processor: VLProcessor) -> str:
         "video": repr(processor.video),
         "chat_template_kwargs": processor.chat_template_kwargs,
         "empty_think": processor.empty_think,
+        "routes": repr(processor.routes),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 

@@ -24,6 +24,7 @@ import torch
 from vlmcp.data.batch import ARRAY_FILL, IGNORE_INDEX, PackedBatch
 from vlmcp.data.formats import Sample
 from vlmcp.data.mixture import epoch_draws
+from vlmcp.data.routes import pack_routes
 
 
 class _FirstFit:
@@ -91,7 +92,8 @@ def build_batch(samples: Sequence[Sample]) -> PackedBatch:
     `samples` (`PackedBatch.pairs`). pixel_values_videos and video_grid_thw are concatenated in
     sample order, which is placeholder order. Per-token arrays and per-sample values are kept when
     every sample carries them (arrays of `ARRAY_FILL` when any sample does, filled in for the
-    others), the arrays shifted like the targets.
+    others), the arrays shifted like the targets. Routes are concatenated unshifted (a sample
+    without routes gets NO_ROUTE rows: native routing), when any sample has them.
     """
     shared = set.intersection(*(set(s.token_arrays) for s in samples)) if samples else set()
     shared |= {name for s in samples for name in s.token_arrays if name in ARRAY_FILL}
@@ -145,6 +147,7 @@ def build_batch(samples: Sequence[Sample]) -> PackedBatch:
         pixel_values_videos=torch.cat([s.pixel_values_videos for s in with_videos])
         if with_videos else None,
         video_grid_thw=torch.cat([s.video_grid_thw for s in with_videos]) if with_videos else None,
+        routes=pack_routes([s.routes for s in samples], [len(s) for s in samples]),
     )
 
 

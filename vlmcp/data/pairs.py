@@ -43,6 +43,7 @@ from vlmcp.data.batch import IGNORE_INDEX, PAIR_VALUES, REF_LOGP, TOKEN_ARRAYS
 from vlmcp.data.formats import (IMAGE_MARKER, SHAREGPT_ROLES, Sample, Tokens, parse_record,
                                 process_images, record_image_paths, sample_of, tokenize_record)
 from vlmcp.data.processor import VLProcessor
+from vlmcp.data.routes import ROUTES_KEY
 from vlmcp.data.video_plan import VideoPlan
 from vlmcp.data.video_records import plan_videos
 from vlmcp.errors import DataError
@@ -176,7 +177,7 @@ def _chat_halves(record: dict[str, Any], source: str) -> _Halves:
 
 
 def _halves(record: dict[str, Any], source: str) -> _Halves:
-    carried = [name for name in TOKEN_ARRAYS if name in record]
+    carried = [name for name in (*TOKEN_ARRAYS, ROUTES_KEY) if name in record]
     if carried:
         raise _fail(source, f"a preference pair carries no per-token arrays; it has {carried}")
     if any(key in record for key in TOKEN_PAIR_KEYS):

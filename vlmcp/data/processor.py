@@ -35,6 +35,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from vlmcp.data import json_text
+from vlmcp.data.routes import RouteSpec, route_spec
 from vlmcp.data.video_plan import VideoPlan, VideoSettings, video_settings
 from vlmcp.errors import ProcessorError, VideoConfigError
 
@@ -83,6 +84,9 @@ class VLProcessor:
     #: "target": an empty think block the template renders at the start of a reply is a target;
     #: "prompt": it belongs to the prompt (`data.empty_think`).
     empty_think: str = "target"
+    #: The checkpoint's MoE routing layout, which a sample's `routed_experts` must match
+    #: (`vlmcp.data.routes`); None for a dense model.
+    routes: RouteSpec | None = None
 
     def process_images(self, images: list[Image.Image]) -> tuple[torch.Tensor, torch.Tensor]:
         """Patchify images in order.
@@ -221,7 +225,7 @@ def load_processor(model_dir: str | Path, chat_template_kwargs: dict[str, Any] |
     `video` is the job's `data.video` section (fps, min/max frames, min/max pixels overriding
     video_preprocessor_config.json where not None, frame_list_fps and on_timestamp_mismatch).
     Checks that the tokenizer's vision tokens match config.json's ids and that patch/merge sizes
-    match the vision config.
+    match the vision config. Its `routes` is config.json's MoE routing layout (None: dense).
     """
     model_dir = Path(model_dir)
     preprocessor = _read_json(model_dir / "preprocessor_config.json")
@@ -249,4 +253,5 @@ def load_processor(model_dir: str | Path, chat_template_kwargs: dict[str, Any] |
         video=settings,
         frame_processor=frame_processor,
         no_video=no_video,
+        routes=route_spec(config),
     )

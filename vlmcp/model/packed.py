@@ -19,6 +19,8 @@ PackedBatch):
             and the train-inference mismatch metrics                 (model.mismatch)
     with model.router_aux_loss: router statistics of the shard's real tokens, summed over the
         SP group, give this rank's share of the load-balancing loss   (model.router_loss)
+    with routes in the pack (MoE): every MoE layer selects the routed experts of the shard's
+        tokens, with the router's own gates                           (model.router_replay)
 
 With P == 1 the same code is the exact packed single-rank path.
 """
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -45,6 +47,7 @@ from vlmcp.model.merge import merge_embeddings, shard_first_embeddings
 from vlmcp.model.recompute import install_recompute
 from vlmcp.model.token_logprobs import TokenLogprobs, shard_token_logprobs
 from vlmcp.model.router_loss import RouterAuxLoss
+from vlmcp.model.router_replay import RouterReplay, moe_routers
 from vlmcp.parallel.groups import SequenceParallel
 from vlmcp.parallel.modes import VISION_MODES
 from vlmcp.parallel.shard import ShardPlan
@@ -78,7 +81,7 @@ class PackedVLM(nn.Module):
     through DeepSpeed's TiledMLP (model.tiled_mlp). `offload_activations`
     (`train.offload_activations`, with `gradient_checkpointing`): DeepSpeed's
     `CheckpointHiddenStatesOffload` moves the checkpointed decoder-layer inputs to pinned host
-    memory on a side stream while `micro_batch()` is entered (a no-op move on CPU;
+    memory on a side stream while `micro_batch(batch)` is entered (a no-op move on CPU;
     model.activation_offload).
 
     `deltanet_kernel` is `model.deltanet_kernel` ("auto", "fla", "torch"); an impossible choice
@@ -92,6 +95,10 @@ class PackedVLM(nn.Module):
     `router_aux_loss` (MoE only, `model.router_aux_loss`): `forward` also returns this rank's
     share of the micro-batch's router load-balancing loss (model.router_loss), and
     `router_aux_coef` is the checkpoint's `router_aux_loss_coef` (0.0 when off).
+
+    A MoE model replays the routes a pack carries (`PackedBatch.routes`, model.router_replay:
+    `router_replay`, None for a dense model, where routes are an error); a pack with routes
+    trains inside `micro_batch(batch)`, and `replay_metrics` reports the replay.
 
     The wrapped model keeps working with plain transformers calls (`generate`, `save_pretrained`):
     the text attention key and the DeltaNet hooks fall back to the stock computation whenever no
@@ -151,13 +158,15 @@ class PackedVLM(nn.Module):
         self.recomputed = install_recompute(self.language_model)
         self.router_loss = RouterAuxLoss(self.language_model, text_config) if router_aux_loss else None
         self.router_aux_coef = self.router_loss.coef if self.router_loss is not None else 0.0
+        self.router_replay = RouterReplay(self.language_model, text_config.num_hidden_layers) \
+            if moe_routers(self.language_model) else None
         if gradient_checkpointing:
             hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.tiled_mlps = self.activation_offload = None
         if tiled_mlp:
             from vlmcp.model.tiled_mlp import TiledMLPs
 
-            self.tiled_mlps = TiledMLPs(self.language_model)
+            self.tiled_mlps = TiledMLPs(self.language_model, self.router_replay)
         if offload_activations:
             from deepspeed.runtime.activation_checkpointing.offload_activations import (
                 CheckpointHiddenStatesOffload)
@@ -167,11 +176,29 @@ class PackedVLM(nn.Module):
             self.activation_offload = CheckpointHiddenStatesOffload()
             mark_layer_inputs(list(self.language_model.layers), self.activation_offload)
 
-    def micro_batch(self) -> contextlib.AbstractContextManager[Any]:
+    @contextlib.contextmanager
+    def micro_batch(self, batch: PackedBatch | None = None, weight: float = 1.0) -> Iterator[None]:
         """The context to hold around one training micro-batch's forward *and* backward: DeepSpeed's
-        activation offload with `offload_activations` (leaving it drops what it moved), else
-        nothing."""
-        return self.activation_offload or contextlib.nullcontext()
+        activation offload with `offload_activations` (leaving it drops what it moved), and on a MoE
+        model the replay of `batch`'s routes (its forward's replay counts join `replay_metrics`,
+        times `weight`)."""
+        with contextlib.ExitStack() as stack:
+            if self.activation_offload is not None:
+                stack.enter_context(self.activation_offload)
+            if batch is not None and self.router_replay is not None:
+                stack.enter_context(self.router_replay.micro_batch(batch, self.plan(batch), weight))
+            yield
+
+    def replay_metrics(self) -> dict[str, Any]:
+        """The training row's routing-replay entries over the world since the last call (every
+        rank calls it together; empty for a dense model): `router_replay_tokens`, the replayed
+        (token, MoE layer) rows, and `router_replay_agreement`, the fraction of them whose native
+        top-k set equals the replayed one (None when none was replayed)."""
+        if self.router_replay is None:
+            return {}
+        replayed, agreed = self.router_replay.take_totals()
+        return {"router_replay_tokens": int(replayed),
+                "router_replay_agreement": agreed / replayed if replayed else None}
 
     @property
     def vision(self) -> nn.Module:
@@ -191,7 +218,8 @@ class PackedVLM(nn.Module):
 
     def forward(self, batch: PackedBatch, stats: bool = False,
                 objective: LossTerm | Loss | None = None, scores: bool = False,
-                denominators: Sequence[float] | None = None) -> tuple[Any, ...]:
+                denominators: Sequence[float] | None = None, routes: bool = False
+                ) -> tuple[Any, ...]:
         """Loss sum over this rank's shard of the pack, its number of target tokens, and this
         rank's share of the router aux loss; with `stats` also the shard's metric sums.
 
@@ -202,11 +230,11 @@ class PackedVLM(nn.Module):
         sum_t c_t l_t of one term, to divide by N_0 (model.loss). The router shares of an SP
         group sum to the micro-batch's aux loss (model.router_loss).
 
-        With `scores`, no loss: `token_scores(batch)` (called through the engine so that ZeRO-3
-        gathers as in training).
+        With `scores`, no loss: `token_scores(batch, routes)` (called through the engine so that
+        ZeRO-3 gathers as in training).
         """
         if scores:
-            return self.token_scores(batch)
+            return self.token_scores(batch, routes)
         objective = self.objective if objective is None else Loss.of(objective)
         plan = self.plan(batch)
         hidden, router_share = self.shard_hidden(batch, plan)
@@ -228,7 +256,19 @@ class PackedVLM(nn.Module):
     def shard_hidden(self, batch: PackedBatch, plan: ShardPlan
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Final-norm hidden states of this rank's shard ([S_local, hidden]) and, with
-        `router_aux_loss`, this rank's share of the router aux loss (else None)."""
+        `router_aux_loss`, this rank's share of the router aux loss (else None); the pack's routes
+        replayed (model.router_replay)."""
+        with contextlib.ExitStack() as stack:
+            if self.router_replay is not None:
+                stack.enter_context(self.router_replay.for_forward(batch, plan))
+                stack.enter_context(self.router_replay.counting(plan.local_len))
+            elif batch.routes is not None:
+                raise ValueError(f"{batch.sample_ids[0] if batch.sample_ids else 'the pack'}: "
+                                 "routes on a dense model (it has no MoE router to replay them)")
+            return self._shard_hidden(batch, plan)
+
+    def _shard_hidden(self, batch: PackedBatch, plan: ShardPlan
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
         hidden = self.shard_embeddings(batch, plan).unsqueeze(0)
         device = hidden.device
         positions = plan.shard(batch.position_ids.to(device), dim=1).unsqueeze(1)
@@ -250,20 +290,26 @@ class PackedVLM(nn.Module):
                                     temperatures)
 
     @torch.no_grad()
-    def token_scores(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def token_scores(self, batch: PackedBatch, routes: bool = False) -> tuple[torch.Tensor, ...]:
         """Per-position logprob of the target and policy entropy on this rank's shard, no
         backward: ([S_local] fp32, [S_local] fp32), NaN where the target is IGNORE_INDEX or
         padding. Position t holds log pi(targets[t]), i.e. of the sample's label t+1, at its
-        sampling temperature when the pack carries `temperatures`."""
+        sampling temperature when the pack carries `temperatures`. The pack's routes are replayed.
+        With `routes` (MoE only) also the experts each of the shard's tokens went to in each MoE
+        layer, replayed or native: [S_local, L_moe, K] long."""
         plan = self.plan(batch)
-        hidden, _ = self.shard_hidden(batch, plan)
+        if routes and self.router_replay is None:
+            raise ValueError("routes of a dense model: it has no MoE router")
+        with self.router_replay.recording(plan.local_len) if routes else \
+                contextlib.nullcontext() as recorded:
+            hidden, _ = self.shard_hidden(batch, plan)
         targets = plan.shard(batch.targets.to(hidden.device), dim=0, pad_value=IGNORE_INDEX)
         scored = self._scored(batch, plan, hidden, targets)
         logprobs = torch.full(targets.shape, float("nan"), device=targets.device)
         entropy = logprobs.clone()
         logprobs[scored.keep] = scored.logprobs
         entropy[scored.keep] = scored.entropy
-        return logprobs, entropy
+        return (logprobs, entropy, recorded) if routes else (logprobs, entropy)
 
     def shard_embeddings(self, batch: PackedBatch, plan: ShardPlan) -> torch.Tensor:
         """This rank's input embeddings, image and video features merged: [S_local, hidden]."""

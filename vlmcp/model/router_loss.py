@@ -3,7 +3,8 @@
 transformers (`load_balancing_loss_func`, Switch Transformer eqs. 4-6) computes, for one forward
 of a padded batch with an attention mask, over the real tokens t of the batch and the MoE layers l:
 
-    counts[e] = sum_{l,t} [e in top-k(softmax(logits_{l,t}))]     (no gradient)
+    counts[e] = sum_{l,t} [e in top-k(softmax(logits_{l,t}))]     (no gradient; the selected
+                                                                   experts under replay)
     probs[e]  = sum_{l,t} softmax(logits_{l,t})[e]
     rows      = (number of MoE layers) x (number of real tokens)
     aux       = E * sum_e (counts[e] / rows) * (probs[e] / rows)
@@ -18,6 +19,13 @@ Gradient convention: every rank of the SP group returns its share `aux / P`; the
 group sum to `aux`, and the all-reduce's backward sums the ranks' gradients, so the group's
 gradients (which DeepSpeed sums over ranks) are exactly d(aux). The training step adds
 `router_aux_loss_coef x share` to each micro-batch's backward value (see `router_objective`).
+
+With routing replay (model.router_replay), counts[e] counts the experts the layers *selected*
+(the replayed ones where a route is given, top-k elsewhere) and probs stays the router's own
+softmax: the loss balances the load the experts actually carried in this step, and its gradient
+reaches the router through the probabilities, as without replay. (Counting the router's native
+top-k instead would balance a load no expert carried; either count has no gradient.) Without
+routes the selected experts are the top-k, so nothing changes.
 
 Legend: S_local = this rank's shard length, E = num_experts, k = num_experts_per_tok.
 """
@@ -61,8 +69,9 @@ class RouterStats:
         self.probs = torch.zeros(num_experts, dtype=torch.float32, device=real.device)
         self.rows = torch.zeros((), dtype=torch.float32, device=real.device)
 
-    def add(self, logits: torch.Tensor) -> None:
-        """Add one layer's router logits [S_local, E] (in the model's dtype)."""
+    def add(self, logits: torch.Tensor, chosen: torch.Tensor) -> None:
+        """Add one layer's router logits [S_local, E] (in the model's dtype) and the experts it
+        selected [S_local, k] (its top-k, or the replayed ones)."""
         if logits.shape[0] != self.real.shape[0]:
             raise ValueError(f"router logits have {logits.shape[0]} rows; the shard has {self.real.shape[0]} tokens")
         # Saved tensors stay plain here: inside an activation-checkpointed layer, these ops are not
@@ -71,8 +80,7 @@ class RouterStats:
             probs = F.softmax(logits, dim=-1)
             self.probs = self.probs + (probs.float() * self.real[:, None]).sum(dim=0)
         with torch.no_grad():
-            chosen = torch.topk(probs, self.top_k, dim=-1).indices.reshape(-1)
-            self.counts.scatter_add_(0, chosen, self.real.repeat_interleave(self.top_k))
+            self.counts.scatter_add_(0, chosen.reshape(-1), self.real.repeat_interleave(self.top_k))
             self.rows += self.real.sum()
 
     def share(self, group: comm.ProcessGroup | None) -> torch.Tensor:
@@ -117,7 +125,7 @@ class RouterAuxLoss:
         stats = RouterStats(real.to(torch.float32), self.num_experts, self.top_k)
 
         def record(module: nn.Module, args: tuple, output: tuple) -> None:
-            stats.add(output[0])
+            stats.add(output[0], output[2])
 
         handles = [router.register_forward_hook(record) for router in self.routers]
         try:

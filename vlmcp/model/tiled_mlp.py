@@ -24,6 +24,15 @@ so the adapters still get theirs (the copy's own gradient goes nowhere).
 The recompute in backward replays the forward exactly only when it draws no random numbers, so
 this does not combine with dropout in the MLP (lora.dropout > 0) (the job checks refuse it).
 
+Routing replay (model.router_replay) needs each tile's rows: a router must select the routes of
+the tokens it sees, in the forward and again in the backward's recompute. DeepSpeed's function
+shards one input, so while routes are replayed the row numbers travel inside it: the MoE block's
+input gets the int64 row number of each token appended as extra columns (its bytes reinterpreted
+as the hidden dtype, `8 / itemsize` columns; copies keep bytes exactly), the tile's forward splits
+them off and names its rows to the replay (`RouterReplay.tile`), and returns zero columns in their
+place (TiledMLP's backward takes the output to have the input's shape); the extra columns get no
+gradient and are cut off the output.
+
 Legend: S_local tokens on this rank, H hidden size.
 """
 
@@ -36,6 +45,7 @@ import torch
 from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 from torch import nn
 
+from vlmcp.model.router_replay import RouterReplay
 from vlmcp.parallel import comm
 
 
@@ -59,9 +69,11 @@ def shards_for(wanted: int, fewest_rows: int) -> int:
 
 class TiledMLPs:
     """The MLP (dense) or sparse MoE block of every decoder layer of `language_model`, run through
-    DeepSpeed's TiledMLP with the shard count of the current micro-batch (`plan`)."""
+    DeepSpeed's TiledMLP with the shard count of the current micro-batch (`plan`); `replay`: the
+    MoE model's routing replay, told each tile's rows while it replays routes."""
 
-    def __init__(self, language_model: nn.Module) -> None:
+    def __init__(self, language_model: nn.Module, replay: RouterReplay | None = None) -> None:
+        self.replay = replay
         self.hidden_size = language_model.config.hidden_size
         self.shards = 1
         self.modules = [layer.mlp for layer in language_model.layers]
@@ -80,9 +92,33 @@ class TiledMLPs:
         if not torch.is_grad_enabled():
             return type(mlp).forward(mlp, hidden_states)
         params = [p for p in mlp.parameters() if p.requires_grad]
-        if params and not hidden_states.requires_grad:
-            hidden_states = hidden_states.detach().requires_grad_(True)
-        return TiledMLP.apply(_class_forward, mlp, hidden_states, self.shards, params)
+        numbered = self.replay is not None and self.replay.needs_rows
+        x = _with_row_numbers(hidden_states) if numbered else hidden_states
+        if params and not x.requires_grad:
+            x = x.detach().requires_grad_(True)
+        if not numbered:
+            return TiledMLP.apply(_class_forward, mlp, x, self.shards, params)
+        forward = functools.partial(_numbered_forward, self.replay, hidden_states.shape[-1])
+        return TiledMLP.apply(forward, mlp, x, self.shards, params)[..., :hidden_states.shape[-1]]
+
+
+def _with_row_numbers(hidden_states: torch.Tensor) -> torch.Tensor:
+    """[1, S_local, H] -> [1, S_local, H + 8 / itemsize]: each row's number (int64) appended as
+    the hidden dtype's bytes."""
+    rows = torch.arange(hidden_states.shape[-2], dtype=torch.int64, device=hidden_states.device)
+    columns = rows[:, None].view(hidden_states.dtype)
+    return torch.cat([hidden_states, columns.expand(*hidden_states.shape[:-1], -1)], dim=-1)
+
+
+def _numbered_forward(replay: RouterReplay, hidden_size: int, mlp: nn.Module, x: torch.Tensor
+                      ) -> torch.Tensor:
+    """The MoE block on one tile of `_with_row_numbers` rows ([1, s, H + c] or [s, H + c]): its
+    rows named to `replay`, zeros in the number columns of the output."""
+    hidden, numbers = x[..., :hidden_size], x[..., hidden_size:]
+    rows = numbers.detach().reshape(-1, numbers.shape[-1]).contiguous().view(torch.int64)
+    with replay.tile(rows.reshape(-1)):
+        out = _class_forward(mlp, hidden)
+    return torch.cat([out, torch.zeros_like(numbers)], dim=-1)
 
 
 def _class_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,9 @@ With `model.router_aux_loss` (MoE), each micro-batch also adds router_aux_loss_c
 load-balancing loss (model.router_loss): the step's gradient is d(sum CE / N) + coef x d(mean of
 the micro-batches' aux losses over DP x accumulation). The row's `loss` stays the LM loss; the
 mean aux loss (without the coefficient) is reported as `router_aux_loss`.
+
+A MoE model replays the routes its packs carry (model.router_replay); every MoE row reports
+`router_replay_tokens` and `router_replay_agreement` (0 and null when nothing was replayed).
 """
 
 from __future__ import annotations
@@ -186,7 +189,7 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     last = len(fetched.batches) - 1
     for index, (batch, weight) in enumerate(zip(fetched.batches, fetched.weights)):
         engine.set_gradient_accumulation_boundary(index == last)
-        with run.module.micro_batch():
+        with run.module.micro_batch(batch, weight):
             loss_sum, _, router_share, stat_sums = engine(
                 batch, stats=True, denominators=counts.shard_denominators)
             sums[5:] += stat_sums * weight
@@ -226,6 +229,7 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     }
     if run.module.router_loss is not None:
         row["router_aux_loss"] = float(sums[3]) / max(fetched.micro_batches, 1)
+    row.update(run.module.replay_metrics())
     if sums[2]:
         row["skipped_step"] = True
     return row

@@ -8,6 +8,12 @@ the same positions) with --entropy. A preference pair's record holds one such ob
 {"index": i, "chosen": {"logprobs", "logprob_sum"[, "entropy"]}, "rejected": {...}}; its
 logprob sums are what `loss.reference_logps` reads (training/reference.py). A sample with
 per-token `temperatures` is scored at them: log_softmax(logits / tau), as the trainer computes it.
+A sample with `routed_experts` is scored with its routes replayed, as the trainer trains it. With
+--routes (a MoE model) each sample's (each half's) object also holds "routed_experts": the experts
+every one of its tokens went to in every MoE layer during this pass (replayed where the data has
+routes, the policy's own top-k elsewhere), in the compact form of `vlmcp.data.routes` (start 0,
+one row per token): the R2 routes of the scored policy, which a data file or rollout step can carry
+to replay them in training.
 
 The forward is training's: packed (first-fit, `data.max_seq_len`), SP-sharded, through the
 DeepSpeed engine (ZeRO-3 gathers as in training) under no_grad. The packs are dealt round-robin
@@ -35,6 +41,7 @@ import torch
 from vlmcp.config import JobConfig
 from vlmcp.data.batch import IGNORE_INDEX, PackedBatch
 from vlmcp.data.pack import first_fit
+from vlmcp.data.routes import encode_routes
 from vlmcp.data.stream import SampleReader
 from vlmcp.errors import CheckpointError, ConfigError, PreflightError
 from vlmcp.parallel import comm
@@ -49,21 +56,22 @@ logger = logging.getLogger(__name__)
 @torch.no_grad()
 def score_samples(engine: Any, lengths: Sequence[int], load: Callable[[list[int]], PackedBatch],
                   max_seq_len: int, sp: SequenceParallel, entropy: bool = False,
-                  chosen_lengths: Sequence[int] | None = None) -> list[dict[str, Any]]:
+                  chosen_lengths: Sequence[int] | None = None, routes: bool = False
+                  ) -> list[dict[str, Any]]:
     """Every row's record (see the module docstring), sorted by index, on global rank 0; an
     empty list on the other ranks. Every rank must call it (collectives each round).
 
     lengths: the rows' token counts (packed first-fit into `max_seq_len`; a pair's both halves);
     chosen_lengths: a pair row's chosen-half tokens, 0 for a single sample (None: no pairs);
     load(pack): the `PackedBatch` of the rows `pack` (only the packs of this rank's DP group are
-    loaded).
+    loaded); routes: also each sample's routes (a MoE model; one more all-gather per round).
     """
     packs = first_fit(list(lengths), max_seq_len)
     records: dict[int, dict[str, Any]] = {}
     for round_ in range(max(1, math.ceil(len(packs) / sp.dp_size))):
         index = round_ * sp.dp_size + sp.dp_rank
         batch = load(packs[index % len(packs)])
-        logprobs, entropies = engine(batch, scores=True)
+        logprobs, entropies, *recorded = engine(batch, scores=True, routes=routes)
         targets = engine.module.plan(batch).shard(batch.targets, dim=0, pad_value=IGNORE_INDEX)
         width = torch.tensor([logprobs.numel()], dtype=torch.float64)
         width = int(comm.all_reduce_max(width)[0])
@@ -74,23 +82,36 @@ def score_samples(engine: Any, lengths: Sequence[int], load: Callable[[list[int]
         local[2, :targets.numel()] = (targets != IGNORE_INDEX).double().cpu()
         local[3, 0] = logprobs.numel()
         gathered = comm.all_gather_world(local)
+        gathered_routes = _gather_routes(recorded[0], width) if routes else None
         if comm.rank() == 0:
             for group in range(sp.dp_size):
                 pack = round_ * sp.dp_size + group
                 if pack < len(packs):
-                    shards = gathered[group * sp.size:(group + 1) * sp.size]
+                    ranks = slice(group * sp.size, (group + 1) * sp.size)
                     records.update(_pack_records(
-                        shards, [(i, int(lengths[i]),
-                                  int(chosen_lengths[i]) if chosen_lengths is not None else 0)
-                                 for i in packs[pack]], entropy))
+                        gathered[ranks], [(i, int(lengths[i]),
+                                           int(chosen_lengths[i]) if chosen_lengths is not None
+                                           else 0) for i in packs[pack]], entropy,
+                        None if gathered_routes is None else gathered_routes[ranks]))
     return [records[i] for i in sorted(records)]
 
 
-def _pack_records(shards: torch.Tensor, members: list[tuple[int, int, int]], entropy: bool
-                  ) -> dict[int, dict[str, Any]]:
+def _gather_routes(recorded: torch.Tensor, width: int) -> torch.Tensor:
+    """Every rank's recorded routes ([S_local, L_moe, K] long), padded to `width` rows:
+    [W, width, L_moe, K] (one all-gather)."""
+    local = torch.full((width, *recorded.shape[1:]), -1, dtype=torch.long)
+    local[:recorded.shape[0]] = recorded.cpu()
+    return comm.all_gather_world(local)
+
+
+def _pack_records(shards: torch.Tensor, members: list[tuple[int, int, int]], entropy: bool,
+                  route_shards: torch.Tensor | None = None) -> dict[int, dict[str, Any]]:
     """shards: [P, 4, width] one SP group's gathered rows; members: (row index, length, chosen
-    length or 0) in pack order -> {row index: record}."""
+    length or 0) in pack order -> {row index: record}. route_shards: [P, width, L_moe, K] the
+    group's recorded routes, or None."""
     whole = torch.cat([shard[:3, :int(shard[3, 0])] for shard in shards], dim=1)
+    routes = None if route_shards is None else torch.cat(
+        [rows[:int(shard[3, 0])] for rows, shard in zip(route_shards, shards)])
     records = {}
     offset = 0
     for index, length, chosen in members:
@@ -98,6 +119,8 @@ def _pack_records(shards: torch.Tensor, members: list[tuple[int, int, int]], ent
         parts = []
         for half in halves:
             parts.append(_sample_scores(whole[:, offset:offset + half], entropy))
+            if routes is not None:
+                parts[-1]["routed_experts"] = encode_routes(routes[offset:offset + half].numpy())
             offset += half
         records[index] = ({"index": index, **parts[0]} if not chosen else
                           {"index": index, "chosen": parts[0], "rejected": parts[1]})
@@ -122,10 +145,12 @@ def write_scores(records: Sequence[dict[str, Any]], path: Path) -> None:
             handle.write(json.dumps(record) + "\n")
 
 
-def score(job: JobConfig, out: str | None = None, entropy: bool = False) -> Path:
+def score(job: JobConfig, out: str | None = None, entropy: bool = False,
+          routes: bool = False) -> Path:
     """Score data.train with the job's model on every rank of the launcher's world; returns the
     output path (default OUTPUT_DIR/scores.jsonl), written by global rank 0. A LoRA job
-    (lora.r > 0) is a ConfigError: its adapters are not at model.path."""
+    (lora.r > 0) is a ConfigError: its adapters are not at model.path; so is `routes` on a dense
+    model."""
     if job.lora.r:
         raise ConfigError(["config key 'lora.r': vlmcp score runs the model at model.path without "
                            "trained adapters; score the merged model of `vlmcp export --merge` "
@@ -134,6 +159,9 @@ def score(job: JobConfig, out: str | None = None, entropy: bool = False) -> Path
         raise ConfigError(["config key 'data.train': vlmcp score scores the files of data.train "
                            "(a rollout job's steps too: --set data.train=ROLLOUTS/step_N/FILE)"])
     preflight = start_checked(job, training=False)
+    if routes and preflight.processor.routes is None:
+        raise ConfigError(["vlmcp score --routes: config key 'model.path' is a dense model (its "
+                           "config.json has no num_experts): it has no routes to record"])
     sp = SequenceParallel.initialize(job.parallel.sp_size)
     engine, _, _ = build_engine(job, preflight, sp)
     engine.eval()
@@ -144,7 +172,7 @@ def score(job: JobConfig, out: str | None = None, entropy: bool = False) -> Path
                           job.data.truncate)
     index = preflight.train_index
     records = score_samples(engine, index.tokens.tolist(), reader.pack, job.data.max_seq_len, sp,
-                            entropy, index.chosen_tokens.tolist())
+                            entropy, index.chosen_tokens.tolist(), routes)
     path = Path(out) if out else Path(job.output_dir) / "scores.jsonl"
     if comm.rank() == 0:
         write_scores(records, path)
