@@ -157,3 +157,10 @@ def assert_ok(result: subprocess.CompletedProcess) -> None:
     if result.returncode != 0:
         tail = (result.stdout + result.stderr)[-6000:]
         raise AssertionError(f"exit {result.returncode}:\n{tail}")
+
+
+def vlmcp_frames(text: str) -> list[str]:
+    """The traceback lines of `text` that are frames in vlmcp's own files (a launcher's own
+    traceback, such as torchrun's ChildFailedError after a rank exits 1, has none)."""
+    return [line for line in text.splitlines()
+            if line.lstrip().startswith("File ") and f"{os.sep}vlmcp{os.sep}" in line]
