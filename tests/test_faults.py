@@ -21,8 +21,9 @@ import psutil
 import pytest
 from safetensors.torch import load_file
 
-from tests.helpers.launching import (REPO, assert_ok, launcher_prefix, run_vlmcp, tiny_job,
-                                     train_losses, vlmcp_frames, write_job)
+from tests.helpers.images import save_png
+from tests.helpers.launching import (REPO, assert_ok, launched, launcher_prefix, run_vlmcp,
+                                     tiny_job, train_losses, vlmcp_frames, write_job)
 from vlmcp.cli import main
 from vlmcp.training.checkpoint import MANIFEST, incomplete_reason, newest_complete
 from vlmcp.training.signals import STOP_MARKER
@@ -316,16 +317,11 @@ def test_a_pack_that_fails_with_any_exception_on_one_rank_stops_every_rank_with_
         optimizer={"type": "sgd", "lr": 1e-3},
         train={"max_steps": 16, "collective_timeout_s": 90}))
     log = tmp_path / "log"
-    proc = _start(job, log)
-    try:
+    with launched(["train", str(job)], log, wait_s=200) as proc:
         _wait_for_rows(out, 1, proc)
         lines = data.read_text().splitlines(keepends=True)
         lines[-1] = _tokens_line("9" * 400) + "\n"
         data.write_text("".join(lines))
-        proc.wait(timeout=200)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     text = log.read_text()
     assert proc.returncode == 1, text[-3000:]
     errors = [line for line in text.splitlines() if line.startswith("error: ")]
@@ -379,3 +375,28 @@ def test_sigterm_to_the_deepspeed_launchers_group_stops_every_rank_cleanly_despi
     assert text.count("(exit 143)") == 2 and vlmcp_frames(text) == [], text[-3000:]
     marker = json.loads((out / STOP_MARKER).read_text())
     assert marker["checkpoint"] == str(out / "checkpoints" / newest_complete(out / "checkpoints")[0])
+
+
+@pytest.mark.e2e
+def test_a_pack_vlmcp_score_cannot_load_on_one_rank_stops_every_rank_with_one_line(
+        tiny_checkpoint, tmp_path):
+    """DP 2: one image is cut after its header (the index reads only headers), so one rank's
+    pack fails to decode while the other rank would wait for it in the next collective."""
+    lines = []
+    for k in range(4):
+        save_png(tmp_path / f"img{k}.png", 32, 32, seed=k)
+        lines.append(json.dumps({"messages": [{"role": "user", "content": "<image>Which digit?"},
+                                              {"role": "assistant", "content": str(k)}],
+                                 "images": [f"img{k}.png"]}))
+    cut = tmp_path / "img3.png"
+    cut.write_bytes(cut.read_bytes()[:60])
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    job = write_job(tmp_path / "job.json", tiny_job(
+        tiny_checkpoint, data, tmp_path / "out", data={"max_seq_len": 24},
+        train={"collective_timeout_s": 60}))
+    result = run_vlmcp(["score", str(job)], launcher="torchrun", nproc=2, timeout=200)
+    assert result.returncode == 1, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and f"{data}:4" in errors[0] and str(cut) in errors[0], errors
+    assert vlmcp_frames(result.stderr) == []

@@ -27,8 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.launching import (REPO, launcher_prefix, run_vlmcp, tiny_job, vlmcp_env,
-                                     vlmcp_frames, write_job)
+from tests.helpers.launching import launched, run_vlmcp, tiny_job, vlmcp_frames, write_job
 from vlmcp.data.rollouts import STABLE, step_dir
 from vlmcp.training.checkpoint import newest_complete
 from vlmcp.training.metrics import read_metrics
@@ -92,16 +91,10 @@ def test_a_stop_a_failed_publish_and_a_bad_index_keep_the_trained_steps_and_publ
     # 1. SIGTERM in the middle of a step of 600 one-sample packs (300 micro-batches per rank)
     _write_step(rollouts, 1, [_line() for _ in range(600)])
     log = tmp_path / "run1.log"
-    proc = subprocess.Popen([*launcher_prefix("torchrun", 2), "train", str(job)], cwd=REPO,
-                            env=vlmcp_env(), stdout=log.open("w"), stderr=subprocess.STDOUT)
-    try:
+    with launched(["train", str(job)], log) as proc:
         _wait_for(lambda: f"rollout step {step_dir(rollouts, 1)}: 600 samples" in log.read_text(),
                   proc, "step 1's log line")
         proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     text = log.read_text()
     assert text.count("(exit 143)") == 2 and "stopped on a signal after step 1" in text, text[-3000:]
     assert newest_complete(out / "checkpoints")[0] == "step1"
@@ -114,18 +107,11 @@ def test_a_stop_a_failed_publish_and_a_bad_index_keep_the_trained_steps_and_publ
     # 2. the resume publishes step 1, trains step 2; the publish of step 3 fails
     _write_step(rollouts, 2, [_line() for _ in range(4)])
     log = tmp_path / "run2.log"
-    proc = subprocess.Popen([*launcher_prefix("torchrun", 2), "train", str(job), "--set",
-                             "train.resume=true"], cwd=REPO, env=vlmcp_env(),
-                            stdout=log.open("w"), stderr=subprocess.STDOUT)
-    try:
+    with launched(["train", str(job), "--set", "train.resume=true"], log) as proc:
         _wait_for(lambda: _published(weights) == [1, 2], proc, "the publish of steps 1 and 2")
         (weights / "step_3").mkdir()
         (weights / "step_3" / "stray.txt").write_text("not a published step")
         _write_step(rollouts, 3, [_line() for _ in range(4)])
-        proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     text = log.read_text()
     assert proc.returncode == 1, text[-3000:]
     errors = _errors(text)
