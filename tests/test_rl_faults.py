@@ -88,11 +88,12 @@ def test_a_stop_a_failed_publish_and_a_bad_index_keep_the_trained_steps_and_publ
     del raw["data"]["train"]
     job.write_text(json.dumps(raw))
 
-    # 1. SIGTERM in the middle of a step of 600 one-sample packs (300 micro-batches per rank)
-    _write_step(rollouts, 1, [_line() for _ in range(600)])
+    # 1. SIGTERM in the middle of a step of 80 one-sample packs (40 micro-batches per rank: long
+    # enough to be signalled in, short enough to end well within torchrun's 30 s before SIGKILL)
+    _write_step(rollouts, 1, [_line() for _ in range(80)])
     log = tmp_path / "run1.log"
     with launched(["train", str(job)], log) as proc:
-        _wait_for(lambda: f"rollout step {step_dir(rollouts, 1)}: 600 samples" in log.read_text(),
+        _wait_for(lambda: f"rollout step {step_dir(rollouts, 1)}: 80 samples" in log.read_text(),
                   proc, "step 1's log line")
         proc.send_signal(signal.SIGTERM)
     text = log.read_text()
