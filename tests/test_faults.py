@@ -1,5 +1,6 @@
-"""Faults lose nothing: atomic checkpoints with fallback resume, stop signals, non-finite steps,
-a frozen rank, a full disk. Every run is `vlmcp train` under torchrun, 2 CPU ranks over gloo,
+"""Faults lose nothing: atomic checkpoints with fallback resume, stop signals (a clean stop leaves
+OUTPUT_DIR/stopped.json and a stop row), non-finite steps, a frozen rank, a full disk, a pack that
+fails on one rank with any exception, a metrics file rank 0 cannot write. Every run is `vlmcp train` under torchrun, 2 CPU ranks over gloo,
 SP 2, a tiny model, a few steps of 64-token packs, and runs under a timeout.
 """
 
@@ -20,9 +21,12 @@ import psutil
 import pytest
 from safetensors.torch import load_file
 
-from tests.helpers.launching import REPO, assert_ok, launcher_prefix, run_vlmcp, tiny_job, train_losses, write_job
+from tests.helpers.images import save_png
+from tests.helpers.launching import (REPO, assert_ok, launched, launcher_prefix, run_vlmcp,
+                                     tiny_job, train_losses, vlmcp_frames, write_job)
 from vlmcp.cli import main
 from vlmcp.training.checkpoint import MANIFEST, incomplete_reason, newest_complete
+from vlmcp.training.signals import STOP_MARKER
 
 STEPS = 8
 
@@ -138,10 +142,16 @@ def test_sigterm_mid_run_saves_a_checkpoint_and_resume_is_exact(
     stopped_at = int(tag.removeprefix("step"))
     assert 1 <= stopped_at < STEPS
     assert not (out / "final").exists()
+    # what tells the launcher's caller that this was a clean stop (torchrun itself exits 1)
+    stop = {"step": stopped_at, "stopped": "SIGTERM", "exit_code": 143,
+            "checkpoint": str(out / "checkpoints" / tag)}
+    assert json.loads((out / STOP_MARKER).read_text()) == stop
+    assert _strict_rows(out / "metrics.jsonl")[-1] == stop
 
     assert_ok(run_vlmcp(["train", str(job), "--set", "train.resume=true"], launcher="torchrun",
                         nproc=2))
     assert train_losses(out) == train_losses(reference)
+    assert not (out / STOP_MARKER).exists()
 
 
 @pytest.mark.e2e
@@ -284,3 +294,109 @@ def test_a_second_signal_stops_at_once_with_128_plus_its_number():
     assert result.stdout == "still running\n", result.stderr
     assert result.returncode == 128 + signal.SIGTERM, result.stderr
     assert "received SIGTERM again: stopping at once" in result.stderr
+
+
+def _tokens_line(advantage: str = "1.0", width: int = 600) -> str:
+    """A tokens-format sample padded with spaces to `width` bytes (its advantage as JSON text)."""
+    text = ('{"input_ids": [1, 10, 11, 12, 13, 2], "labels": [-100, -100, 11, 12, 13, 2], '
+            f'"advantages": [null, null, {advantage}, 1, 1, 1]' + "}")
+    return text[:-1] + " " * (width - len(text)) + "}"
+
+
+@pytest.mark.e2e
+def test_a_pack_that_fails_with_any_exception_on_one_rank_stops_every_rank_with_one_line(
+        tiny_checkpoint, tmp_path):
+    """DP 2: the last sample (rank 1's last pack) is rewritten in place after the index was built,
+    with a finite integer too large for a float: loading it raises an OverflowError on rank 1
+    alone. Every rank stops with one error line naming the sample, no traceback, no watchdog."""
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(_tokens_line() + "\n" for _ in range(32)))
+    out = tmp_path / "out"
+    job = write_job(tmp_path / "job.json", tiny_job(
+        tiny_checkpoint, data, out, data={"max_seq_len": 6, "num_workers": 0},
+        optimizer={"type": "sgd", "lr": 1e-3},
+        train={"max_steps": 16, "collective_timeout_s": 90}))
+    log = tmp_path / "log"
+    with launched(["train", str(job)], log, wait_s=200) as proc:
+        _wait_for_rows(out, 1, proc)
+        lines = data.read_text().splitlines(keepends=True)
+        lines[-1] = _tokens_line("9" * 400) + "\n"
+        data.write_text("".join(lines))
+    text = log.read_text()
+    assert proc.returncode == 1, text[-3000:]
+    errors = [line for line in text.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and f"{data}:32" in errors[0] and "step 16" in errors[0], errors
+    assert vlmcp_frames(text) == [] and "exitcode  : 124" not in text, text[-3000:]
+    assert len(_strict_rows(out / "metrics.jsonl")) == 15
+
+
+@pytest.mark.e2e
+def test_a_metrics_file_rank_0_cannot_write_stops_every_rank_with_one_line(
+        tiny_checkpoint, digits_jsonl, tmp_path):
+    out = tmp_path / "out"
+    (out / "metrics.jsonl").mkdir(parents=True)
+    job = write_job(tmp_path / "job.json", _job(tiny_checkpoint, digits_jsonl, out, max_steps=1,
+                                                collective_timeout_s=90))
+    result = run_vlmcp(["train", str(job)], launcher="torchrun", nproc=2, timeout=200)
+    assert result.returncode == 1, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and str(out / "metrics.jsonl") in errors[0], errors
+    assert vlmcp_frames(result.stderr) == [] and "exitcode  : 124" not in result.stderr
+
+
+@pytest.mark.e2e
+def test_sigterm_to_the_deepspeed_launchers_group_stops_every_rank_cleanly_despite_loader_workers(
+        tiny_checkpoint, digits_jsonl, tmp_path):
+    """The `deepspeed` runner dies of the signal at once (exit -15) and its launch.py sends SIGTERM
+    to each rank's whole process tree, loader workers included: the workers ignore it, so the ranks
+    finish the step, checkpoint and exit 143, leaving stopped.json, with no traceback."""
+    out = tmp_path / "out"
+    job = write_job(tmp_path / "job.json", _job(tiny_checkpoint, digits_jsonl, out,
+                                                max_steps=100000))
+    log = tmp_path / "log"
+    proc = subprocess.Popen([*launcher_prefix("deepspeed", 2), "train", str(job)], cwd=REPO,
+                            env=_env(), stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        _wait_for_rows(out, 1, proc)
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (
+                (out / STOP_MARKER).exists() and log.read_text().count("(exit 143)") == 2):
+            time.sleep(0.2)
+    finally:
+        left = [p for p in psutil.process_iter(["cmdline"])
+                if str(job) in " ".join(p.info["cmdline"] or [])]
+        for process in left:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+    text = log.read_text()
+    assert text.count("(exit 143)") == 2 and vlmcp_frames(text) == [], text[-3000:]
+    marker = json.loads((out / STOP_MARKER).read_text())
+    assert marker["checkpoint"] == str(out / "checkpoints" / newest_complete(out / "checkpoints")[0])
+
+
+@pytest.mark.e2e
+def test_a_pack_vlmcp_score_cannot_load_on_one_rank_stops_every_rank_with_one_line(
+        tiny_checkpoint, tmp_path):
+    """DP 2: one image is cut after its header (the index reads only headers), so one rank's
+    pack fails to decode while the other rank would wait for it in the next collective."""
+    lines = []
+    for k in range(4):
+        save_png(tmp_path / f"img{k}.png", 32, 32, seed=k)
+        lines.append(json.dumps({"messages": [{"role": "user", "content": "<image>Which digit?"},
+                                              {"role": "assistant", "content": str(k)}],
+                                 "images": [f"img{k}.png"]}))
+    cut = tmp_path / "img3.png"
+    cut.write_bytes(cut.read_bytes()[:60])
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    job = write_job(tmp_path / "job.json", tiny_job(
+        tiny_checkpoint, data, tmp_path / "out", data={"max_seq_len": 24},
+        train={"collective_timeout_s": 60}))
+    result = run_vlmcp(["score", str(job)], launcher="torchrun", nproc=2, timeout=200)
+    assert result.returncode == 1, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and f"{data}:4" in errors[0] and str(cut) in errors[0], errors
+    assert vlmcp_frames(result.stderr) == []

@@ -1,6 +1,7 @@
 """The GPU check's preparation, without a GPU: the wheel-set check names a requirement that neither
 the set nor the lent machine meets, a version below one, a torch wheel and a set over 64 MiB, and
-accepts vlmcp's own torch floor there; `scripts/gpu_check.py` without a GPU exits 2 at once, before
+accepts vlmcp's own torch floor there; every run-time requirement of vlmcp (PyAV included) is
+downloaded, built or on the lent machine; `scripts/gpu_check.py` without a GPU exits 2 at once, before
 it installs anything, with a report saying so; its bench parts record each length's MFU, shown
 here on a real CPU bench. (`make gpu-rehearsal` does the download and the
 install into a fresh --target; it needs registry access, so it is not part of the suite.)"""
@@ -13,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -40,6 +42,19 @@ def test_wheel_set_check_names_each_unmet_requirement_a_carried_torch_and_the_si
     assert any(p.startswith("torch must not be carried") for p in problems)
     assert any("needs pydantic>=2, which neither" in p for p in problems)
     assert any("needs hjson>=4, but the wheel set has hjson 3.1.0" in p for p in problems)
+
+
+def test_every_run_time_requirement_of_vlmcp_is_carried_or_on_the_lent_machine():
+    wheels = _script("gpu_wheels")
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    carried = {canonicalize_name(name) for name in wheels.DOWNLOAD + wheels.BUILD}
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    missing = [line for line in declared
+               if canonicalize_name(Requirement(line).name) not in carried | wheels.LENT_MACHINE.keys()]
+    assert missing == []
+    assert carried & wheels.NEVER_CARRIED == set()
 
 
 @pytest.mark.e2e

@@ -9,10 +9,11 @@ per-token temperatures and inference logprobs), and publishes its weights after 
   the sampling temperatures equal the producer's log_softmax(logits / tau) from the published
   weights, and so do `vlmcp score`'s on that published step; `publish.keep` keeps exactly K
   complete steps, the newest loadable by `from_pretrained` and equal to the final model.
-* SIGTERM mid-run, then a resume: training continues at the next rollout step (the test
-  publishes the later steps by atomic rename) and its per-step losses equal the loop run's; a
-  producer that stops means a clear exit after rollouts.timeout_s, with a checkpoint; no file
-  of the rollout directory was changed.
+* SIGTERM mid-run, then a resume: the stop leaves OUTPUT_DIR/stopped.json naming its step and
+  checkpoint; training continues at the next rollout step (the test publishes the later steps by
+  atomic rename) and its per-step losses equal the loop run's; every step ends up published; a
+  producer that stops means a clear exit after rollouts.timeout_s, with a checkpoint; no file of
+  the rollout directory was changed.
 * LoRA (SP 2, ZeRO-2): only the adapter is published, `PeftModel.from_pretrained` loads it and
   the producer's logprobs from it equal the trainer's; a malformed sample with
   rollouts.on_bad_sample "error" stops the run with one error naming step_N/file:line.
@@ -50,6 +51,7 @@ from vlmcp.data.rollouts import STABLE, step_dir
 from vlmcp.model.tiny import build_tiny_checkpoint
 from vlmcp.training.checkpoint import newest_complete
 from vlmcp.training.metrics import read_metrics
+from vlmcp.training.signals import STOP_MARKER
 
 pytestmark = pytest.mark.e2e
 
@@ -246,7 +248,10 @@ def test_sigterm_then_resume_continues_at_the_next_step_and_a_stopped_producer_t
     assert "exitcode  : 143" in text or "exit 143" in text, text[-3000:]
     tag, _ = newest_complete(out / "checkpoints")
     stopped = int(tag.removeprefix("step"))
-    assert 1 <= stopped <= 3 and (weights / f"step_{stopped}" / STABLE).is_file()
+    assert 1 <= stopped <= 3
+    assert json.loads((out / STOP_MARKER).read_text()) == {
+        "step": stopped, "stopped": "SIGTERM", "exit_code": 143,
+        "checkpoint": str(out / "checkpoints" / tag)}
     # The later steps arrive by atomic rename, STABLE inside.
     for step in (4, 5):
         incoming = rollouts / f".incoming-{step}"
@@ -266,6 +271,8 @@ def test_sigterm_then_resume_continues_at_the_next_step_and_a_stopped_producer_t
     assert _snapshot(rollouts) == produced, "the trainer changed the producer's files"
     assert train_losses(out) == train_losses(loop_run["out"])
     assert sorted(_training_rows(out)) == [1, 2, 3, 4, 5]
+    assert all((weights / f"step_{n}" / STABLE).is_file() for n in range(1, 6))
+    assert not (out / STOP_MARKER).exists()
 
 
 def test_lora_publishes_only_the_adapter_which_peft_loads_and_a_malformed_sample_is_one_error(

@@ -19,6 +19,7 @@ from vlmcp.cli import main
 from vlmcp.data.index import build_index
 from vlmcp.data.pack import PackedDataset
 from vlmcp.data.stream import SampleReader
+from vlmcp.model.loss_terms import Loss
 from vlmcp.training.step_packs import StepPacks
 
 
@@ -83,7 +84,8 @@ def test_step_packs_are_a_pure_function_of_the_step(tiny_processor, digits_jsonl
 
     def step_packs():
         return StepPacks(PackedDataset(index.tokens, 64, dp_rank=1, dp_size=2, shuffle=True,
-                                       seed=5, multiple_of=2), grad_accum=2, reader=reader)
+                                       seed=5, multiple_of=2), grad_accum=2, reader=reader,
+                          objective=Loss())
 
     walked = step_packs()
     steps_per_epoch = walked.steps_in_epoch(0)

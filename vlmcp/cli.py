@@ -232,13 +232,20 @@ def build_parser() -> argparse.ArgumentParser:
                             "--sp-size ranks, default 2, --steps steps) twice on synthetic "
                             "datasets of N 512x512-image samples each, and report each rank's "
                             "peak RSS, the length index build time and the second run's cache hit")
+    bench.add_argument("--rollout-rss", default=None, metavar="P1,P2,...",
+                       help="instead of a step benchmark: train a rollout job (tiny model, DP 1, "
+                            "--steps steps) whose steps hold P one-image packs each, one fresh "
+                            "process per P, and report the rank's peak RSS: flat in P when a "
+                            "step's packs stream (e.g. 8,32,128)")
+    bench.add_argument("--rollout-image-size", type=int, default=512,
+                       help="side of the --rollout-rss samples' square images (pixels)")
     bench.add_argument("--data-max-seq-len", type=int, default=256,
                        help="data.max_seq_len of the --data-scale job")
     bench.add_argument("--data-workers", type=int, default=2,
-                       help="data.num_workers of the --data-scale job")
+                       help="data.num_workers of the --data-scale and --rollout-rss jobs")
     bench.add_argument("--scratch", default=None,
-                       help="directory for --data-scale's temporary datasets (default: the "
-                            "system temporary directory)")
+                       help="directory for --data-scale's and --rollout-rss's temporary data "
+                            "(default: the system temporary directory)")
     bench.add_argument("--out", default="runs/bench.json", help="JSON report path")
 
     demo = commands.add_parser(

@@ -8,8 +8,10 @@ test instead of stalling the suite.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -17,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +76,21 @@ def run_vlmcp(args: list[str], *, launcher: str | None = None, nproc: int = 1,
     command = [*launcher_prefix(launcher, nproc, accelerate_yaml), *args]
     return subprocess.run(command, cwd=cwd, env=vlmcp_env(), capture_output=True, text=True,
                           timeout=timeout, check=False)
+
+
+@contextlib.contextmanager
+def launched(args: list[str], log: Path, *, launcher: str = "torchrun", nproc: int = 2,
+             wait_s: float = 120, **popen: Any) -> Iterator[subprocess.Popen]:
+    """`vlmcp ARGS` under `launcher` in the background, its output in `log`: the block acts on the
+    running process, then it is waited for (at most `wait_s`); it is killed when still running."""
+    proc = subprocess.Popen([*launcher_prefix(launcher, nproc), *args], cwd=REPO, env=vlmcp_env(),
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, **popen)
+    try:
+        yield proc
+        proc.wait(timeout=wait_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
@@ -157,3 +175,11 @@ def assert_ok(result: subprocess.CompletedProcess) -> None:
     if result.returncode != 0:
         tail = (result.stdout + result.stderr)[-6000:]
         raise AssertionError(f"exit {result.returncode}:\n{tail}")
+
+
+def vlmcp_frames(text: str) -> list[str]:
+    """The traceback lines of `text` (a launcher may prefix them with "[rankN]:") that are frames
+    in vlmcp's own files; a launcher's own traceback, such as torchrun's ChildFailedError after a
+    rank exits 1, has none."""
+    return [line for line in text.splitlines()
+            if re.search(rf'File "[^"]*{re.escape(os.sep)}vlmcp{re.escape(os.sep)}', line)]

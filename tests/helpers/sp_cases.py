@@ -21,7 +21,7 @@ from vlmcp.model.router_loss import router_objective
 from vlmcp.parallel import comm
 from vlmcp.training.ds.zero3_sp import largest_tensor_numel, sp_exact_zero_settings
 from vlmcp.parallel.groups import SequenceParallel
-from vlmcp.training.objective_step import objective_metrics, step_counts
+from vlmcp.training.objective_step import objective_metrics, pack_counts, step_counts
 from vlmcp.data.pack import build_batch
 from vlmcp.training.score import score_samples
 from tests.helpers.parity import seed_adapter_weights
@@ -127,7 +127,7 @@ def _one_step(engine, module: PackedVLM, objective: Loss, micro_batches: list, c
     mlp.forward = _counted(forward, calls)
     tower_calls = []
     hook = _record_tower_calls(module.vision, tower_calls)
-    counts = step_counts(module, micro_batches, objective)
+    counts = step_counts(module, pack_counts(objective, micro_batches), objective)
     loss_total, router_total = torch.zeros(()), torch.zeros(())
     stat_total = torch.zeros(len(objective.stat_specs()), dtype=torch.float64)
     offloaded = {"passed_hooks": 0}

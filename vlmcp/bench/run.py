@@ -637,6 +637,10 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         from vlmcp.bench.data_scale import run_data_scale
 
         return _write_report(args, run_data_scale(args))
+    if args.rollout_rss:
+        from vlmcp.bench.rollout_rss import run_rollout_rss
+
+        return _write_report(args, run_rollout_rss(args))
     device = compute_device()
     _resolve_args(args, device)
     vocab, hidden = _model_sizes(args)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +60,9 @@ class LengthIndex:
              halves); 0 for a single sample.
     array_names: what the bits of token_arrays stand for: the per-token arrays the index read
              (`TOKEN_ARRAYS` and a job's weight arrays), then `PAIR_VALUES`.
+    nonzero_targets: per array named in `build_index(count_nonzero=...)` (a loss term's weights),
+             each sample's targets where that array is not 0 (0 for a sample without it); what
+             a step's normalisers need beyond the target counts, without loading a pack.
     """
 
     files: list[str]
@@ -79,6 +82,7 @@ class LengthIndex:
     token_arrays: np.ndarray
     chosen_tokens: np.ndarray
     array_names: tuple[str, ...] = TOKEN_ARRAYS + PAIR_VALUES
+    nonzero_targets: dict[str, np.ndarray] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -125,6 +129,8 @@ class LengthIndex:
         keep[list(dropped)] = False
         return LengthIndex(files=self.files, json_array=self.json_array,
                            image_root=self.image_root, array_names=self.array_names,
+                           nonzero_targets={name: values[keep] for name, values
+                                            in self.nonzero_targets.items()},
                            **{name: values[keep] for name, values in self.arrays().items()})
 
 
@@ -138,10 +144,21 @@ def _count(grids: Sequence[Sequence[int]]) -> tuple[int, int]:
     return len(grids), sum(int(t) * int(h) * int(w) for t, h, w in grids)
 
 
+def _nonzero_targets(labels: Sequence[int], values: Sequence[float] | None) -> int:
+    """Targets (labels[1:] that are not IGNORE_INDEX) where `values` (aligned with labels) is not
+    0 in fp32, as a pack holds it; 0 without values."""
+    if values is None:
+        return 0
+    targets = np.asarray(labels[1:]) != IGNORE_INDEX
+    return int((targets & (np.asarray(values[1:], dtype=np.float32) != 0)).sum())
+
+
 def _row(record: object, source: str, base_dir: Path, processor: VLProcessor, max_seq_len: int,
-         truncate: bool, decode: bool, array_names: tuple[str, ...]) -> tuple[int, ...]:
+         truncate: bool, decode: bool, array_names: tuple[str, ...],
+         count_nonzero: tuple[str, ...] = ()) -> tuple[int, ...]:
     """(tokens, targets, images, patches, videos, video patches, token-array mask, chosen
-    tokens) of one record; DataError when it cannot train."""
+    tokens, then the nonzero targets of each of `count_nonzero`) of one record; DataError when it
+    cannot train."""
     mask_names = array_names + PAIR_VALUES
     if decode:
         samples = record_samples(record, source, base_dir, processor, max_seq_len, truncate,
@@ -153,7 +170,10 @@ def _row(record: object, source: str, base_dir: Path, processor: VLProcessor, ma
         return (sum(len(s) for s in samples),
                 sum(label != IGNORE_INDEX for s in samples for label in s.labels[1:]),
                 *_count(grids), *_count(video_grids), _array_mask(carried, mask_names),
-                len(first) if len(samples) == 2 else 0)
+                len(first) if len(samples) == 2 else 0,
+                *(sum(_nonzero_targets(s.labels, None if name not in s.token_arrays
+                                       else s.token_arrays[name].tolist()) for s in samples)
+                  for name in count_nonzero))
     paths = record_paths(record, source, base_dir)
     grids = [header_grid(p, source, processor.image_processor) for p in paths]
     plans = plan_videos(record, base_dir, source, processor)
@@ -163,19 +183,27 @@ def _row(record: object, source: str, base_dir: Path, processor: VLProcessor, ma
     return (sum(len(t.input_ids) for t in tokens.halves),
             sum(t.num_targets for t in tokens.halves), *_count(first.grids),
             *_count([plan.grid for plan in first.videos]), _array_mask(tokens.carried, mask_names),
-            len(first.input_ids) if tokens.is_pair else 0)
+            len(first.input_ids) if tokens.is_pair else 0,
+            *(sum(_nonzero_targets(t.labels, t.arrays.get(name)) for t in tokens.halves)
+              for name in count_nonzero))
 
 
 def build_index(files: Sequence[Path], processor: VLProcessor, max_seq_len: int,
                 truncate: bool = False, *, image_root: Path | None = None, decode: bool = False,
-                array_names: tuple[str, ...] = TOKEN_ARRAYS) -> tuple[LengthIndex, list[str]]:
+                array_names: tuple[str, ...] = TOKEN_ARRAYS, count_nonzero: tuple[str, ...] = ()
+                ) -> tuple[LengthIndex, list[str]]:
     """The index of every usable sample of `files` (in file order), and one "source: problem"
     line per bad record or file (all of them). image_root: what relative image and video paths
     are relative to (None: each file's directory). With `decode`, images and the sampled video
     frames are decoded once each (validation); else only image headers and video container
     metadata are read. array_names: the per-token arrays read from
-    tokens records (`LengthIndex.array_names`)."""
+    tokens records (`LengthIndex.array_names`); count_nonzero: those of them whose nonzero targets
+    are counted (`LengthIndex.nonzero_targets`).
+
+    A record that fails with another exception than DataError (a library's error on input no
+    check foresaw) is a bad record too, its line naming the exception."""
     columns = {name: array("q") for name, _ in COLUMNS}
+    nonzero = {name: array("q") for name in count_nonzero}
     problems: list[str] = []
     kinds: list[bool] = []
     for file_id, path in enumerate(map(Path, files)):
@@ -187,15 +215,22 @@ def build_index(files: Sequence[Path], processor: VLProcessor, max_seq_len: int,
                 continue
             try:
                 counts = _row(record, source, base_dir, processor, max_seq_len, truncate, decode,
-                              array_names)
+                              array_names, tuple(count_nonzero))
             except DataError as e:
                 problems.append(str(e))
                 continue
-            for (name, _), value in zip(COLUMNS, (file_id, span.record, span.line, span.offset,
-                                                  span.nbytes, *counts)):
+            except Exception as e:  # noqa: BLE001 - a bad record must not end the whole pass
+                problems.append(f"{source}: an unexpected {type(e).__name__}: {e}")
+                continue
+            values = (file_id, span.record, span.line, span.offset, span.nbytes, *counts)
+            for (name, _), value in zip(COLUMNS, values):
                 columns[name].append(value)
+            for name, value in zip(count_nonzero, values[len(COLUMNS):]):
+                nonzero[name].append(value)
     arrays = {name: np.frombuffer(columns[name], dtype=np.int64).astype(dtype)
               for name, dtype in COLUMNS}
     return LengthIndex(files=[str(f) for f in files], json_array=kinds,
                        image_root=None if image_root is None else str(image_root),
-                       **arrays, array_names=tuple(array_names) + PAIR_VALUES), problems
+                       **arrays, array_names=tuple(array_names) + PAIR_VALUES,
+                       nonzero_targets={name: np.frombuffer(values, dtype=np.int64).astype(np.int32)
+                                        for name, values in nonzero.items()}), problems

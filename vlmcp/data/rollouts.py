@@ -18,7 +18,8 @@ vlmcp never writes, renames or deletes anything under ROLLOUTS.
 `policy_step` in meta.json is the number of optimizer steps of the weights the samples were
 generated with (0: `model.path`; N: the weights published after step N). The policy lag of step
 N is `(N - 1) - policy_step`: how many optimizer steps the trainer's weights at the start of step
-N are ahead of the generating ones (0: on-policy).
+N are ahead of the generating ones (0: on-policy). A negative lag (policy_step >= N) names weights
+that do not exist yet when step N trains; the trainer refuses it (training/rollout_steps.py).
 
 This module reads the layout; it imports no torch and talks to no other rank.
 """

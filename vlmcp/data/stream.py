@@ -10,14 +10,21 @@ ready, in pack order; the batches are the same whatever the number of workers.
 
 A sample that fails to load (an image that is gone, unreadable, or of another size than when the
 index was built) does not kill a worker: the worker hands back a `LoadFailure` and the rank raises
-one `DataError` naming the sample, which training turns into an agreed stop of every rank. Workers
-run in their own process group, so a stop signal sent to a rank's group reaches the rank alone.
+one `DataError` naming the sample, which training turns into an agreed stop of every rank. Any
+other exception while a pack loads (a library's, on input no check foresaw) is handed back the same
+way, as one line naming the pack's samples and the exception. Workers run in their own process
+group, so a stop signal sent to a rank's group reaches the rank alone, and they ignore the stop
+signals (SIGTERM, SIGINT, SIGUSR1): the `deepspeed` launcher sends SIGTERM to each rank's whole
+process tree, and a worker that died of it would end its rank with the DataLoader's "worker
+killed" error instead of the rank's checkpoint and clean stop. A worker still ends with its
+loader, or within seconds of its rank (torch's workers watch their parent), or on SIGKILL.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -100,6 +107,10 @@ class _PackList(torch.utils.data.Dataset):
             return self.reader.pack(self.packs[k])
         except DataError as e:
             return LoadFailure(str(e))
+        except Exception as e:  # noqa: BLE001 - a worker must hand back every failure
+            sources = [self.reader.index.source(int(i)) for i in self.packs[k]]
+            return LoadFailure(f"the pack of samples {sources}: an unexpected "
+                               f"{type(e).__name__} while loading it: {e}")
 
 
 #: How loader workers start: forked where the OS can (they inherit the index and the processor
@@ -112,11 +123,18 @@ def _as_is(item: PackedBatch | LoadFailure) -> PackedBatch | LoadFailure:
     return item
 
 
+#: The signals a rank stops on after a checkpoint (training/signals.py), which its workers ignore.
+_RANK_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
 def _own_process_group(worker_id: int) -> None:
-    """Move a loader worker out of its rank's process group: a launcher's SIGTERM to the rank's
-    group (torchrun's `killpg`) or a terminal's Ctrl-C then reaches only the rank, which stops
-    in step with its peers; the worker still ends with its loader or its rank."""
+    """Move a loader worker out of its rank's process group, and have it ignore the rank's stop
+    signals: a launcher's SIGTERM to the rank's group (torchrun's `killpg`) or to its process
+    tree (`deepspeed`'s), or a terminal's Ctrl-C, then stops only the rank, in step with its
+    peers; the worker still ends with its loader or its rank."""
     os.setpgrp()
+    for sig in _RANK_STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def load_packs(reader: SampleReader, packs: Sequence[Sequence[int]], num_workers: int,

@@ -14,7 +14,7 @@ ZeRO-3 every rank runs the same number of `generate` calls with `synced_gpus`.
 
 Nothing is decoded up front: packs and prompts are read back from data.eval's length index
 (`SampleReader`) when they are needed, by the rank that needs them. A sample that fails to load
-stops every rank with one error naming it.
+(with any exception) stops every rank with one error naming it.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from vlmcp.data.formats import Sample
 from vlmcp.data.pack import first_fit
 from vlmcp.data.positions import IMAGE, VIDEO
 from vlmcp.data.stream import SampleReader
-from vlmcp.errors import DataError, PreflightError
+from vlmcp.errors import PreflightError
 from vlmcp.config.schema import LossTerm
 from vlmcp.parallel import comm
-from vlmcp.parallel.agree import fail_together
+from vlmcp.parallel.agree import attempt, fail_together, run_together
 from vlmcp.parallel.groups import SequenceParallel
 
 T = TypeVar("T")
@@ -119,16 +119,12 @@ def _rounds(count: int, ways: int) -> int:
     return max(1, math.ceil(count / ways))
 
 
-def _load_agreed(load: Callable[[], T]) -> T | None:
+def _load_agreed(load: Callable[[], T]) -> T:
     """`load()` on every rank, then agree (one small all-reduce): every rank raises
-    PreflightError when any rank could not load its data (the lowest failing rank with the
-    error naming the sample), so no rank is left waiting in the next collective."""
-    try:
-        item, problems = load(), []
-    except DataError as exc:
-        item, problems = None, [f"evaluation: {exc}"]
-    fail_together(problems, PreflightError)
-    return item
+    PreflightError when any rank could not load its data, whatever it raised (the lowest
+    failing rank with the error naming the sample), so no rank is left waiting in the next
+    collective."""
+    return run_together(load, PreflightError, "evaluation")
 
 
 @torch.no_grad()
@@ -169,10 +165,8 @@ def generation_accuracy(hf_model: nn.Module, reader: SampleReader, count: int,
         if synced:
             sample = _load_agreed(lambda: reader.sample(index % count))
         else:
-            try:
-                sample = reader.sample(index)
-            except DataError as exc:
-                problems.append(f"evaluation: {exc}")
+            sample, problems = attempt(lambda: reader.sample(index), "evaluation")
+            if problems:
                 break
         prompt = generation_prompt(sample, max_new_tokens)
         output = hf_model.generate(

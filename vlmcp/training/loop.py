@@ -9,9 +9,19 @@ the `loss` section's objective and normaliser, training/objective_step.py); each
 shard loss is scaled so that DeepSpeed's averaging and accumulation yield
 exactly that gradient, and the loop marks the last micro-batch as the accumulation boundary. A
 micro-batch of weight 0 (a repeated pack that only keeps a short DP rank's collectives in step)
-adds nothing. DeepSpeed clips, steps the optimizer and the LR schedule at the boundary. With
-`publish.dir`, the weights are published after every `publish.every`-th step
-(training/publish.py), before evaluation and checkpoints.
+adds nothing. DeepSpeed clips, steps the optimizer and the LR schedule at the boundary. The
+step's normalisers come before its first micro-batch loads (from the loaded packs of a data.train
+step, from the length index of a rollout step, whose packs stream), and the ranks agree before
+every micro-batch that each could load it, so a pack that fails on one rank stops every rank.
+
+After each step, the ranks first agree on a stop signal (training/signals.py): a stopped run
+checkpoints and exits before anything optional. Then, with `publish.dir`, the weights are
+published after every `publish.every`-th step (training/publish.py); a failed publish checkpoints
+the trained steps before it raises, and a resumed run publishes its start step first when that
+step is due and not in publish.dir (so every trained step that is due gets published, by its run
+or the resumed one). Then evaluation, then the periodic checkpoint. A failure on one rank alone
+where the others would wait (a metrics row rank 0 cannot write, a pack that fails to load with
+any exception) is agreed (`parallel.agree.run_together`) and raised on every rank.
 
 With `model.router_aux_loss` (MoE), each micro-batch also adds router_aux_loss_coef x its router
 load-balancing loss (model.router_loss): the step's gradient is d(sum CE / N) + coef x d(mean of
@@ -26,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -34,15 +45,16 @@ import numpy as np
 import torch
 
 from vlmcp.config import JobConfig
+from vlmcp.data.batch import PackedBatch
 from vlmcp.data.mixture import draws_per_epoch
 from vlmcp.data.pack import PackedDataset
 from vlmcp.data.stream import SampleReader
-from vlmcp.errors import DataError, NonFiniteError, PreflightError, RolloutError
+from vlmcp.errors import CheckpointError, NonFiniteError, PreflightError, RolloutError
 from vlmcp.model.loss import scale_for_deepspeed
 from vlmcp.model.packed import PackedVLM
 from vlmcp.model.router_loss import router_objective
 from vlmcp.parallel import comm
-from vlmcp.parallel.agree import fail_together
+from vlmcp.parallel.agree import attempt, fail_together, run_together
 from vlmcp.parallel.groups import SequenceParallel
 from vlmcp.training.checkpoint import checkpoint_dir, load_latest, save_checkpoint
 from vlmcp.training.ds.config import zero_stage
@@ -52,14 +64,16 @@ from vlmcp.training.hf_format import hf_key_prefixes
 from vlmcp.training.lora_export import save_final_adapter
 from vlmcp.training.metrics import MetricsWriter
 from vlmcp.training.nonfinite import NonFiniteGuard
-from vlmcp.training.objective_step import INITIAL_REFERENCE, objective_metrics, step_counts
+from vlmcp.training.objective_step import (INITIAL_REFERENCE, objective_metrics, objective_of,
+                                           step_counts)
 from vlmcp.training.optim import can_veto
 from vlmcp.training.preflight import Preflight
-from vlmcp.training.publish import Publisher
+from vlmcp.training.publish import Publisher, published_steps
 from vlmcp.training.rollout_steps import RolloutSteps
 from vlmcp.training.score import score_initial_reference
 from vlmcp.training.setup import build_engine, seed_everything, start_checked
-from vlmcp.training.signals import StopRequested, StopSignals
+from vlmcp.training.signals import (StopRequested, StopSignals, clear_stop_marker, stop_row,
+                                    write_stop_marker)
 from vlmcp.training.step_packs import StepBatches, StepPacks
 from vlmcp.training.utilisation import RunUtilisation
 from vlmcp.training.watchdog import Watchdog
@@ -112,8 +126,8 @@ def _step_packs(job: JobConfig, preflight: Preflight, sp: SequenceParallel,
     reader = SampleReader(index, preflight.processor, job.data.max_seq_len, job.data.truncate,
                           cache_path=str(preflight.train_index_result.path),
                           reference_logps=reference)
-    return StepPacks(dataset, job.train.grad_accum, reader, num_workers=job.data.num_workers,
-                     prefetch_factor=job.data.prefetch_factor)
+    return StepPacks(dataset, job.train.grad_accum, reader, objective_of(job),
+                     num_workers=job.data.num_workers, prefetch_factor=job.data.prefetch_factor)
 
 
 def start_run(job: JobConfig) -> Run:
@@ -139,21 +153,43 @@ def start_run(job: JobConfig) -> Run:
                                                                     reference),
                rollouts=RolloutSteps(job, preflight.processor, sp) if job.rollouts.dir else None,
                publisher=Publisher(job, engine, module, adapter) if job.publish.dir else None,
-               metrics=MetricsWriter(job.output_dir, enabled=comm.rank() == 0,
-                                     start_step=start_step),
+               metrics=run_together(
+                   lambda: MetricsWriter(job.output_dir, enabled=comm.rank() == 0,
+                                         start_step=start_step),
+                   CheckpointError, f"opening {job.output_dir}/metrics.jsonl"),
                start_step=start_step, adapter=adapter,
                utilisation=RunUtilisation.of_run(job, module, engine, adapter))
 
 
+def _write_row(run: Run, row: dict[str, Any]) -> None:
+    """Append `row` to the metrics (rank 0 writes; call on every rank): a write that fails
+    raises CheckpointError on every rank."""
+    run_together(lambda: run.metrics.write(row), CheckpointError,
+                 f"writing step {row.get('step')}'s row to {run.metrics.path}")
+
+
 def _step_batches(run: Run, step: int) -> StepBatches:
-    """This rank's micro-batches of `step`; every rank stops together when any rank cannot load
-    its packs (a DataLoader worker that died, a sample that fails to load)."""
-    try:
-        fetched, problems = run.steps.step_batches(step), []
-    except (DataError, RuntimeError) as exc:
-        fetched, problems = None, [f"loading the packs of step {step + 1}: {exc}"]
-    fail_together(problems, PreflightError)
-    return fetched
+    """This rank's micro-batches of `step`. A rollout step agrees itself (its index comes from
+    rank 0; its packs load as the step runs them); a data.train step's packs load here, and every
+    rank stops together when any rank cannot load them (whatever it raised)."""
+    if run.rollouts is not None:
+        return run.rollouts.step_batches(step)
+    return run_together(lambda: run.step_packs.step_batches(step), PreflightError,
+                        f"loading the packs of step {step + 1}")
+
+
+def _named_samples(ids: list[str]) -> str:
+    """The samples of a pack, for an error line: the first few and a count."""
+    shown = ", ".join(ids[:4])
+    return f"{shown} and {len(ids) - 4} more" if len(ids) > 4 else shown
+
+
+def _next_batch(fetched: StepBatches, step: int, index: int) -> PackedBatch:
+    """Micro-batch `index` of the step, loaded now (call on every rank): every rank raises
+    PreflightError when any rank's pack failed to load, whatever it raised."""
+    return run_together(lambda: next(fetched.batches), PreflightError,
+                        f"loading the packs of step {step + 1} (micro-batch {index + 1}, samples "
+                        f"{_named_samples(fetched.sample_ids[index])})")
 
 
 def _plain_fp32_engine(engine: Any) -> bool:
@@ -176,7 +212,7 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         return {"step": step + 1, "skipped_rollout": fetched.skip, **fetched.row}
     lr = engine.get_lr()[0]
     objective = run.module.objective
-    counts = step_counts(run.module, fetched.counted, objective)
+    counts = step_counts(run.module, fetched.counts, objective)
     # DeepSpeed divides each backward by its accumulation steps and averages over DP: the router
     # term of a micro-batch, scaled so, adds up to the mean over the step's micro-batches.
     router_scale = sp.dp_size * grad_accum / max(fetched.micro_batches, 1)
@@ -186,8 +222,9 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     sums = torch.zeros(5 + len(objective.stat_specs()), dtype=torch.float64)
     grad_norm = None
     skipped_before = engine.skipped_steps
-    last = len(fetched.batches) - 1
-    for index, (batch, weight) in enumerate(zip(fetched.batches, fetched.weights)):
+    last = len(fetched.weights) - 1
+    for index, weight in enumerate(fetched.weights):
+        batch = _next_batch(fetched, step, index)
         engine.set_gradient_accumulation_boundary(index == last)
         with run.module.micro_batch(batch, weight):
             loss_sum, _, router_share, stat_sums = engine(
@@ -209,6 +246,7 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         if sp.rank == 0:
             sums[1] += batch.num_tokens * weight
             sums[4] += run.utilisation.pack_flops(batch) * weight
+        del batch  # the pack's pixels go before the next pack loads
     sums[2] = float(engine.skipped_steps > skipped_before)
     comm.all_reduce_sum(sums)
     elapsed = time.perf_counter() - started
@@ -275,6 +313,8 @@ def train(job: JobConfig) -> Run:
     """
     from tqdm.contrib.logging import logging_redirect_tqdm
 
+    if int(os.environ.get("RANK", "0")) == 0:
+        clear_stop_marker(job.output_dir)
     run = start_run(job)
     timeout = job.train.collective_timeout_s
     with StopSignals() as stop, Watchdog(timeout, rank=comm.rank()) as watchdog, \
@@ -311,7 +351,7 @@ class _Saver:
 
 def _abort_nonfinite(run: Run, step: int, row: dict[str, Any], problem: str, saver: _Saver) -> None:
     """Log the step's packs, keep a checkpoint of the last finite state, raise NonFiniteError."""
-    ids = [sid for batch in run.steps.step_batches(step).batches for sid in batch.sample_ids]
+    ids = [sid for pack in run.steps.step_batches(step).sample_ids for sid in pack]
     logger.error("rank %d: %s; its packs on this rank hold samples %s", comm.rank(), problem, ids)
     if row.get("skipped_step"):
         saver.save(step)
@@ -325,8 +365,8 @@ def _abort_nonfinite(run: Run, step: int, row: dict[str, Any], problem: str, sav
 
 
 def _keep_trained_steps(run: Run, step: int, saver: _Saver) -> str:
-    """Before a rollout run stops at step `step` + 1: checkpoint the `step` steps done (call on
-    every rank); returns what was kept, for the message."""
+    """Before a run stops after `step` completed steps: checkpoint them (call on every rank);
+    returns what was kept, for the message."""
     if step == run.start_step:
         return "no step was trained since the start, so no new checkpoint was written"
     saver.save(step)
@@ -334,19 +374,64 @@ def _keep_trained_steps(run: Run, step: int, saver: _Saver) -> str:
             "train.resume=true")
 
 
+def _stop(run: Run, signum: int, step: int, saver: _Saver, when: str) -> None:
+    """End the run on the agreed stop signal `signum` after `step` completed steps: checkpoint
+    them, then (rank 0) the metrics row and OUTPUT_DIR/stopped.json that tell a clean stop from a
+    failure (training/signals.py); raises StopRequested on every rank."""
+    kept = _keep_trained_steps(run, step, saver)
+    checkpoint = None if saver.saved_step != step else str(checkpoint_dir(run.job) / f"step{step}")
+    _write_row(run, stop_row(signum, step, checkpoint))
+    run_together(lambda: write_stop_marker(run.job.output_dir, signum, step, checkpoint)
+                 if comm.rank() == 0 else None, CheckpointError,
+                 f"writing the stop marker in {run.job.output_dir}")
+    logger.warning("stopped on a signal %s; %s", when, kept)
+    raise StopRequested(signum, step)
+
+
 def _wait_for_rollout(run: Run, step: int, stop: StopSignals, watchdog: Watchdog,
                       saver: _Saver) -> None:
     """Wait for rollout step `step` + 1 (outside the watchdog's phases). A stop signal while
     waiting, or rollouts.timeout_s, ends the run after a checkpoint of the steps trained so far."""
     outcome = run.rollouts.wait(step, lambda: stop.signum, watchdog)
-    if not (outcome.signum or outcome.timed_out):
+    if outcome.signum:
+        _stop(run, outcome.signum, step, saver, f"while waiting for rollout step {step + 1}")
+    if not outcome.timed_out:
         return
     kept = _keep_trained_steps(run, step, saver)
-    if outcome.signum:
-        logger.warning("stopped on a signal while waiting for rollout step %d; %s", step + 1, kept)
-        raise StopRequested(outcome.signum, step)
     raise RolloutError([f"{run.rollouts.timeout_problem(step, outcome.waited_s)}; {kept}"]
                        if comm.rank() == 0 else [])
+
+
+def _publish(run: Run, done: int, watchdog: Watchdog, saver: _Saver) -> None:
+    """Publish the weights after `done` steps and write the publish row (call on every rank).
+    A publish that fails (CheckpointError, on every rank) keeps the trained steps first: the
+    error says where the checkpoint of step `done` is, and the resumed run publishes that step
+    before it trains the next."""
+    try:
+        with watchdog.watch(f"publishing the weights of step {done}"):
+            row = run.publisher.publish(done)
+    except CheckpointError as exc:
+        kept = _keep_trained_steps(run, done, saver)
+        lines = exc.problems[:-1] + [f"{exc.problems[-1]}; {kept} (the resumed run publishes "
+                                     f"step {done} first)"] if exc.problems else []
+        raise CheckpointError(lines) from exc
+    _write_row(run, row)
+
+
+def _publish_pending(run: Run, watchdog: Watchdog, saver: _Saver) -> None:
+    """A resumed run whose start step is due for publishing but not in publish.dir (the stop
+    signal or a failed publish came before it) publishes it first; rank 0 looks, all agree."""
+    if run.publisher is None or not run.start_step or not run.publisher.due(run.start_step):
+        return
+    found, problems = (attempt(lambda: run.start_step in published_steps(run.publisher.root),
+                               f"listing {run.publisher.root}")
+                       if comm.rank() == 0 else (True, []))
+    fail_together(problems, CheckpointError)
+    if comm.rank_flags(not found)[0]:
+        if comm.rank() == 0:
+            logger.info("publishing the weights of step %d, which the stopped run had not "
+                        "published", run.start_step)
+        _publish(run, run.start_step, watchdog, saver)
 
 
 def _train_loop(run: Run, stop: StopSignals, watchdog: Watchdog) -> None:
@@ -365,9 +450,15 @@ def _run_steps(run: Run, stop: StopSignals, watchdog: Watchdog, progress: Any) -
     saver = _Saver(run, watchdog)
     guard = NonFiniteGuard(train_cfg.nonfinite, train_cfg.max_skipped_steps)
     run.engine.train()
+    _publish_pending(run, watchdog, saver)
     for step in range(run.start_step, train_cfg.max_steps):
         if run.rollouts is not None:
             _wait_for_rollout(run, step, stop, watchdog, saver)
+        else:
+            # a signal during the previous step's publish or evaluation, or during the start
+            signum = stop.agreed()
+            if signum:
+                _stop(run, signum, step, saver, f"after step {step}")
         try:
             with watchdog.watch(f"step {step + 1}"):
                 row = train_step(run, step)
@@ -384,7 +475,7 @@ def _run_steps(run: Run, stop: StopSignals, watchdog: Watchdog, progress: Any) -
         problem = guard.check(row)
         if problem or done % train_cfg.log_every == 0 or done == train_cfg.max_steps \
                 or "skipped_rollout" in row:
-            run.metrics.write(row)
+            _write_row(run, row)
         if problem and guard.must_abort():
             _abort_nonfinite(run, step, row, problem, saver)
         if problem:
@@ -394,21 +485,18 @@ def _run_steps(run: Run, stop: StopSignals, watchdog: Watchdog, progress: Any) -
             if "loss" in row:
                 progress.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
             progress.update(1)
+        # the stop comes first: a stopped run checkpoints before anything optional
+        signum = stop.agreed()
+        if signum:
+            _stop(run, signum, done, saver, f"after step {done}")
         if run.publisher is not None and run.publisher.due(done):
-            with watchdog.watch(f"publishing the weights of step {done}"):
-                run.metrics.write(run.publisher.publish(done))
+            _publish(run, done, watchdog, saver)
         if train_cfg.eval_every and (done % train_cfg.eval_every == 0 or done == train_cfg.max_steps):
             with watchdog.watch(f"evaluation after step {done}"):
                 eval_row = evaluation_row(run, done)
-            run.metrics.write(eval_row)
+            _write_row(run, eval_row)
             logger.info("step %d: %s", done, ", ".join(
                 f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
                 for k, v in eval_row.items() if k != "step"))
         if train_cfg.save_every and done % train_cfg.save_every == 0:
             saver.save(done)
-        signum = stop.agreed()
-        if signum:
-            saver.save(done)
-            logger.warning("stopped on a signal after step %d; resume with train.resume=true",
-                           done)
-            raise StopRequested(signum, done)

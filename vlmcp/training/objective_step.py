@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from vlmcp.config import JobConfig, LossTerm
@@ -24,6 +25,7 @@ from vlmcp.config.loss_checks import loss_terms
 from vlmcp.data.batch import PAIR_VALUES, TOKEN_ARRAYS, PackedBatch
 from vlmcp.data.index import LengthIndex
 from vlmcp.model.loss_terms import REPORTED_COUNTS, Loss
+from vlmcp.model.mismatch import MISMATCH_COUNT
 from vlmcp.model.objectives import required_arrays
 from vlmcp.parallel import comm
 
@@ -134,17 +136,52 @@ class StepCounts:
         return self.terms if len(self.terms) > 1 else None
 
 
-def step_counts(module: Any, batches: Sequence[PackedBatch], objective: Loss) -> StepCounts:
-    """Global counts of one optimizer step's micro-batches (one all-reduce over the world; call
-    on every rank). `module` is the `PackedVLM`: each SP group counts its packs on its rank 0."""
+def weight_arrays(objective: Loss) -> tuple[str, ...]:
+    """The weight arrays of the objective's terms, whose nonzero targets its counts need
+    (`build_index(count_nonzero=...)`)."""
+    return tuple(sorted({term.weights for term in objective.terms if term.weights}))
+
+
+def pack_counts(objective: Loss, batches: Sequence[PackedBatch]) -> dict[str, float]:
+    """`Loss.batch_counts` summed over loaded micro-batches (each checked, `Loss.check_batch`)."""
+    total = dict.fromkeys(objective.count_keys(), 0.0)
     for batch in batches:
-        objective.check_batch(batch)
+        for key, value in objective.batch_counts(batch).items():
+            total[key] += value
+    return total
+
+
+def index_counts(objective: Loss, index: LengthIndex, rows: Sequence[int]) -> dict[str, float]:
+    """What `pack_counts` gives for the packs of the index rows `rows` (a row once per pack that
+    holds it), from the length index alone: no record is read. A sample's every target carries a
+    finite inference logprob when it has the array (the data check), each of a pair's halves has
+    a target, and the weighted counts come from `index.nonzero_targets` (an index built with
+    `count_nonzero=weight_arrays(objective)`)."""
+    rows = np.asarray(rows, dtype=np.int64)
+    targets = index.targets[rows].astype(np.float64)
+    pairs = index.pairs()[rows]
+    with_mu = np.isin(rows, index.lacking("inference_logprobs"), invert=True)
+    counts = {"targets": float(targets.sum()), "pairs": float(pairs.sum()),
+              MISMATCH_COUNT: float(targets[with_mu].sum())}
+    for k, term in enumerate(objective.terms):
+        if term.weights is None:
+            counts[f"tokens{k}"] = counts["targets"]
+            counts[f"seqs{k}"] = float(np.where(pairs, 2, 1).sum())
+        else:
+            weighted = index.nonzero_targets[term.weights][rows]
+            counts[f"tokens{k}"] = float(weighted.sum())
+            counts[f"seqs{k}"] = float((weighted > 0).sum())
+    return counts
+
+
+def step_counts(module: Any, local: dict[str, float], objective: Loss) -> StepCounts:
+    """Global counts of one optimizer step (one all-reduce over the world; call on every rank)
+    from this rank's `local` counts of its micro-batches of weight 1 (`pack_counts` or
+    `index_counts`). `module` is the `PackedVLM`: each SP group's packs count once, from its
+    rank 0."""
     keys = objective.count_keys()
-    local = torch.zeros(len(keys), dtype=torch.float64)
-    if module.sp.rank == 0:
-        for batch in batches:
-            counts = objective.batch_counts(batch)
-            local += torch.tensor([counts[key] for key in keys], dtype=torch.float64)
+    local = torch.tensor([local[key] if module.sp.rank == 0 else 0.0 for key in keys],
+                         dtype=torch.float64)
     comm.all_reduce_sum(local)
     counts = dict(zip(keys, local.tolist()))
     return StepCounts(counts, objective.denominators(counts))

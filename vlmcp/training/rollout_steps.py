@@ -15,16 +15,24 @@ The layout and the completion rule are `vlmcp.data.rollouts`'s. Per optimizer st
    needs. A sample that cannot train (`objective_step.untrainable`: an array missing, a pair
    under a token objective or a single sample under a preference one, a pair without its
    reference sums) is one error line naming its step_N/file:line (`rollouts.on_bad_sample`
-   "error") or is dropped and counted ("skip"). The outcome (the index: eleven integers per
-   sample) goes to every rank in one broadcast.
+   "error") or is dropped and counted ("skip"); so is a record that fails with any other
+   exception. A policy_step ahead of the step (a negative lag: a producer bug, or another run's
+   directory) is an error naming meta.json. Whatever else goes wrong on rank 0 while it indexes
+   (any exception) is one error line naming the step directory. The outcome (the index: a dozen
+   integers per sample) goes to every rank in one broadcast, and every rank raises RolloutError
+   together when it says so.
 3. packs it, the same on every rank: first-fit in the step's sample order into
    `data.max_seq_len` packs, dealt round-robin over the DP groups (pack k*dp_size + r to DP rank
    r). Every rank runs M = ceil(packs / dp_size) micro-batches; a DP rank short of packs repeats
    one with weight 0, so that all ranks run the same collectives. The step's gradient is the sum
    over exactly the step's samples, normalised by their global count (token or sequence), however
    many micro-batches that takes: the loop marks the accumulation boundary itself.
-4. loads only this rank's packs (`vlmcp.data.stream`: records read back from their byte spans,
-   images decoded, in DataLoader workers).
+4. streams only this rank's packs (`vlmcp.data.stream`: records read back from their byte spans,
+   images decoded, in DataLoader workers): each is loaded when the step reaches it, at most
+   `data.prefetch_factor` per worker ahead, and dropped after its backward, so a rank holds a
+   bounded number of packs whatever the step's size. The step's counts (targets, samples, pairs,
+   weighted targets, inference-logprob targets: the normalisers) and its samples' names come
+   from the index before any pack loads (`objective_step.index_counts`).
 """
 
 from __future__ import annotations
@@ -47,9 +55,10 @@ from vlmcp.data.rollouts import RolloutMeta, is_complete, read_meta, step_dir, s
 from vlmcp.data.stream import SampleReader, load_packs
 from vlmcp.errors import DataError, RolloutError
 from vlmcp.parallel import comm
-from vlmcp.parallel.agree import fail_together
+from vlmcp.parallel.agree import attempt, fail_together
 from vlmcp.parallel.groups import SequenceParallel
-from vlmcp.training.objective_step import objective_problems, token_array_names, untrainable
+from vlmcp.training.objective_step import (index_counts, objective_of, objective_problems,
+                                           token_array_names, untrainable, weight_arrays)
 from vlmcp.training.step_packs import StepBatches
 from vlmcp.training.watchdog import Watchdog
 
@@ -87,6 +96,7 @@ class RolloutSteps:
         self.root = Path(job.rollouts.dir)
         self.processor = processor
         self.sp = sp
+        self.objective = objective_of(job)
         self.stale_skipped = 0
         self._waited_s = 0.0
         self._last: tuple[int, StepBatches] | None = None
@@ -123,21 +133,35 @@ class RolloutSteps:
 
     def step_batches(self, step: int) -> StepBatches:
         """This rank's micro-batches of optimizer step `step` (0-based): rollout step_{step + 1},
-        indexed on rank 0 and broadcast (call on every rank, after `wait`). Raises RolloutError on
-        every rank when the step cannot train under rollouts.on_stale / on_bad_sample, DataError
-        when a pack of this rank fails to load."""
+        indexed on rank 0 and broadcast (call on every rank, after `wait`); its packs load as the
+        step iterates them. Raises RolloutError on every rank when the step cannot train under
+        rollouts.on_stale / on_bad_sample, or rank 0 could not index it; asked again for the same
+        step, the same `StepBatches`."""
         if self._last is not None and self._last[0] == step:
             return self._last[1]
-        indexed = comm.broadcast_object(self._index(step + 1) if comm.rank() == 0 else None)
+        if self._last is not None:
+            self._last[1].close()
+            self._last = None
+        indexed = comm.broadcast_object(self._index_agreed(step + 1) if comm.rank() == 0 else None)
         fail_together(indexed.problems, RolloutError)
         row = {**indexed.row, "rollout_wait_s": self._waited_s}
         if indexed.skip:
             self.stale_skipped += indexed.skip == "stale"
-            fetched = StepBatches([], [], 0, row, skip=indexed.skip)
+            fetched = StepBatches([], 0, {}, [], row, skip=indexed.skip)
         else:
-            fetched = self._load(indexed.index, row)
+            fetched = self._stream(indexed.index, row)
+            if comm.rank() == 0:
+                logger.info("rollout step %s: %d samples in %d packs, %d micro-batches per rank",
+                            step_dir(self.root, step + 1), len(indexed.index),
+                            fetched.micro_batches, len(fetched.weights))
         self._last = (step, fetched)
         return fetched
+
+    def _index_agreed(self, number: int) -> _Indexed:
+        """Rank 0: `_index`, with anything it raises as the step's problem line."""
+        path = step_dir(self.root, number)
+        indexed, problems = attempt(lambda: self._index(number), f"indexing {path}")
+        return indexed if indexed is not None else _Indexed(problems=problems)
 
     def _index(self, number: int) -> _Indexed:
         """Rank 0: meta.json, staleness, the length index of step_`number` and its bad samples."""
@@ -150,6 +174,11 @@ class RolloutSteps:
             return _Indexed(problems=[str(exc)])
         lag = meta.lag(number)
         row: dict[str, Any] = {"policy_step": meta.policy_step, "policy_lag": lag}
+        if lag is not None and lag < 0:
+            return _Indexed(problems=[
+                f"{path / 'meta.json'}: policy_step {meta.policy_step} is ahead of the weights "
+                f"that train step {number} (policy lag {lag}; at most step {number - 1}'s can "
+                "have generated it): a producer bug, or another run's rollouts.dir"], row=row)
         stale = self._stale(number, meta, lag)
         if stale is not None and cfg.on_stale == "error":
             return _Indexed(problems=[stale], row=row)
@@ -160,7 +189,8 @@ class RolloutSteps:
         data = self.job.data
         image_root = None if data.image_root is None else self.job.resolve_input(data.image_root)
         index, bad = build_index(files, self.processor, data.max_seq_len, data.truncate,
-                                 image_root=image_root, array_names=token_array_names(self.job))
+                                 image_root=image_root, array_names=token_array_names(self.job),
+                                 count_nonzero=weight_arrays(self.objective))
         lacking = sorted({int(i) for indices, _, _ in untrainable(self.job, index)
                           for i in indices})
         lines = bad + objective_problems(self.job, index)
@@ -191,15 +221,19 @@ class RolloutSteps:
                     f"that train step {number} (rollouts.max_staleness={limit})")
         return None
 
-    def _load(self, index: LengthIndex, row: dict[str, Any]) -> StepBatches:
-        """This rank's share of the step's packs, loaded; repeats of another rank's pack (to
-        keep the micro-batch count equal on every rank) get weight 0."""
+    def _stream(self, index: LengthIndex, row: dict[str, Any]) -> StepBatches:
+        """This rank's share of the step's packs, streamed, with its counts and sample names from
+        the index; repeats of another rank's pack (to keep the micro-batch count equal on every
+        rank) get weight 0."""
         data = self.job.data
         packs = first_fit(index.tokens.tolist(), data.max_seq_len)
         dp_size, dp_rank = self.sp.dp_size, self.sp.dp_rank
         slots = [k * dp_size + dp_rank for k in range(max(1, math.ceil(len(packs) / dp_size)))]
+        mine = [packs[i % len(packs)] for i in slots]
+        counted = [sample for i, pack in zip(slots, mine) if i < len(packs) for sample in pack]
         reader = SampleReader(index, self.processor, data.max_seq_len, data.truncate)
-        batches = list(load_packs(reader, [packs[i % len(packs)] for i in slots],
-                                  data.num_workers, data.prefetch_factor))
-        return StepBatches(batches, [1.0 if i < len(packs) else 0.0 for i in slots], len(packs),
-                           row)
+        return StepBatches([1.0 if i < len(packs) else 0.0 for i in slots], len(packs),
+                           index_counts(self.objective, index, counted),
+                           [[index.source(i) for i in pack] for pack in mine], row,
+                           batches=load_packs(reader, mine, data.num_workers,
+                                              data.prefetch_factor))

@@ -45,7 +45,7 @@ from vlmcp.data.routes import encode_routes
 from vlmcp.data.stream import SampleReader
 from vlmcp.errors import CheckpointError, ConfigError, PreflightError
 from vlmcp.parallel import comm
-from vlmcp.parallel.agree import fail_together
+from vlmcp.parallel.agree import fail_together, run_together
 from vlmcp.parallel.groups import SequenceParallel
 from vlmcp.training.reference import INITIAL_FILE, read_reference
 from vlmcp.training.setup import build_engine, start_checked
@@ -64,13 +64,14 @@ def score_samples(engine: Any, lengths: Sequence[int], load: Callable[[list[int]
     lengths: the rows' token counts (packed first-fit into `max_seq_len`; a pair's both halves);
     chosen_lengths: a pair row's chosen-half tokens, 0 for a single sample (None: no pairs);
     load(pack): the `PackedBatch` of the rows `pack` (only the packs of this rank's DP group are
-    loaded); routes: also each sample's routes (a MoE model; one more all-gather per round).
+    loaded); routes: also each sample's routes (a MoE model; one more all-gather per round). A
+    pack that fails to load on any rank, whatever it raised, raises PreflightError on every rank.
     """
     packs = first_fit(list(lengths), max_seq_len)
     records: dict[int, dict[str, Any]] = {}
     for round_ in range(max(1, math.ceil(len(packs) / sp.dp_size))):
         index = round_ * sp.dp_size + sp.dp_rank
-        batch = load(packs[index % len(packs)])
+        batch = run_together(lambda: load(packs[index % len(packs)]), PreflightError, "scoring")
         logprobs, entropies, *recorded = engine(batch, scores=True, routes=routes)
         targets = engine.module.plan(batch).shard(batch.targets, dim=0, pad_value=IGNORE_INDEX)
         width = torch.tensor([logprobs.numel()], dtype=torch.float64)
@@ -174,9 +175,8 @@ def score(job: JobConfig, out: str | None = None, entropy: bool = False,
     records = score_samples(engine, index.tokens.tolist(), reader.pack, job.data.max_seq_len, sp,
                             entropy, index.chosen_tokens.tolist(), routes)
     path = Path(out) if out else Path(job.output_dir) / "scores.jsonl"
-    if comm.rank() == 0:
-        write_scores(records, path)
-    comm.barrier()
+    run_together(lambda: write_scores(records, path) if comm.rank() == 0 else None,
+                 CheckpointError, f"writing {path}")
     return path
 
 

@@ -9,24 +9,60 @@ checkpoint and exits with 128 + the signal number (SIGTERM 143, SIGINT 130, SIGU
 A second signal, at least `REPEAT_AFTER_S` after the first, exits at once with 128 + its number.
 Repeats closer together count once: a Ctrl-C under torchrun reaches each rank twice within
 milliseconds (from the terminal, and forwarded by torchrun).
+
+A clean stop leaves two records for whoever launched the run, since a launcher does not pass the
+ranks' 128 + N on (torchrun, signalled itself, exits 1): a metrics row `stop_row` and, written
+last, OUTPUT_DIR/stopped.json (`STOP_MARKER`: the signal, the exit code, the completed steps and
+their checkpoint). Every `vlmcp train` removes the marker when it starts, so a marker after the
+launcher exited means that launch stopped cleanly; no marker means it failed or finished (exit 0).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 import time
+from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import torch
 
 from vlmcp.parallel import comm
+from vlmcp.training.atomic import write_text_atomic
 
 logger = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 REPEAT_AFTER_S = 1.0
+#: Written in OUTPUT_DIR at a clean stop, after the checkpoint.
+STOP_MARKER = "stopped.json"
+
+
+def stop_row(signum: int, step: int, checkpoint: str | None) -> dict[str, Any]:
+    """The metrics row of a clean stop after `step` completed steps; `checkpoint`: the directory
+    of their checkpoint (None: no step was trained, so none was written)."""
+    return {"step": step, "stopped": signal.Signals(signum).name, "exit_code": 128 + signum,
+            "checkpoint": checkpoint}
+
+
+def write_stop_marker(output_dir: str | Path, signum: int, step: int,
+                      checkpoint: str | None) -> None:
+    """OUTPUT_DIR/stopped.json, atomically: `stop_row` (call on one rank, after the checkpoint).
+    Raises OSError when it cannot be written."""
+    write_text_atomic(Path(output_dir) / STOP_MARKER,
+                      json.dumps(stop_row(signum, step, checkpoint)) + "\n")
+
+
+def clear_stop_marker(output_dir: str | Path) -> None:
+    """Remove an earlier run's OUTPUT_DIR/stopped.json (call on one rank as the run starts); an
+    output_dir that cannot be written is left to the job's checks to name."""
+    try:
+        (Path(output_dir) / STOP_MARKER).unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 class StopRequested(Exception):

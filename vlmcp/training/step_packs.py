@@ -7,61 +7,81 @@ micro-batches an uninterrupted run would.
 
 The micro-batches are loaded by `vlmcp.data.stream.load_packs` (DataLoader workers, prefetching
 ahead in this rank's pack order). Steps asked for in order continue one loader; a step out of
-order (the first step of a resumed run) starts a loader at that step's first pack.
+order (the first step of a resumed run) starts a loader at that step's first pack. A step's
+`grad_accum` packs are loaded before it runs (its counts are taken from them); a rollout step
+(training/rollout_steps.py) streams its packs instead, its counts taken from the length index.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vlmcp.data.batch import PackedBatch
 from vlmcp.data.pack import PackedDataset
 from vlmcp.data.stream import SampleReader, load_packs
+from vlmcp.model.loss_terms import Loss
+from vlmcp.training.objective_step import pack_counts
 
 
 @dataclass
 class StepBatches:
     """One optimizer step's micro-batches on this rank, as the training step runs them.
 
-    batches:     this rank's micro-batches in order (the same count on every rank).
-    weights:     1.0 for a micro-batch of the step, 0.0 for one that only repeats another rank's
-                 pack so that every rank runs the same collectives (its loss is not counted).
+    weights:     [M] 1.0 for a micro-batch of the step, 0.0 for one that only repeats another
+                 rank's pack so that every rank runs the same collectives (its loss is not
+                 counted); M is the same on every rank.
     micro_batches: the step's micro-batches of weight 1 over all DP groups (each SP group counts
                  its pack once): what the mean of per-micro-batch quantities divides by.
+    counts:      this rank's `Loss.count_keys` over its micro-batches of weight 1, known before
+                 any is loaded (`objective_step.step_counts` sums them over the world).
+    sample_ids:  [M] the "file:line" of each micro-batch's samples, for error lines.
     row:         metrics row entries of the step's data ("epoch"; a rollout step's lag, ...).
     skip:        why the step trains nothing (a rollout step skipped as stale, ...), else None.
+    batches:     the M micro-batches in order, each loaded when the step reaches it (at most
+                 `data.prefetch_factor` per loader worker ahead) and dropped once handed out; one
+                 pass. Raises what loading raises (DataError naming the sample).
     """
 
-    batches: list[PackedBatch]
     weights: list[float]
     micro_batches: int
+    counts: dict[str, float]
+    sample_ids: list[list[str]]
     row: dict[str, Any]
     skip: str | None = None
+    batches: Iterator[PackedBatch] = field(default_factory=lambda: iter(()))
 
-    @property
-    def counted(self) -> list[PackedBatch]:
-        """The micro-batches of weight 1."""
-        return [batch for batch, weight in zip(self.batches, self.weights) if weight]
+    def close(self) -> None:
+        """Stop loading the micro-batches not handed out yet (their loader and its workers)."""
+        close = getattr(self.batches, "close", None)
+        if close is not None:
+            close()
+
+
+def _handed_out(batches: list[PackedBatch]) -> Iterator[PackedBatch]:
+    """`batches` in order, each dropped from the list as it is handed out."""
+    while batches:
+        yield batches.pop(0)
 
 
 class StepPacks:
     """Optimizer step -> this rank's `grad_accum` packed micro-batches."""
 
     def __init__(self, dataset: PackedDataset, grad_accum: int, reader: SampleReader,
-                 num_workers: int = 0, prefetch_factor: int = 2):
+                 objective: Loss, num_workers: int = 0, prefetch_factor: int = 2):
         if dataset.multiple_of % grad_accum:
             raise ValueError("the dataset's micro-batch count must be a multiple of grad_accum")
         self.dataset = dataset
         self.grad_accum = grad_accum
         self.reader = reader
+        self.objective = objective
         self.num_workers = num_workers
         self.prefetch_factor = prefetch_factor
         self._steps_per_epoch: list[int] = []
         self._stream: Iterator[PackedBatch] | None = None
         self._next: tuple[int, int] | None = None
-        self._last: tuple[int, list[PackedBatch]] | None = None
+        self._last: tuple[int, StepBatches] | None = None
 
     def steps_in_epoch(self, epoch: int) -> int:
         """Optimizer steps that epoch `epoch` holds."""
@@ -83,8 +103,6 @@ class StepPacks:
 
         Raises DataError when a sample of them cannot be loaded.
         """
-        if self._last is not None and self._last[0] == step:
-            return self._last[1]
         epoch, inner = self.locate(step)
         if self._stream is None or self._next != (epoch, inner):
             self.close()
@@ -95,14 +113,21 @@ class StepPacks:
             self.close()
         else:
             self._next = (epoch, inner + 1)
-        self._last = (step, chosen)
         return chosen
 
     def step_batches(self, step: int) -> StepBatches:
-        """`batches(step)` as the training step runs them (every one of weight 1)."""
+        """`batches(step)` as the training step runs them (every one of weight 1); asked again
+        for the same step, the same `StepBatches` (its micro-batches handed out once)."""
+        if self._last is not None and self._last[0] == step:
+            return self._last[1]
+        self._last = None
         batches = self.batches(step)
-        return StepBatches(batches, [1.0] * len(batches),
-                           self.dataset.dp_size * self.grad_accum, {"epoch": self.locate(step)[0]})
+        fetched = StepBatches([1.0] * len(batches), self.dataset.dp_size * self.grad_accum,
+                              pack_counts(self.objective, batches),
+                              [batch.sample_ids for batch in batches],
+                              {"epoch": self.locate(step)[0]}, batches=_handed_out(batches))
+        self._last = (step, fetched)
+        return fetched
 
     def close(self) -> None:
         """Stop the loader (and its workers) of the current epoch, if any."""
