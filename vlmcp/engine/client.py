@@ -1,0 +1,93 @@
+"""The engine client's interface: serve a published step, report the policy version served.
+
+An orchestrator holds one `EngineClient` per engine and calls `serve(N)` when it wants the
+engine to generate with WEIGHTS/step_N; `version` is then N (0 stands for the checkpoint the
+engine was started on). Every client does the same around the engine-specific reload:
+
+1. `published.step_path`: the step exists and holds STABLE (else EngineError, "not completely
+   published" or "does not exist ... publish.keep").
+2. `published.check_same_architecture`: its config.json is the served model's (else EngineError
+   naming the differing keys).
+3. The engine loads the directory in place (`_reload`), then the client re-applies what a reload
+   drops: the prefix cache (KV computed with the old weights) and the encoder cache (image
+   features of the old vision tower) are reset, the engine's weight-version label is set to N.
+   For an MoE policy the experts' CPU prepack is redone after the reload
+   (`vllm_worker.repack_cpu_moe_experts`: vLLM 0.32's in-place reload skips it, which left CPU
+   MoE logprobs up to 5.3 nats off; with it the reload equals a fresh engine), logged.
+4. A failure of the engine is one EngineError naming the step; when the step's directory is gone
+   afterwards, the error says it vanished while loading.
+
+Subclasses: `vllm_http.VllmHttpClient` (vLLM's OpenAI server) and `vllm_local.VllmLocalClient`
+(vLLM's in-process `LLM`). Standard library only, so that it runs in the engine's environment.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+
+from vlmcp.engine.published import ModelConfig, check_same_architecture, read_model_config, \
+    step_path
+from vlmcp.errors import EngineError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Served:
+    """One `serve` call: the step now served, whether MoE experts were repacked, its time."""
+
+    step: int
+    repacked_moe: bool
+    seconds: float
+
+
+class EngineClient(ABC):
+    """Loads WEIGHTS/step_N into one running engine and knows which step it serves.
+
+    weights_dir: the trainer's publish.dir. model_dir: the checkpoint the engine was started on
+    (policy version `version`, 0 for the base model).
+    """
+
+    def __init__(self, weights_dir: str | Path, model_dir: str | Path, version: int = 0):
+        self.weights_dir = Path(weights_dir)
+        self.served_config: ModelConfig = read_model_config(model_dir)
+        self._version = version
+
+    @property
+    def version(self) -> int:
+        """The policy version the engine serves (the step of WEIGHTS/step_N, 0 for the base)."""
+        return self._version
+
+    def serve(self, step: int) -> Served:
+        """Make the engine generate with WEIGHTS/step_`step` from now on (see the module
+        docstring); raises EngineError on any failure."""
+        path = step_path(self.weights_dir, step)
+        config = read_model_config(path)
+        check_same_architecture(self.served_config, config)
+        started = time.perf_counter()
+        try:
+            self._reload(path, step, config.moe)
+        except EngineError as exc:
+            if not path.is_dir():
+                raise EngineError(f"{path} vanished while the engine loaded it (publish.keep "
+                                  f"removed it): {exc}") from exc
+            raise
+        self._version = step
+        seconds = time.perf_counter() - started
+        logger.info("engine reloaded %s in place%s: policy version %d (%.2f s)", path,
+                    " and repacked its MoE experts" if config.moe else "", step, seconds)
+        return Served(step, config.moe, seconds)
+
+    @abstractmethod
+    def _reload(self, path: Path, step: int, moe: bool) -> None:
+        """Load `path` into the running engine (`moe`: then repack its CPU experts), reset its
+        prefix and encoder caches and label its weights `step`; raise EngineError naming `path`
+        when the engine fails."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop what the client started (nothing when it only connects to an engine)."""

@@ -1,0 +1,57 @@
+"""vLLM's in-process `LLM` as the engine: an orchestrator that runs in vLLM's own environment.
+
+    from vllm import LLM
+    from vlmcp.engine.vllm_local import VllmLocalClient
+
+    llm = LLM(model="checkpoints/Qwen3.5", logprobs_mode="processed_logprobs", ...)
+    engine = VllmLocalClient(llm, "runs/rl/weights", "checkpoints/Qwen3.5")
+    engine.serve(3)                        # WEIGHTS/step_3, in place
+    llm.generate(...)                      # every token is labelled weight version "3"
+
+A reload is `llm.collective_rpc("reload_weights", kwargs={"weights_path": DIR})` (vLLM's loader
+reads one model.safetensors or an index with shards); the client then resets the encoder cache
+(`llm.llm_engine.reset_encoder_cache()`) and the prefix cache (`llm.reset_prefix_cache()`) and
+labels the weights (`llm.llm_engine.set_weight_version("3")`). For an MoE policy it first
+repacks the CPU experts (`llm.collective_rpc(vllm_worker.repack_cpu_moe_experts)`).
+
+This module imports only the standard library (and vLLM's objects it is given), so it runs in
+the engine venv with the checkout on PYTHONPATH, without vlmcp's own dependencies.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from vlmcp.engine.client import EngineClient
+from vlmcp.engine.vllm_worker import repack_cpu_moe_experts
+from vlmcp.errors import EngineError
+
+
+class VllmLocalClient(EngineClient):
+    """Serves published steps through the in-process `llm` (a `vllm.LLM`, started on
+    `model_dir`, policy version `version`)."""
+
+    def __init__(self, llm: Any, weights_dir: str | Path, model_dir: str | Path, *,
+                 version: int = 0):
+        super().__init__(weights_dir, model_dir, version)
+        self.llm = llm
+        self.llm.llm_engine.set_weight_version(str(version))
+
+    def _reload(self, path: Path, step: int, moe: bool) -> None:
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+            if moe:
+                self.llm.collective_rpc(repack_cpu_moe_experts)
+        except Exception as exc:  # vLLM raises whatever its loader raised
+            raise EngineError(f"reloading {path} into the in-process vLLM engine failed "
+                              f"({type(exc).__name__}: {exc}); it may hold a mix of weights: "
+                              "serve a complete step or build the LLM anew") from exc
+        self.llm.llm_engine.reset_encoder_cache()
+        if not self.llm.reset_prefix_cache():
+            raise EngineError("the in-process vLLM engine could not reset its prefix cache after "
+                              "the reload (blocks still held by requests)")
+        self.llm.llm_engine.set_weight_version(str(step))
+
+    def close(self) -> None:
+        """Nothing to stop: the `LLM` is the caller's."""
