@@ -248,10 +248,16 @@ def build_parser() -> argparse.ArgumentParser:
                       metavar="KEY.PATH=VALUE", help="override a key of the demo job; repeatable")
     demo.add_argument("--rl", action="store_true",
                       help="online RL instead: a short CE warm start, then this process samples "
-                           "answers from the newest published weights (transformers) and writes "
+                           "answers from the newest published weights (--engine) and writes "
                            "rollout steps while `vlmcp train` trains ppo_clip on them and "
                            "publishes weights, one step off-policy; output in OUT/rl "
                            "(vlmcp/demo/rl.py; --steps sets the RL steps)")
+    demo.add_argument("--engine", choices=("auto", "transformers", "vllm"), default="auto",
+                      help="the RL demo's inference engine: vllm (a vLLM server in its own "
+                           "process from the engine venv that `make engine` builds, bf16, "
+                           "reloading every published step in place), transformers (in this "
+                           "process, fp32), or auto (default): vllm where the engine venv exists, "
+                           "else transformers")
     demo.add_argument("--video", action="store_true",
                       help="video variant: synthetic digit clips (4 to 8 temporal groups, the "
                            "digit in one of them, noise in the others), 'Which digit appears in "
@@ -417,6 +423,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                         "pip install 'vlmcp[demo]'"])
     if args.rl and args.video:
         return _report(["demo: --rl and --video are separate demos; give one of them"])
+    if args.engine != "auto" and not args.rl:
+        return _report([f"demo: --engine {args.engine} applies to the RL demo only (--rl)"])
     if args.video:
         from vlmcp.demo.video import run_video_demo
 
@@ -427,7 +435,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         from vlmcp.demo.rl import run_rl_demo
 
         return run_rl_demo(out_dir=out, nproc=args.nproc, sp_size=args.sp_size,
-                           steps=args.steps, overrides=args.overrides)
+                           steps=args.steps, overrides=args.overrides, engine=args.engine)
     from vlmcp.demo.image import run_demo
 
     return run_demo(out_dir=out, nproc=args.nproc, sp_size=args.sp_size, steps=args.steps,
