@@ -6,7 +6,6 @@ module (about 20-50 s to start on 2 cores)."""
 
 from __future__ import annotations
 
-import base64
 import json
 import shutil
 import threading
@@ -16,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.engine_reference import Prompt, reference_logprobs
+from tests.helpers.engine_reference import (Prompt, demo_allowed_ids, image_request,
+                                            reference_logprobs, text_prompt_ids)
 from tests.helpers.launching import assert_ok, run_vlmcp, tiny_job, write_job
 from tests.helpers.parity import assert_within_bf16_error, bf16_allowance, rel_err
 from tests.helpers.rollout_producer import rollout_line, write_step
-from vlmcp.data.formats import parse_record
 from vlmcp.data.policy_versions import target_version_range, token_versions
 from vlmcp.data.processor import load_processor
 from vlmcp.data.rollouts import STABLE, step_dir
@@ -29,7 +28,6 @@ from vlmcp.engine.vllm_http import CPU_ARGS, VllmHttpClient, VllmServer, engine_
 from vlmcp.errors import EngineError
 from vlmcp.model.tiny import VLLM_CPU_HEADS, build_tiny_checkpoint
 from vlmcp.parallel.comm import free_local_port
-from vlmcp.training.evaluate import generation_prompt
 
 ENGINE = engine_python()
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(
@@ -84,45 +82,20 @@ def server(published):
     engine.stop()
 
 
-def _allowed(processor) -> list[int]:
-    """The demo's sampling mask: no vision tokens (ids 3-6), no ids beyond the tokenizer."""
-    return [i for i in range(len(processor.tokenizer)) if i not in (3, 4, 5, 6)]
-
-
-def _image_prompt(published) -> tuple[dict, Prompt]:
-    """The chat request of the first digit (its image as a data URL) and vlmcp's prompt of it."""
-    record = published["records"][0]
-    sample = parse_record(record, "train.jsonl:1", published["digits"], published["processor"],
-                          10**6)
-    prompt = generation_prompt(sample, NEW_TOKENS)
-    image = (published["digits"] / record["images"][0]).read_bytes()
-    content = [{"type": "image_url",
-                "image_url": {"url": "data:image/png;base64," + base64.b64encode(image).decode()}},
-               {"type": "text", "text": record["messages"][0]["content"].replace("<image>", "")}]
-    return ({"messages": [{"role": "user", "content": content}]},
-            Prompt(prompt.input_ids[0].tolist(), prompt.pixel_values, prompt.image_grid_thw,
-                   prompt.mm_token_type_ids))
-
-
-def _text_prompt(processor) -> list[int]:
-    ids = processor.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Describe the picture."}], add_generation_prompt=True,
-        tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-
 def _sample(client, published) -> dict[str, tuple[Prompt, list[list[int]], torch.Tensor]]:
     """Image and text prompts, SAMPLES completions each: (prompt, token ids, engine logprobs)."""
-    allowed = _allowed(published["processor"])
+    allowed = demo_allowed_ids(published["processor"])
     params = {"model": str(published["checkpoint"]), "max_tokens": NEW_TOKENS,
               "temperature": TAU, "n": SAMPLES, "return_token_ids": True,
               "allowed_token_ids": allowed}
-    chat, image_prompt = _image_prompt(published)
-    out = client.post("/v1/chat/completions", {**chat, **params, "logprobs": True})
+    messages, image_prompt = image_request(published["records"][0], "train.jsonl:1",
+                                           published["digits"], published["processor"],
+                                           NEW_TOKENS)
+    out = client.post("/v1/chat/completions", {"messages": messages, **params, "logprobs": True})
     assert out["prompt_token_ids"] == image_prompt.input_ids  # vLLM renders vlmcp's prompt
     image = [(c["token_ids"], [t["logprob"] for t in c["logprobs"]["content"]])
              for c in out["choices"]]
-    text_ids = _text_prompt(published["processor"])
+    text_ids = text_prompt_ids(published["processor"])
     out = client.post("/v1/completions", {**params, "prompt": text_ids, "logprobs": 0})
     text = [(c["token_ids"], c["logprobs"]["token_logprobs"]) for c in out["choices"]]
     return {kind: (prompt, [t for t, _ in found],
@@ -135,7 +108,7 @@ def test_each_published_step_served_in_place_gives_transformers_logprobs_within_
         published, server):
     client = VllmHttpClient(server.url, published["weights"], published["checkpoint"])
     assert client.version == 0 and client.engine_version == "0"
-    allowed = _allowed(published["processor"])
+    allowed = demo_allowed_ids(published["processor"])
     for step in range(1, STEPS + 1):
         served = client.serve(step)
         assert served.step == client.version == int(client.engine_version) == step
@@ -156,7 +129,7 @@ def test_an_in_flight_reload_labels_each_token_with_the_version_that_sampled_it(
     client = VllmHttpClient(server.url, published["weights"], published["checkpoint"],
                             version=STEPS, pause_mode="keep")
     client.serve(STEPS)
-    prompt = _text_prompt(published["processor"])
+    prompt = text_prompt_ids(published["processor"])
     request = {"token_ids": prompt, "sampling_params": {
         "max_tokens": 400, "min_tokens": 400, "temperature": 1.0, "logprobs": 0}}
     answer: dict = {}

@@ -5,19 +5,28 @@ The engine samples from `log_softmax(masked logits / tau)`: its logprobs are pro
 mask renormalises over the allowed ids. The reference computes exactly that from plain
 transformers on the same weights: in float64 (`float64_reference`, the truth) and in bf16 (what
 bf16 itself costs on this machine), each completion forwarded alone after its prompt.
+
+The prompts the engine tests send: `image_request` (a digit record as a chat request, the image
+as a data URL, beside vlmcp's own `Prompt` of it), `text_prompt_ids`, and `demo_allowed_ids` (the
+RL demo's sampling mask).
 """
 
 from __future__ import annotations
 
+import base64
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import Qwen3_5ForConditionalGeneration
+from transformers import AutoModelForImageTextToText
 
 from tests.helpers.parity import float64_reference
+from vlmcp.data.formats import parse_record
+from vlmcp.data.processor import VLProcessor
+from vlmcp.training.evaluate import generation_prompt
 
 
 @dataclass
@@ -28,6 +37,33 @@ class Prompt:
     pixel_values: torch.Tensor | None = None     # [patches, C*T*P*P]
     image_grid_thw: torch.Tensor | None = None   # [images, 3]
     mm_token_type_ids: torch.Tensor | None = None  # [1, L]
+
+
+def demo_allowed_ids(processor: VLProcessor) -> list[int]:
+    """The RL demo's sampling mask: no vision tokens (ids 3-6), no ids beyond the tokenizer."""
+    return [i for i in range(len(processor.tokenizer)) if i not in (3, 4, 5, 6)]
+
+
+def image_request(record: dict[str, Any], name: str, root: Path, processor: VLProcessor,
+                  new_tokens: int) -> tuple[list[dict[str, Any]], Prompt]:
+    """The chat messages of a messages-format digit `record` (its image as a data URL, its text
+    without the `<image>` marker) and vlmcp's generation `Prompt` of the same record."""
+    sample = parse_record(record, name, root, processor, 10**6)
+    prompt = generation_prompt(sample, new_tokens)
+    image = (root / record["images"][0]).read_bytes()
+    content = [{"type": "image_url",
+                "image_url": {"url": "data:image/png;base64," + base64.b64encode(image).decode()}},
+               {"type": "text", "text": record["messages"][0]["content"].replace("<image>", "")}]
+    return ([{"role": "user", "content": content}],
+            Prompt(prompt.input_ids[0].tolist(), prompt.pixel_values, prompt.image_grid_thw,
+                   prompt.mm_token_type_ids))
+
+
+def text_prompt_ids(processor: VLProcessor, text: str = "Describe the picture.") -> list[int]:
+    """The chat template's tokens of one user turn `text` and the assistant's header."""
+    ids = processor.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 @torch.no_grad()
@@ -57,9 +93,9 @@ def _masked_logprobs(model: torch.nn.Module, prompt: Prompt, completions: Sequen
 def reference_logprobs(checkpoint: str | Path, prompt: Prompt, completions: Sequence[list[int]],
                        tau: float, allowed: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(float64, bf16) transformers logprobs of `completions` after `prompt`, from the
-    checkpoint's fp32 weights."""
-    model = Qwen3_5ForConditionalGeneration.from_pretrained(str(checkpoint),
-                                                            dtype=torch.float32).eval()
+    checkpoint's fp32 weights (a dense Qwen3.5 or its MoE, as its config.json names)."""
+    model = AutoModelForImageTextToText.from_pretrained(str(checkpoint),
+                                                        dtype=torch.float32).eval()
     ref64 = float64_reference(_masked_logprobs, model, prompt, completions, tau, allowed)
     ref_bf16 = _masked_logprobs(copy.deepcopy(model).to(torch.bfloat16), prompt, completions,
                                 tau, allowed)

@@ -13,7 +13,10 @@ engine was started on). Every client does the same around the engine-specific re
    features of the old vision tower) are reset, the engine's weight-version label is set to N.
    For an MoE policy the experts' CPU prepack is redone after the reload
    (`vllm_worker.repack_cpu_moe_experts`: vLLM 0.32's in-place reload skips it, which left CPU
-   MoE logprobs up to 5.3 nats off; with it the reload equals a fresh engine), logged.
+   MoE logprobs up to 5.3 nats off; with it the reload equals a fresh engine), logged. An MoE
+   whose CPU experts vLLM padded at load cannot be reloaded in place at all (vLLM's reload
+   fails on them): the client refuses such an engine when it is built
+   (`refuse_padded_moe_experts`), before any step.
 4. A failure of the engine is one EngineError naming the step; when the step's directory is gone
    afterwards, the error says it vanished while loading.
 
@@ -81,6 +84,18 @@ class EngineClient(ABC):
         logger.info("engine reloaded %s in place%s: policy version %d (%.2f s)", path,
                     " and repacked its MoE experts" if config.moe else "", step, seconds)
         return Served(step, config.moe, seconds)
+
+    def refuse_padded_moe_experts(self, padded: list[str]) -> None:
+        """Raise EngineError when the engine reports MoE layers whose CPU experts it padded at
+        load (`vllm_worker.padded_cpu_moe_experts`, one line per layer): vLLM 0.32's in-place
+        reload fails on them, so this engine can serve only the step it was started on."""
+        if padded:
+            raise EngineError(
+                f"{self.served_config.path}: vLLM's CPU experts padded this MoE's expert "
+                f"intermediate size ({padded[0]}; {len(padded)} layer(s)), and vLLM 0.32 cannot "
+                "reload padded experts in place (its reload fails with a size mismatch): start "
+                "a fresh engine on each published step, or use a moe_intermediate_size that is "
+                "a multiple of the CPU kernel's alignment (32 on x86 and Arm)")
 
     @abstractmethod
     def _reload(self, path: Path, step: int, moe: bool) -> None:

@@ -8,7 +8,9 @@
                                    tokens come from two versions: the `weight_versions` spans)
     POST /collective_rpc           {"method": "reload_weights", "kwargs": {"weights_path": DIR}}
     POST /collective_rpc           {"method": "repack_cpu_moe_experts"}: an MoE policy only
-                                   (`vllm_worker`: what vLLM's reload skips on a CPU)
+                                   (`vllm_worker`: what vLLM's reload skips on a CPU; once,
+                                   when the client is built, `padded_cpu_moe_experts`: an MoE
+                                   vLLM cannot reload in place is refused)
     POST /reset_prefix_cache       KV computed with the old weights
     POST /reset_encoder_cache      image features of the old vision tower (without it, an image
                                    prompt after the second reload ended the engine on CPU)
@@ -151,6 +153,9 @@ class VllmHttpClient(EngineClient):
         self.url, self.server = url.rstrip("/"), server
         self.pause_mode, self.timeout_s = pause_mode, timeout_s
         self.post("/update_weight_version", {"new_version": str(version)})
+        if self.served_config.moe:
+            found = self.post("/collective_rpc", {"method": "padded_cpu_moe_experts"})
+            self.refuse_padded_moe_experts([line for lines in found["results"] for line in lines])
 
     def post(self, path: str, body: dict[str, Any] | None = None) -> Any:
         """POST `body` (JSON) to the server's `path`; the decoded answer (None when empty).

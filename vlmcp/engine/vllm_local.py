@@ -12,7 +12,9 @@ A reload is `llm.collective_rpc("reload_weights", kwargs={"weights_path": DIR})`
 reads one model.safetensors or an index with shards); the client then resets the encoder cache
 (`llm.llm_engine.reset_encoder_cache()`) and the prefix cache (`llm.reset_prefix_cache()`) and
 labels the weights (`llm.llm_engine.set_weight_version("3")`). For an MoE policy it first
-repacks the CPU experts (`llm.collective_rpc(vllm_worker.repack_cpu_moe_experts)`).
+repacks the CPU experts (`llm.collective_rpc(vllm_worker.repack_cpu_moe_experts)`), and when it
+is built it refuses an MoE whose CPU experts vLLM padded (`vllm_worker.padded_cpu_moe_experts`),
+which vLLM cannot reload in place.
 
 This module imports only the standard library (and vLLM's objects it is given), so it runs in
 the engine venv with the checkout on PYTHONPATH, without vlmcp's own dependencies.
@@ -24,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmcp.engine.client import EngineClient
-from vlmcp.engine.vllm_worker import repack_cpu_moe_experts
+from vlmcp.engine.vllm_worker import padded_cpu_moe_experts, repack_cpu_moe_experts
 from vlmcp.errors import EngineError
 
 
@@ -36,6 +38,9 @@ class VllmLocalClient(EngineClient):
                  version: int = 0):
         super().__init__(weights_dir, model_dir, version)
         self.llm = llm
+        if self.served_config.moe:
+            self.refuse_padded_moe_experts(
+                [line for found in llm.collective_rpc(padded_cpu_moe_experts) for line in found])
         self.llm.llm_engine.set_weight_version(str(version))
 
     def _reload(self, path: Path, step: int, moe: bool) -> None:
