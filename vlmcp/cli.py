@@ -230,8 +230,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--data-workers", type=int, default=2,
                        help="data.num_workers of the --data-scale job")
     bench.add_argument("--scratch", default=None,
-                       help="directory for --data-scale's temporary datasets (default: the "
-                            "system temporary directory)")
+                       help="directory for --data-scale's and --engine-mismatch's temporary "
+                            "files (default: the system temporary directory)")
+    bench.add_argument("--engine-mismatch", action="store_true",
+                       help="instead of a step benchmark: sample image and text prompts from a "
+                            "vLLM server (the engine venv, bf16) and compare its logprobs with "
+                            "the trainer's on the same weights (lag 0): `vlmcp score` in fp32 "
+                            "and bf16 (--sp-size ranks) and plain transformers variants; per "
+                            "policy (--model, then every published step of --weights) "
+                            "(vlmcp/bench/engine_mismatch.py, docs/rl-loop.md)")
+    bench.add_argument("--weights", default=None, metavar="PUBLISH_DIR",
+                       help="--engine-mismatch: measure every complete WEIGHTS/step_N there, "
+                            "each served in place")
+    bench.add_argument("--temperature", type=float, default=1.0,
+                       help="--engine-mismatch: the sampling temperature (default 1)")
     bench.add_argument("--out", default="runs/bench.json", help="JSON report path")
 
     demo = commands.add_parser(

@@ -4,6 +4,7 @@
     inputs.py      synthetic packs: random text samples with images of mixed sizes
     procs.py       memory readings and the fresh rank processes each length runs in
     data_scale.py  --data-scale: does a rank's memory grow with the dataset size?
+    engine_mismatch.py  --engine-mismatch: an inference engine's logprobs against the trainer's
 """
 
 from vlmcp.bench.run import run_bench

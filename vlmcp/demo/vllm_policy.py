@@ -29,6 +29,24 @@ from vlmcp.errors import EngineError
 CONCURRENCY = 32
 
 
+def chat_choices(client: VllmHttpClient, model_dir: Path, prompt: DigitPrompt,
+                 **params: Any) -> list[dict]:
+    """The `choices` of one `/v1/chat/completions` request for `prompt` (its image as a data
+    URL beside its question; `params`: the sampling fields, `return_token_ids` is set). Raises
+    EngineError when the prompt tokens vLLM rendered are not vlmcp's own."""
+    image = base64.b64encode(Path(prompt.image).read_bytes()).decode()
+    content = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}},
+               {"type": "text", "text": prompt.question}]
+    out = client.post("/v1/chat/completions", {
+        "model": str(model_dir), "messages": [{"role": "user", "content": content}],
+        "return_token_ids": True, **params})
+    if out["prompt_token_ids"] != prompt.input_ids[0].tolist():
+        raise EngineError(f"{prompt.image}: the engine rendered prompt tokens "
+                          f"{out['prompt_token_ids']}, vlmcp {prompt.input_ids[0].tolist()}; "
+                          "the checkpoint's chat template and the tokens format disagree")
+    return out["choices"]
+
+
 class VllmPolicy:
     """The orchestrator's engine: a vLLM server at one policy version (the interface of
     `vlmcp.demo.orchestrator.Policy`)."""
@@ -56,18 +74,8 @@ class VllmPolicy:
         self.client.serve(version)
 
     def _request(self, prompt: DigitPrompt, **params: Any) -> list[dict]:
-        image = base64.b64encode(Path(prompt.image).read_bytes()).decode()
-        content = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}},
-                   {"type": "text", "text": prompt.question}]
-        out = self.client.post("/v1/chat/completions", {
-            "model": str(self.model_dir), "messages": [{"role": "user", "content": content}],
-            "max_tokens": MAX_NEW_TOKENS, "return_token_ids": True,
-            "allowed_token_ids": self.allowed, **params})
-        if out["prompt_token_ids"] != prompt.input_ids[0].tolist():
-            raise EngineError(f"{prompt.image}: the engine rendered prompt tokens "
-                              f"{out['prompt_token_ids']}, vlmcp {prompt.input_ids[0].tolist()}; "
-                              "the checkpoint's chat template and the tokens format disagree")
-        return out["choices"]
+        return chat_choices(self.client, self.model_dir, prompt, max_tokens=MAX_NEW_TOKENS,
+                            allowed_token_ids=self.allowed, **params)
 
     def _completion(self, choice: dict) -> Completion:
         tokens = list(choice["token_ids"])
