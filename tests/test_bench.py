@@ -9,12 +9,12 @@ import json
 import pytest
 import torch
 
+from tests.helpers.engine_reference import NEEDS_ENGINE
 from vlmcp.bench.engine_mismatch import SIDES
 from vlmcp.bench.run import search_max_len
 from vlmcp.bench.inputs import image_grids, synthetic_pack, synthetic_pairs
 from vlmcp.cli import build_parser, main
 from vlmcp.data.batch import IGNORE_INDEX
-from vlmcp.engine.vllm_http import engine_python
 from vlmcp.model.loss import CE_BYTES_PER_LOGIT
 from vlmcp.model.tiny import tiny_qwen3_5_config
 
@@ -157,8 +157,7 @@ def test_compare_alst_runs_both_sides_in_fresh_processes_and_their_losses_agree(
 
 
 @pytest.mark.e2e
-@pytest.mark.skipif(engine_python() is None, reason="no engine venv: `make engine` builds "
-                    ".venv-engine (make test does it when it can)")
+@NEEDS_ENGINE
 def test_engine_mismatch_scores_the_engines_samples_with_every_side_at_lag_0(tmp_path):
     """A vLLM server samples, `vlmcp score` and transformers score the same tokens: the fp32
     trainer equals transformers fp32 on them within fp32's error (the rollout lines hold exactly

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.engine_reference import (Prompt, demo_allowed_ids, image_request,
+from tests.helpers.engine_reference import (NEEDS_ENGINE, NEW_TOKENS, SAMPLES, TAU, Prompt,
+                                            demo_allowed_ids, image_request,
                                             reference_logprobs, text_prompt_ids)
 from tests.helpers.launching import assert_ok, run_vlmcp, tiny_job, write_job
 from tests.helpers.parity import assert_within_bf16_error, bf16_allowance, rel_err
@@ -30,14 +31,9 @@ from vlmcp.model.tiny import VLLM_CPU_HEADS, build_tiny_checkpoint
 from vlmcp.parallel.comm import free_local_port
 
 ENGINE = engine_python()
-pytestmark = [pytest.mark.e2e, pytest.mark.skipif(
-    ENGINE is None, reason="no engine venv: `make engine` builds .venv-engine (make test does "
-                           "it when it can; VLMCP_ENGINE_PYTHON names another)")]
+pytestmark = [pytest.mark.e2e, NEEDS_ENGINE]
 
 STEPS = 3
-TAU = 0.8
-SAMPLES = 4
-NEW_TOKENS = 4
 
 
 @pytest.fixture(scope="module")

@@ -3,9 +3,10 @@ of its own from the engine venv (`tests/helpers/engine_local_run.py`, one engine
 a dense and an MoE tiny engine-compatible Qwen3.5 VLM, each started on WEIGHTS/step_1 and served
 step 2, then step 1 again. After every reload the engine's logprobs of the image and text
 samples it drew lie within bf16's own error of transformers on that step; reloading step 1
-reproduces the first run exactly (for the MoE this is the CPU expert repack at work: without it
-vLLM's reload alone is far off); an MoE whose CPU experts vLLM pads is refused before any reload.
-One engine process for the module (about 60 s on 2 cores, most of it importing vLLM)."""
+reproduces the first run exactly (for the MoE this is the CPU expert repack at work: vLLM's
+reload alone is far off, also checked); an MoE whose CPU experts vLLM pads is refused before any
+reload. One engine process for the module (95-190 s on the shared 2 cores, 25 s of it importing
+vLLM)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.helpers.engine_reference import (Prompt, demo_allowed_ids, image_request,
+from tests.helpers.engine_reference import (NEEDS_ENGINE, NEW_TOKENS, SAMPLES, TAU, Prompt,
+                                            demo_allowed_ids, image_request,
                                             reference_logprobs, text_prompt_ids)
 from tests.helpers.launching import REPO
 from tests.helpers.parity import assert_within_bf16_error, bf16_allowance, rel_err
@@ -28,13 +30,8 @@ from vlmcp.engine.vllm_http import CPU_ENV, engine_python
 from vlmcp.model.tiny import VLLM_CPU_HEADS, build_tiny_checkpoint
 
 ENGINE = engine_python()
-pytestmark = [pytest.mark.e2e, pytest.mark.skipif(
-    ENGINE is None, reason="no engine venv: `make engine` builds .venv-engine (make test does "
-                           "it when it can; VLMCP_ENGINE_PYTHON names another)")]
+pytestmark = [pytest.mark.e2e, NEEDS_ENGINE]
 
-TAU = 0.8
-SAMPLES = 4
-NEW_TOKENS = 4
 #: The lm_head is scaled by this, so that the tiny random-init policies are peaked (logits of
 #: several nats' spread) and a different step's logprobs lie far beyond bf16's error.
 SHARPEN = 16.0
@@ -98,7 +95,8 @@ def test_every_in_process_reload_gives_transformers_logprobs_of_that_step_within
         served, name):
     runs = served["out"][name]["runs"]
     assert [run["version"] for run in runs[:3]] == [1, 2, 1]
-    assert [run.get("repacked_moe") for run in runs[1:3]] == [name == "moe"] * 2
+    # the tiny MoE has an MoE layer per decoder layer
+    assert [run.get("repacked_layers") for run in runs[1:3]] == [4 if name == "moe" else 0] * 2
     for number, run in enumerate(runs[:3]):
         # vLLM renders vlmcp's own prompt tokens for the image request
         assert run["image_prompt_ids"] == served["prompts"]["image"].input_ids
@@ -122,14 +120,17 @@ def test_reloading_the_first_step_in_process_reproduces_the_first_run_exactly(se
 
 
 def test_an_moe_reloaded_by_vllm_alone_is_off_which_the_clients_repack_corrects(served):
-    """vLLM 0.32's `reload_weights` without the repack: the very weights the engine started on
-    give other logprobs (the reason `vllm_worker.repack_cpu_moe_experts` exists; should a vLLM
-    version fix its reload, this fails and the repack can go)."""
-    first, unrepacked = served["out"]["moe"]["runs"][0], served["out"]["moe"]["runs"][-1]
+    """vLLM 0.32's `reload_weights` without the repack, of the very weights the engine started
+    on: its logprobs lie far beyond bf16's error of transformers (measured 0.19-0.28 relative,
+    up to 2.1 nats, against an allowance of 0.03), the reason `vllm_worker.repack_cpu_moe_experts`
+    exists; should a vLLM version fix its reload, this fails and the repack can go."""
+    unrepacked = served["out"]["moe"]["runs"][-1]
     assert unrepacked["version"] is None
-    # the same seed on the same weights: a correct reload gives the first run again (as the
-    # repacked reload and the dense one do above)
-    assert (unrepacked["image"], unrepacked["text"]) != (first["image"], first["text"])
+    for kind, prompt in served["prompts"].items():
+        tokens, engine = _completions(unrepacked, kind)
+        ref64, ref_bf16 = reference_logprobs(served["root"] / "moe" / "step_1", prompt, tokens,
+                                             TAU, served["allowed"])
+        assert rel_err(engine, ref64) > 2 * bf16_allowance(ref_bf16, ref64), kind
 
 
 def test_an_moe_whose_cpu_experts_vllm_pads_is_refused_before_any_reload(served):

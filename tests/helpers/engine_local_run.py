@@ -15,7 +15,7 @@ Each engine starts on `model` (policy version `version`), samples the image prom
 and the text prompt (`LLM.generate`) once, then once more after each `client.serve(step)` of
 `serve`; with `unrepacked`, finally once more after reloading that directory with vLLM's own
 `reload_weights` alone (no MoE repack: what the client's repack exists to fix). OUT.json holds
-per engine name either {"runs": [{"version", "served_s", "repacked_moe", "image_prompt_ids",
+per engine name either {"runs": [{"version", "served_s", "repacked_layers", "image_prompt_ids",
 "image": [[tokens, logprobs], ...], "text": [...]}, ...]} (one entry per sampling, in order) or
 {"error": "..."} when the client refused the engine (an `EngineError`), and "start_s". The test
 side (`tests/test_engine_local.py`) holds the numbers to transformers'.
@@ -65,7 +65,7 @@ def _run_engine(engine: dict[str, Any], spec: dict[str, Any], params: SamplingPa
         for step in engine["serve"]:
             served = client.serve(step)
             runs.append({"version": client.version, "served_s": served.seconds,
-                         "repacked_moe": served.repacked_moe, **_sample(llm, spec, params)})
+                         "repacked_layers": served.repacked_layers, **_sample(llm, spec, params)})
         if engine.get("unrepacked"):
             llm.collective_rpc("reload_weights", kwargs={"weights_path": engine["unrepacked"]})
             llm.llm_engine.reset_encoder_cache()

@@ -6,7 +6,7 @@ mask renormalises over the allowed ids. The reference computes exactly that from
 transformers on the same weights: in float64 (`float64_reference`, the truth) and in bf16 (what
 bf16 itself costs on this machine), each completion forwarded alone after its prompt.
 
-The prompts the engine tests send: `image_request` (a digit record as a chat request, the image
+`NEEDS_ENGINE` skips a test where the engine venv is missing. The prompts the engine tests send: `image_request` (a digit record as a chat request, the image
 as a data URL, beside vlmcp's own `Prompt` of it), `text_prompt_ids`, and `demo_allowed_ids` (the
 RL demo's sampling mask).
 """
@@ -20,13 +20,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from transformers import AutoModelForImageTextToText
 
 from tests.helpers.parity import float64_reference
 from vlmcp.data.formats import parse_record
 from vlmcp.data.processor import VLProcessor
+from vlmcp.engine.vllm_http import engine_python
 from vlmcp.training.evaluate import generation_prompt
+
+#: The engine tests' sampling: temperature, answers per prompt, tokens per answer.
+TAU = 0.8
+SAMPLES = 4
+NEW_TOKENS = 4
+#: The mark of every test that needs the engine venv (`make engine`, or $VLMCP_ENGINE_PYTHON).
+NEEDS_ENGINE = pytest.mark.skipif(
+    engine_python() is None, reason="no engine venv: `make engine` builds .venv-engine (make test "
+                                    "does it when it can; VLMCP_ENGINE_PYTHON names another)")
 
 
 @dataclass

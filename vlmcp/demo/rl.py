@@ -1,15 +1,17 @@
 """`vlmcp demo --rl`: an online RL loop on CPU, offline, in separate processes (docs/demo.md).
 
-1. Assets: the digits dataset and the tiny Qwen3.5 checkpoint of `vlmcp demo`.
-2. A short warm start (`vlmcp train`, CE on the digit answers for `sft_steps` steps, SP 2): the
+1. Assets: the digits dataset, and the tiny Qwen3.5 checkpoint of `vlmcp demo` with head sizes
+   vLLM's CPU kernels accept (`VLLM_CPU_HEADS`), the same for both engines.
+2. A short warm start (`vlmcp train`, CE on the digit answers for `SFT_STEPS` steps, SP 2): the
    policy learns the answer format and gets part of the way; RL starts from its OUT/rl/sft/final.
 3. The loop. `vlmcp train` (SP 2 on 2 ranks, torchrun) trains ppo_clip (the inference logprobs
    as the old policy's) on rollouts.dir, one optimizer step per rollout step, and publishes its
    weights after every step. This process is the orchestrator (`vlmcp.demo.orchestrator`): it
-   samples answers with transformers from the newest published weights, rewards and
-   group-relative advantages, and writes rollout step N+1 while the trainer trains step N (one
-   step off-policy, `rollouts.max_staleness` 1). It measures the held-out greedy accuracy of
-   every policy version it loads.
+   samples answers from the newest published weights (with transformers in this process, or a
+   vLLM server: `vlmcp.demo.vllm_policy`), rewards and group-relative advantages, and writes
+   rollout step N+1 while the trainer trains step N (one step off-policy,
+   `rollouts.max_staleness` 1). It measures the held-out greedy accuracy of every policy version
+   it loads.
 4. The report: accuracy by policy version, the policy lag of every step, and where the time went
    (generation and evaluation here; the trainer's step time, its wait for rollouts and its
    publishing), also in OUT/rl/summary.json. The exit code is non-zero when a launch failed or the

@@ -41,10 +41,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Served:
-    """One `serve` call: the step now served, whether MoE experts were repacked, its time."""
+    """One `serve` call: the step now served, how many MoE layers' CPU experts were repacked
+    after the reload (0: a dense model, or experts that need none), its time."""
 
     step: int
-    repacked_moe: bool
+    repacked_layers: int
     seconds: float
 
 
@@ -73,7 +74,7 @@ class EngineClient(ABC):
         check_same_architecture(self.served_config, config)
         started = time.perf_counter()
         try:
-            self._reload(path, step, config.moe)
+            repacked = self._reload(path, step, config.moe)
         except EngineError as exc:
             if not path.is_dir():
                 raise EngineError(f"{path} vanished while the engine loaded it (publish.keep "
@@ -82,8 +83,9 @@ class EngineClient(ABC):
         self._version = step
         seconds = time.perf_counter() - started
         logger.info("engine reloaded %s in place%s: policy version %d (%.2f s)", path,
-                    " and repacked its MoE experts" if config.moe else "", step, seconds)
-        return Served(step, config.moe, seconds)
+                    f" and repacked the CPU experts of {repacked} MoE layers" if repacked else "",
+                    step, seconds)
+        return Served(step, repacked, seconds)
 
     def refuse_padded_moe_experts(self, padded: list[str]) -> None:
         """Raise EngineError when the engine reports MoE layers whose CPU experts it padded at
@@ -98,10 +100,10 @@ class EngineClient(ABC):
                 "a multiple of the CPU kernel's alignment (32 on x86 and Arm)")
 
     @abstractmethod
-    def _reload(self, path: Path, step: int, moe: bool) -> None:
+    def _reload(self, path: Path, step: int, moe: bool) -> int:
         """Load `path` into the running engine (`moe`: then repack its CPU experts), reset its
-        prefix and encoder caches and label its weights `step`; raise EngineError naming `path`
-        when the engine fails."""
+        prefix and encoder caches and label its weights `step`; returns how many MoE layers were
+        repacked; raise EngineError naming `path` when the engine fails."""
 
     @abstractmethod
     def close(self) -> None:

@@ -191,13 +191,16 @@ class VllmHttpClient(EngineClient):
         """The weight-version label the server itself reports (GET /weight_info)."""
         return str(self.get("/weight_info")["weight_version"])
 
-    def _reload(self, path: Path, step: int, moe: bool) -> None:
+    def _reload(self, path: Path, step: int, moe: bool) -> int:
         self.post(f"/pause?mode={self.pause_mode}")
+        repacked = 0
         try:
             self.post("/collective_rpc", {"method": "reload_weights",
                                           "kwargs": {"weights_path": str(path)}})
             if moe:
-                self.post("/collective_rpc", {"method": "repack_cpu_moe_experts"})
+                # one count per worker, as text (the endpoint returns str() of what is not JSON)
+                answer = self.post("/collective_rpc", {"method": "repack_cpu_moe_experts"})
+                repacked = sum(int(count) for count in answer["results"])
         except EngineError as exc:
             raise EngineError(f"reloading {path} into the vLLM server failed: {exc}; the server "
                               "stays paused and may hold a mix of weights: serve a complete step "
@@ -211,6 +214,7 @@ class VllmHttpClient(EngineClient):
         self.post("/reset_encoder_cache")
         self.post("/update_weight_version", {"new_version": str(step)})
         self.post("/resume")
+        return repacked
 
     def close(self) -> None:
         if self.server is not None:

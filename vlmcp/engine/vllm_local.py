@@ -43,11 +43,10 @@ class VllmLocalClient(EngineClient):
                 [line for found in llm.collective_rpc(padded_cpu_moe_experts) for line in found])
         self.llm.llm_engine.set_weight_version(str(version))
 
-    def _reload(self, path: Path, step: int, moe: bool) -> None:
+    def _reload(self, path: Path, step: int, moe: bool) -> int:
         try:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
-            if moe:
-                self.llm.collective_rpc(repack_cpu_moe_experts)
+            repacked = sum(self.llm.collective_rpc(repack_cpu_moe_experts)) if moe else 0
         except Exception as exc:  # vLLM raises whatever its loader raised
             raise EngineError(f"reloading {path} into the in-process vLLM engine failed "
                               f"({type(exc).__name__}: {exc}); it may hold a mix of weights: "
@@ -57,6 +56,7 @@ class VllmLocalClient(EngineClient):
             raise EngineError("the in-process vLLM engine could not reset its prefix cache after "
                               "the reload (blocks still held by requests)")
         self.llm.llm_engine.set_weight_version(str(step))
+        return repacked
 
     def close(self) -> None:
         """Nothing to stop: the `LLM` is the caller's."""
