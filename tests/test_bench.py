@@ -9,6 +9,8 @@ import json
 import pytest
 import torch
 
+from tests.helpers.engine_reference import NEEDS_ENGINE
+from vlmcp.bench.engine_mismatch import SIDES
 from vlmcp.bench.run import search_max_len
 from vlmcp.bench.inputs import image_grids, synthetic_pack, synthetic_pairs
 from vlmcp.cli import build_parser, main
@@ -33,7 +35,8 @@ def test_bench_parses_every_flag():
         "--loss-chunk-mb", "128", "--loss-only", "--find-max-len", "--memory-budget-gb", "4",
         "--granularity", "2048", "--max-probes", "6", "--pairs", "--deltanet-kernel", "torch",
         "--intermediate-size", "768", "--gradient-checkpointing", "--tiled-mlp",
-        "--offload-activations", "--saved-bytes", "--compare-alst", "--repeats", "2", "--routes"])
+        "--offload-activations", "--saved-bytes", "--compare-alst", "--repeats", "2", "--routes",
+        "--engine-mismatch", "--weights", "runs/rl/weights", "--temperature", "0.7"])
     assert (args.seq_lens, args.steps, args.warmup, args.dtype, args.sp_size) == ("16384,65536", 2, 1, "bfloat16", 2)
     assert (args.vocab_size, args.hidden_size, args.images, args.loss_chunk_mb) == (248320, 256, 8, 128.0)
     assert args.loss_only and args.find_max_len and args.moe and args.pairs
@@ -41,17 +44,26 @@ def test_bench_parses_every_flag():
     assert (args.deltanet_kernel, args.intermediate_size, args.repeats) == ("torch", 768, 2)
     assert args.gradient_checkpointing and args.tiled_mlp and args.offload_activations
     assert args.saved_bytes and args.compare_alst and args.routes
+    assert args.engine_mismatch and (args.weights, args.temperature) == ("runs/rl/weights", 0.7)
 
 
 @pytest.mark.parametrize("mode,given,named", [
     ("--saved-bytes", ["--videos", "2", "--images", "2"], "--images, --videos"),
     ("--compare-alst", ["--moe", "--tiled-mlp", "--dtype", "bfloat16"], "--moe, --dtype, --tiled-mlp"),
     ("--loss-only", ["--videos", "1", "--gradient-checkpointing"], "--videos, --gradient-checkpointing"),
+    ("--engine-mismatch", ["--dtype", "bfloat16", "--moe"], "--moe, --dtype"),
 ])
 def test_a_bench_mode_refuses_the_flags_it_does_not_use_by_name(mode, given, named, tmp_path, capsys):
     out = tmp_path / "never.json"
     assert main(["bench", mode, *given, "--out", str(out)]) == 1
     assert f"{mode} does not use {named}" in capsys.readouterr().err and not out.exists()
+
+
+def test_the_engine_mismatch_flags_are_refused_without_their_mode(tmp_path, capsys):
+    out = tmp_path / "never.json"
+    assert main(["bench", "--weights", str(tmp_path), "--out", str(out)]) == 1
+    assert "--weights and --temperature are flags of --engine-mismatch" in capsys.readouterr().err
+    assert not out.exists()
 
 
 def test_synthetic_pack_places_every_image_and_keeps_targets_off_placeholders():
@@ -175,3 +187,26 @@ def test_routes_bench_runs_native_and_replayed_steps_in_fresh_processes(tmp_path
     assert not row["native"]["routes"] and row["replayed"]["routes"]
     assert row["replay_time_ratio"] == row["replayed"]["step_time_s"] / row["native"]["step_time_s"]
     assert row["replay_peak_memory_mb"] == row["replayed"]["peak_memory_mb"] - row["native"]["peak_memory_mb"]
+
+
+@pytest.mark.e2e
+@NEEDS_ENGINE
+def test_engine_mismatch_scores_the_engines_samples_with_every_side_at_lag_0(tmp_path):
+    """A vLLM server samples, `vlmcp score` and transformers score the same tokens: the fp32
+    trainer equals transformers fp32 on them within fp32's error (the rollout lines hold exactly
+    the engine's tokens), and every side reports every field."""
+    out = tmp_path / "mismatch.json"
+    assert main(["bench", "--engine-mismatch", "--temperature", "0.8", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    (row,) = report["policies"]
+    assert report["mode"] == "engine_mismatch" and (tmp_path / "mismatch-engine.log").exists()
+    assert set(row["kinds"]) == {"image", "text"} and report["temperature"] == 0.8
+    for kind in row["kinds"].values():
+        assert set(SIDES) <= set(kind) and kind["tokens"] > 0
+        assert kind["vlmcp_fp32"]["numeric"]["max_abs_from_hf_fp32"] < 1e-4
+        assert kind["hf_fp32"]["numeric"]["max_abs_from_hf_fp32"] == 0.0
+        # bf16's own error is far above fp32's, and the engine's within bf16's scale
+        assert kind["vlmcp_bf16"]["numeric"]["max_abs_from_hf_fp32"] > 1e-3
+        assert kind["vlmcp_fp32"]["numeric"]["max_abs_diff"] < 0.1
+        assert 0 <= kind["vlmcp_fp32"]["numeric"]["mismatch_kl"] < 1e-3
+    assert set(report["summary"]["image"]) >= {"vlmcp_fp32_numeric", "vlmcp_fp32_rows"}

@@ -15,7 +15,7 @@ FLOORS = {
     "vlmcp.config": 1, "vlmcp.data": 1, "vlmcp.parallel": 1,
     "vlmcp.model": 2,
     "vlmcp.training": 3,
-    "vlmcp.bench": 4, "vlmcp.demo": 4, "vlmcp.cli": 4, "vlmcp.__main__": 4,
+    "vlmcp.bench": 4, "vlmcp.demo": 4, "vlmcp.engine": 4, "vlmcp.cli": 4, "vlmcp.__main__": 4,
 }
 ROOT_MODULES = {"__init__.py", "__main__.py", "cli.py", "device.py", "errors.py"}
 

@@ -244,8 +244,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--data-workers", type=int, default=2,
                        help="data.num_workers of the --data-scale and --rollout-rss jobs")
     bench.add_argument("--scratch", default=None,
-                       help="directory for --data-scale's and --rollout-rss's temporary data "
-                            "(default: the system temporary directory)")
+                       help="directory for --data-scale's, --rollout-rss's and --engine-mismatch's "
+                            "temporary files (default: the system temporary directory)")
+    bench.add_argument("--engine-mismatch", action="store_true",
+                       help="instead of a step benchmark: sample image and text prompts from a "
+                            "vLLM server (the engine venv, bf16) and compare its logprobs with "
+                            "the trainer's on the same weights (lag 0): `vlmcp score` in fp32 "
+                            "and bf16 (--sp-size ranks) and plain transformers variants; per "
+                            "policy (--model, then every published step of --weights) "
+                            "(vlmcp/bench/engine_mismatch.py, docs/rl-loop.md)")
+    bench.add_argument("--weights", default=None, metavar="PUBLISH_DIR",
+                       help="--engine-mismatch: measure every complete WEIGHTS/step_N there, "
+                            "each served in place")
+    bench.add_argument("--temperature", type=float, default=1.0,
+                       help="--engine-mismatch: the sampling temperature (default 1)")
     bench.add_argument("--out", default="runs/bench.json", help="JSON report path")
 
     demo = commands.add_parser(
@@ -262,10 +274,16 @@ def build_parser() -> argparse.ArgumentParser:
                       metavar="KEY.PATH=VALUE", help="override a key of the demo job; repeatable")
     demo.add_argument("--rl", action="store_true",
                       help="online RL instead: a short CE warm start, then this process samples "
-                           "answers from the newest published weights (transformers) and writes "
+                           "answers from the newest published weights (--engine) and writes "
                            "rollout steps while `vlmcp train` trains ppo_clip on them and "
                            "publishes weights, one step off-policy; output in OUT/rl "
                            "(vlmcp/demo/rl.py; --steps sets the RL steps)")
+    demo.add_argument("--engine", choices=("auto", "transformers", "vllm"), default="auto",
+                      help="the RL demo's inference engine: vllm (a vLLM server in its own "
+                           "process from the engine venv that `make engine` builds, bf16, "
+                           "reloading every published step in place), transformers (in this "
+                           "process, fp32), or auto (default): vllm where the engine venv exists, "
+                           "else transformers")
     demo.add_argument("--video", action="store_true",
                       help="video variant: synthetic digit clips (4 to 8 temporal groups, the "
                            "digit in one of them, noise in the others), 'Which digit appears in "
@@ -431,6 +449,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                         "pip install 'vlmcp[demo]'"])
     if args.rl and args.video:
         return _report(["demo: --rl and --video are separate demos; give one of them"])
+    if args.engine != "auto" and not args.rl:
+        return _report([f"demo: --engine {args.engine} applies to the RL demo only (--rl)"])
     if args.video:
         from vlmcp.demo.video import run_video_demo
 
@@ -441,7 +461,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         from vlmcp.demo.rl import run_rl_demo
 
         return run_rl_demo(out_dir=out, nproc=args.nproc, sp_size=args.sp_size,
-                           steps=args.steps, overrides=args.overrides)
+                           steps=args.steps, overrides=args.overrides, engine=args.engine)
     from vlmcp.demo.image import run_demo
 
     return run_demo(out_dir=out, nproc=args.nproc, sp_size=args.sp_size, steps=args.steps,

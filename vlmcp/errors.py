@@ -103,3 +103,8 @@ class RolloutError(JobError):
     rank together."""
 
     on_every_rank = True
+
+
+class EngineError(JobError):
+    """An inference engine that cannot serve a published step (`vlmcp.engine`): unreachable, a
+    step that is not (or no longer) published, another architecture, a reload that failed."""

@@ -208,6 +208,34 @@ def assert_within_fp32_error(got: Any, ref32: Any, ref64: Any, *, at_least: floa
                               f"(the fp32 reference is {rel_err(ref32, ref64):.3e} from float64)")
 
 
+#: bf16's machine epsilon (2^-7).
+BF16_EPS = torch.finfo(torch.bfloat16).eps
+#: How many times plain transformers' own bf16 distance from float64 an engine's bf16 result may be.
+BF16_ERROR_MULTIPLE = 4.0
+#: Added to every bf16 allowance: an eighth of bf16's epsilon (2^-10, about 1e-3), the size of
+#: the rounding of one bf16 value below 1/8; measured bf16 references sit at 5e-4 (docs/test-bounds.md).
+BF16_ERROR_FLOOR = BF16_EPS / 8
+
+
+def bf16_allowance(ref_bf16: Any, ref64: Any) -> float:
+    """The relative distance from `ref64` that `assert_within_bf16_error` allows:
+    BF16_ERROR_MULTIPLE * rel_err(ref_bf16, ref64) + BF16_ERROR_FLOOR."""
+    ref_bf16, ref64 = (torch.as_tensor(x, dtype=torch.float64) for x in (ref_bf16, ref64))
+    return BF16_ERROR_MULTIPLE * rel_err(ref_bf16, ref64) + BF16_ERROR_FLOOR
+
+
+def assert_within_bf16_error(got: Any, ref_bf16: Any, ref64: Any, *, name: str = "") -> None:
+    """The fp32 rule of `assert_within_fp32_error`, for a result computed in bf16 by another
+    program (an inference engine): `ref_bf16` is plain transformers in bf16 on the same weights
+    and inputs, on this machine, so its distance from the float64 truth `ref64` is bf16's own
+    error for this quantity; `got` must lie within BF16_ERROR_MULTIPLE times that, plus
+    BF16_ERROR_FLOOR (relative, norm-wise)."""
+    got, ref_bf16, ref64 = (torch.as_tensor(x, dtype=torch.float64) for x in (got, ref_bf16, ref64))
+    error, allowed = rel_err(got, ref64), bf16_allowance(ref_bf16, ref64)
+    assert error <= allowed, (f"{name}: {error:.3e} from float64 > allowance {allowed:.3e} "
+                              f"(transformers in bf16 is {rel_err(ref_bf16, ref64):.3e} from float64)")
+
+
 #: fp32 casts that `Float64Mode` turns into float64 ones.
 _NARROWING_CASTS = {torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16}
 

@@ -5,6 +5,7 @@
     procs.py       memory readings and the fresh rank processes each length runs in
     data_scale.py  --data-scale: does a rank's memory grow with the dataset size?
     rollout_rss.py --rollout-rss: does a rank's memory grow with a rollout step's size?
+    engine_mismatch.py  --engine-mismatch: an inference engine's logprobs against the trainer's
 """
 
 from vlmcp.bench.run import run_bench

@@ -567,6 +567,12 @@ _IGNORED_BY_MODE = {
     "loss_only": ("model", "moe", "intermediate_size", "images", "videos", "vision", "sp_size", "routes",
                   "deltanet_cp", "deltanet_kernel", "gradient_checkpointing", "tiled_mlp",
                   "offload_activations"),
+    "engine_mismatch": ("moe", "vocab_size", "hidden_size", "intermediate_size", "images",
+                        "pairs", "videos", "vision", "dtype", "deltanet_cp", "deltanet_kernel",
+                        "gradient_checkpointing", "tiled_mlp", "offload_activations",
+                        "loss_chunk_mb", "loss_only", "saved_bytes", "compare_alst",
+                        "find_max_len", "memory_budget_gb", "data_scale", "rollout_rss",
+                        "routes"),
 }
 #: The values those flags have when not given (the others default to None, False or 0).
 _FLAG_DEFAULTS = {"dtype": "float32", "deltanet_cp": DELTANET_MODES[0],
@@ -633,6 +639,14 @@ def _resolve_args(args: argparse.Namespace, device: torch.device) -> None:
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark described by the `vlmcp bench` arguments; rank 0 writes the JSON."""
+    if args.engine_mismatch or args.weights or args.temperature != 1.0:
+        from vlmcp.bench.engine_mismatch import run_engine_mismatch
+
+        problems = _ignored_flags(args) if args.engine_mismatch else [
+            "--weights and --temperature are flags of --engine-mismatch"]
+        if problems:
+            raise ValueError("; ".join(problems))
+        return _write_report(args, run_engine_mismatch(args))
     if args.data_scale:
         from vlmcp.bench.data_scale import run_data_scale
 

@@ -59,6 +59,7 @@ class DigitPrompt:
     pixel_values: torch.Tensor       # [patches, C*T*P*P]
     image_grid_thw: torch.Tensor     # [1, 3]
     image: str
+    question: str                    # the user's text beside the image
     answer: list[int]                # the digit's token and <|im_end|>
 
 
@@ -69,9 +70,10 @@ def load_prompts(jsonl: Path, processor: VLProcessor) -> list[DigitPrompt]:
         record = json.loads(text)
         sample = parse_record(record, f"{jsonl}:{number}", jsonl.parent, processor, 10**6)
         prompt = generation_prompt(sample, MAX_NEW_TOKENS)
+        question = record["messages"][0]["content"].replace("<image>", "")
         prompts.append(DigitPrompt(prompt.input_ids, prompt.mm_token_type_ids,
                                    prompt.pixel_values, prompt.image_grid_thw,
-                                   sample.image_paths[0], prompt.reference))
+                                   sample.image_paths[0], question, prompt.reference))
     return prompts
 
 
@@ -97,10 +99,12 @@ def _batch(prompts: Sequence[DigitPrompt], repeat: int) -> dict[str, torch.Tenso
 
 @dataclass
 class Completion:
-    """One sampled answer: its tokens (up to and including <|im_end|>) and their logprobs."""
+    """One sampled answer: its tokens (up to and including <|im_end|>), their logprobs, and the
+    policy version that sampled them."""
 
     tokens: list[int]
     logprobs: list[float]
+    version: int
 
 
 class Policy:
@@ -139,7 +143,7 @@ class Policy:
         completions = []
         for tokens, values in zip(generated.tolist(), logprobs.tolist()):
             end = tokens.index(self.eos) + 1 if self.eos in tokens else len(tokens)
-            completions.append(Completion(tokens[:end], values[:end]))
+            completions.append(Completion(tokens[:end], values[:end], self.version))
         return [completions[i * group:(i + 1) * group] for i in range(len(prompts))]
 
     @torch.no_grad()
@@ -157,7 +161,8 @@ class Policy:
 def rollout_line(prompt: DigitPrompt, completion: Completion, advantage: float
                  ) -> dict[str, Any]:
     """The tokens-format line of one answer: targets on the answer only, its per-token arrays
-    aligned with the labels (null on the prompt)."""
+    aligned with the labels (null on the prompt), and the version of its tokens as one span
+    (`vlmcp.data.policy_versions`)."""
     prompt_ids = prompt.input_ids[0].tolist()
     off = [None] * len(prompt_ids)
     return {
@@ -168,6 +173,8 @@ def rollout_line(prompt: DigitPrompt, completion: Completion, advantage: float
         "old_logprobs": off + completion.logprobs,
         "inference_logprobs": off + completion.logprobs,
         "temperatures": off + [1.0] * len(completion.tokens),
+        "policy_versions": [{"version": completion.version, "start": len(prompt_ids),
+                             "end": len(prompt_ids) + len(completion.tokens)}],
     }
 
 
@@ -195,6 +202,7 @@ class StepReport:
     lines: int
     generate_s: float
     wait_s: float
+    reload_s: float
 
 
 class Orchestrator:
@@ -206,6 +214,7 @@ class Orchestrator:
         self.rollouts, self.weights = rollouts, weights
         self.prompts_per_step, self.group = prompts_per_step, group
         self.next_prompt = 0
+        self.reload_s = 0.0
 
     def newest_policy(self, at_least: int, alive: Callable[[], bool],
                       poll_s: float = 0.05) -> bool:
@@ -218,7 +227,9 @@ class Orchestrator:
             if newest >= at_least:
                 if newest == self.policy.version:
                     return False
+                started = time.perf_counter()
                 self.policy.reload(self.weights / f"step_{newest}", newest)
+                self.reload_s = time.perf_counter() - started
                 return True
             if not alive():
                 raise RuntimeError(f"the trainer stopped before publishing step {at_least}")
@@ -239,8 +250,10 @@ class Orchestrator:
              on_new_policy: Callable[[Policy], None]) -> StepReport:
         """Generate and write rollout step `number`, at most one step off-policy."""
         started = time.perf_counter()
+        self.reload_s = 0.0
         changed = self.newest_policy(max(number - 2, 0), alive)
-        waited = time.perf_counter() - started
+        reloaded = self.reload_s
+        waited = time.perf_counter() - started - reloaded
         if changed:
             on_new_policy(self.policy)
         started = time.perf_counter()
@@ -262,7 +275,7 @@ class Orchestrator:
         write_step(self.rollouts, number, lines, self.policy.version)
         return StepReport(number, self.policy.version, statistics.fmean(all_rewards),
                           len(all_rewards) // self.group, len(groups), len(lines),
-                          time.perf_counter() - started, waited)
+                          time.perf_counter() - started, waited, reloaded)
 
 
 def _distinct(answers: Sequence[Completion], advantages: Sequence[float]

@@ -139,6 +139,12 @@ QWEN3_5_35B_A3B_HEADS: dict[str, Any] = {
 }
 
 
+#: Head sizes vLLM's CPU kernels accept (`build_tiny_checkpoint(..., **VLLM_CPU_HEADS)`): the
+#: DeltaNet key and value heads equal and of 64 or 128 (16 and 32 fail), attention heads of 32 or
+#: more. The engine also needs bf16 weights at serving time (`--dtype bfloat16`).
+VLLM_CPU_HEADS: dict[str, Any] = {"linear_head_dim": 64, "head_dim": 32}
+
+
 #: Special tokens by id; ids 3-6 match `TINY_SPECIAL_IDS`, `<|im_end|>` (2) is the tiny eos.
 SPECIAL_TOKENS = {
     0: "<|endoftext|>",

