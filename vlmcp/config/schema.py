@@ -320,8 +320,9 @@ class PublishSection:
         "current directory; null: off"))
     every: int = field(default=1, metadata=_key("publish after every N-th step", min=1))
     keep: int = field(default=0, metadata=_key(
-        "keep only the newest N published steps (older ones are deleted after each publish); "
-        "0 keeps all", min=0))
+        "keep only the newest N published steps (older ones are deleted after each publish, "
+        "never the step just published); 0 keeps all; 1 warns: keep enough steps to cover an "
+        "engine's reload", min=0))
 
 
 @dataclass

@@ -38,6 +38,9 @@ STABLE = "STABLE"
 META = "meta.json"
 #: What a step's data files end with.
 DATA_SUFFIXES = (".jsonl", ".json")
+#: The writer a published weights step names in its STABLE (`{"written_by": ...}`, written by
+#: vlmcp.training.publish); a rollout step's STABLE is its producer's and never says this.
+PUBLISHED_BY = "vlmcp publish"
 
 
 def step_dir(root: str | Path, step: int) -> Path:
@@ -48,6 +51,17 @@ def step_dir(root: str | Path, step: int) -> Path:
 def is_complete(path: str | Path) -> bool:
     """Whether the directory holds its STABLE marker."""
     return (Path(path) / STABLE).is_file()
+
+
+def written_by_publish(path: str | Path) -> bool:
+    """Whether the directory's STABLE says vlmcp's publish wrote it: a step of published weights,
+    never a rollout step (only the marker's first 4 KiB are read)."""
+    try:
+        with (Path(path) / STABLE).open("rb") as handle:
+            raw = json.loads(handle.read(4096))
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and raw.get("written_by") == PUBLISHED_BY
 
 
 @dataclass(frozen=True)
@@ -88,6 +102,10 @@ def step_files(path: str | Path) -> list[Path]:
     """The data files of the step directory `path`, in name order. Raises DataError when it holds
     none."""
     path = Path(path)
+    if written_by_publish(path):
+        raise DataError(f"{path}: a step of published weights (its {STABLE} says "
+                        f"{PUBLISHED_BY!r} wrote it), not a rollout step: is rollouts.dir "
+                        "another run's publish.dir?")
     files = sorted(p for p in path.iterdir()
                    if p.is_file() and p.name != META and p.name.endswith(DATA_SUFFIXES))
     if not files:

@@ -60,7 +60,7 @@ def save_final(engine, module: nn.Module, hf_model: PreTrainedModel, source_dir:
         save_hf(hf_model, state, source_dir, out_dir)
         logger.info("saved the trained model (Hugging Face format) to %s", out_dir)
 
-    write_on_rank0(state, write)
+    write_on_rank0(state, write, out_dir)
     return Path(out_dir)
 
 

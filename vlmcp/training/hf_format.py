@@ -23,7 +23,8 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from vlmcp.errors import CheckpointError
 from vlmcp.parallel.agree import fail_together
-from vlmcp.training.atomic import remove_quietly, replace_dir, write_error
+from vlmcp.training.atomic import (fsync_path, fsync_tree, remove_quietly, replace_dir,
+                                   write_error)
 
 #: Files of a checkpoint directory that save_pretrained writes itself or that hold weights.
 _NOT_COPIED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
@@ -68,13 +69,17 @@ def _restore_use_cache(config: PretrainedConfig,
 
 
 def write_dir_atomically(out_dir: str | Path, marker: str, what: str,
-                         fill: Callable[[Path], None], needed_bytes: int) -> Path:
+                         fill: Callable[[Path], None], needed_bytes: int,
+                         seal: Callable[[Path], None] | None = None) -> Path:
     """Fill a fresh directory with `fill(tmp)` and rename it into place as `out_dir`.
 
-    The temporary directory lies beside `out_dir`, so `out_dir` is never half-written. An earlier
-    `what` ("model", "adapter") in `out_dir` (it holds the file `marker`) is replaced; any other
-    non-empty directory is refused. On failure the temporary directory is removed and
-    CheckpointError says why ("no space left on ..." for a full disk, `needed_bytes` of data).
+    The temporary directory lies beside `out_dir`, so `out_dir` is never half-written. Its files
+    are flushed to the disk (`fsync_tree`) before `seal(tmp)` writes the marker that says the
+    directory is complete (publish's STABLE), and the directory again before the rename; the
+    parent is flushed after it. An earlier `what` ("model", "adapter") in `out_dir` (it holds the
+    file `marker`) is replaced; any other non-empty directory is refused. On failure the
+    temporary directory is removed and CheckpointError says why ("no space left on ..." for a
+    full disk, `needed_bytes` of data).
     """
     out_dir = Path(out_dir).absolute()
     if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / marker).is_file():
@@ -86,7 +91,12 @@ def write_dir_atomically(out_dir: str | Path, marker: str, what: str,
         remove_quietly(tmp)
         tmp.mkdir(parents=True)
         fill(tmp)
+        fsync_tree(tmp)
+        if seal is not None:
+            seal(tmp)
+            fsync_path(tmp)
         replace_dir(tmp, out_dir)
+        fsync_path(out_dir.parent)
     except (OSError, RuntimeError, SafetensorError) as exc:
         message = write_error(exc, tmp, needed_bytes)
         remove_quietly(tmp)
@@ -125,13 +135,17 @@ def write_hf_files(hf_model: PreTrainedModel, state_dict: dict[str, torch.Tensor
     copy_processor_files(source_dir, out_dir)
 
 
-def write_on_rank0(state: dict[str, torch.Tensor] | None, write: Callable[[], None]) -> None:
+def write_on_rank0(state: dict[str, torch.Tensor] | None, write: Callable[[], None],
+                   target: str | Path) -> None:
     """Run `write` where `state` is not None (rank 0); call on every rank. Every rank raises
-    CheckpointError when rank 0's write failed (the write itself leaves nothing half-written)."""
+    CheckpointError when rank 0's write of `target` failed, whatever it raised (the write itself
+    leaves nothing half-written), so no rank is left waiting in a later collective."""
     problems: list[str] = []
     if state is not None:
         try:
             write()
         except CheckpointError as exc:
             problems = exc.problems
+        except Exception as exc:  # any failure is agreed, never one rank's alone
+            problems = [f"writing {target}: {type(exc).__name__}: {exc}"]
     fail_together(problems, CheckpointError)

@@ -132,7 +132,8 @@ def start_run(job: JobConfig) -> Run:
                step_packs=None if job.rollouts.dir else _step_packs(job, preflight, sp,
                                                                     reference),
                rollouts=RolloutSteps(job, preflight.processor, sp) if job.rollouts.dir else None,
-               publisher=Publisher(job, engine, module, adapter) if job.publish.dir else None,
+               publisher=(Publisher(job, engine, module, adapter, start_step)
+                          if job.publish.dir else None),
                metrics=MetricsWriter(job.output_dir, enabled=comm.rank() == 0,
                                      start_step=start_step),
                start_step=start_step, adapter=adapter)
