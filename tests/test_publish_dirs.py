@@ -32,7 +32,7 @@ def _rl_job(checkpoint, tmp_path, **sections) -> dict:
                    publish={"dir": str(tmp_path / "weights")})
     del raw["data"]["train"]
     for name, values in sections.items():
-        raw[name] = {**raw[name], **values} if isinstance(values, dict) else values
+        raw[name] = {**raw.get(name, {}), **values} if isinstance(values, dict) else values
     return raw
 
 
@@ -196,3 +196,20 @@ def test_any_exception_of_rank_0s_write_is_one_error_on_every_rank_naming_the_fi
     rank0, rank1 = run_ranks(_rank0_write_raises, 2)
     assert rank0 == ["writing /w/step_3: ValueError: header too large"]
     assert rank1 == []
+
+
+def test_the_writer_keys_name_what_they_need(tiny_checkpoint, tmp_path):
+    both = _rl_job(tiny_checkpoint, tmp_path, publish={"sharded": False, "background": True})
+    with pytest.raises(ConfigError) as info:
+        job_from_dict(both)
+    assert info.value.problems == [
+        "config key 'publish.background' is true but 'publish.sharded' is false: the background "
+        "write is the rank-parallel one; set publish.sharded to true"]
+    assert not job_from_dict(_rl_job(tiny_checkpoint, tmp_path,
+                                     publish={"sharded": False})).publish.sharded
+    lora = _rl_job(tiny_checkpoint, tmp_path, lora={"r": 4}, publish={"background": False})
+    with pytest.raises(ConfigError) as info:
+        job_from_dict(lora)
+    assert info.value.problems == [
+        "config key 'publish.background' does not apply under LoRA (lora.r > 0): the adapter is "
+        "small and rank 0 writes it"]

@@ -168,8 +168,22 @@ def cross_key_problems(job: JobConfig) -> list[str]:
     problems.extend(_video_checks(job.data.video))
     problems.extend(_rollout_checks(job))
     problems.extend(_keys_set_without(job.publish, "publish", "dir"))
+    problems.extend(_publish_writer_checks(job))
     problems.extend(_overlapping_dirs(job))
     return problems
+
+
+def _publish_writer_checks(job: JobConfig) -> list[str]:
+    """publish.sharded and publish.background against each other and LoRA (explicit values)."""
+    given = {key for key in ("publish.sharded", "publish.background")
+             if key in job.explicit_keys}
+    if job.lora.r:
+        return [f"config key '{key}' does not apply under LoRA (lora.r > 0): the adapter is small "
+                "and rank 0 writes it" for key in sorted(given)]
+    if "publish.background" in given and job.publish.background and not job.publish.sharded:
+        return ["config key 'publish.background' is true but 'publish.sharded' is false: the "
+                "background write is the rank-parallel one; set publish.sharded to true"]
+    return []
 
 
 def _real_dir(path: str) -> Path:

@@ -11,7 +11,9 @@ exactly that gradient, and the loop marks the last micro-batch as the accumulati
 micro-batch of weight 0 (a repeated pack that only keeps a short DP rank's collectives in step)
 adds nothing. DeepSpeed clips, steps the optimizer and the LR schedule at the boundary. With
 `publish.dir`, the weights are published after every `publish.every`-th step
-(training/publish.py), before evaluation and checkpoints.
+(training/publish.py), before evaluation and checkpoints; a background write is checked at every
+step boundary (`_publish_boundary`) and waited for after the last step, or on a stop within
+publish.stop_wait_s.
 
 With `model.router_aux_loss` (MoE), each micro-batch also adds router_aux_loss_coef x its router
 load-balancing loss (model.router_loss): the step's gradient is d(sum CE / N) + coef x d(mean of
@@ -34,7 +36,7 @@ from vlmcp.config import JobConfig
 from vlmcp.data.mixture import draws_per_epoch
 from vlmcp.data.pack import PackedDataset
 from vlmcp.data.stream import SampleReader
-from vlmcp.errors import DataError, NonFiniteError, PreflightError, RolloutError
+from vlmcp.errors import CheckpointError, DataError, NonFiniteError, PreflightError, RolloutError
 from vlmcp.model.loss import scale_for_deepspeed
 from vlmcp.model.packed import PackedVLM
 from vlmcp.model.router_loss import router_objective
@@ -278,7 +280,7 @@ def train(job: JobConfig) -> Run:
                 save_final_adapter(run.module, run.adapter, job.resolve_input(job.model.path),
                                    f"{job.output_dir}/final")
             else:
-                save_final(run.engine, run.module, run.module.hf_model,
+                save_final(run.engine, run.module.hf_model,
                            job.resolve_input(job.model.path), f"{job.output_dir}/final")
     logger.info("done: %d steps; metrics in %s/metrics.jsonl, checkpoints in %s",
                 job.train.max_steps, job.output_dir, checkpoint_dir(job))
@@ -340,10 +342,43 @@ def _wait_for_rollout(run: Run, step: int, stop: StopSignals, watchdog: Watchdog
                        if comm.rank() == 0 else [])
 
 
+def _publish_boundary(run: Run, done: int, watchdog: Watchdog, saver: _Saver) -> None:
+    """After step `done` (every rank): the rows of the publishes that completed, the publish of
+    `done` when it is due, and after the last step the wait for the write in flight. A failed
+    publish (also a background write of an earlier step) keeps the trained steps in a
+    checkpoint, then raises CheckpointError on every rank."""
+    publisher = run.publisher
+    try:
+        with watchdog.watch(f"publishing after step {done}"):
+            rows = publisher.check()
+            if publisher.due(done):
+                rows += publisher.publish(done)
+            if done == run.job.train.max_steps:
+                rows += publisher.close()
+    except CheckpointError:
+        kept = _keep_trained_steps(run, done, saver)
+        if comm.rank() == 0:
+            logger.error("publishing the weights failed after step %d; %s", done, kept)
+        raise
+    for row in rows:
+        run.metrics.write(row)
+
+
 def _train_loop(run: Run, stop: StopSignals, watchdog: Watchdog) -> None:
     progress = _progress(run)
     try:
         _run_steps(run, stop, watchdog, progress)
+    except StopRequested:
+        # Every rank stops together, after its checkpoint: the write in flight may finish.
+        if run.publisher is not None:
+            for row in run.publisher.close(run.job.publish.stop_wait_s):
+                run.metrics.write(row)
+        raise
+    except BaseException:
+        # One rank may fail alone here: no collective, the write in flight is abandoned.
+        if run.publisher is not None:
+            run.publisher.close(agreed=False)
+        raise
     finally:
         # Also when a step raises: the bar ends its line before the error lines are printed.
         if progress is not None:
@@ -385,9 +420,8 @@ def _run_steps(run: Run, stop: StopSignals, watchdog: Watchdog, progress: Any) -
             if "loss" in row:
                 progress.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
             progress.update(1)
-        if run.publisher is not None and run.publisher.due(done):
-            with watchdog.watch(f"publishing the weights of step {done}"):
-                run.metrics.write(run.publisher.publish(done))
+        if run.publisher is not None:
+            _publish_boundary(run, done, watchdog, saver)
         if train_cfg.eval_every and (done % train_cfg.eval_every == 0 or done == train_cfg.max_steps):
             with watchdog.watch(f"evaluation after step {done}"):
                 eval_row = evaluation_row(run, done)
