@@ -9,9 +9,12 @@ dense model: tests/test_train_resume.py).
   held back until optimizer step 2 has changed every trained weight: its step_1 still equals the
   other two bit for bit (every tensor; every file, index included, of the synchronous one) and
   loads with `from_pretrained`. With every share above publish.buffer_mb, the ranks write before
-  training on, and the step is the same.
+  training on, and with DeepSpeed's all-gather instead of the gather to each tensor's owner (the
+  path of NVMe-offloaded partitions), the step is the same.
 * The final export (every rank its shard) equals, tensor for tensor and in its config files, the
   export of the same weights by save_pretrained on rank 0.
+* A second background publish (of step 2, into the host buffers of the first) equals the
+  synchronous one.
 * A background write still in flight at a stop is abandoned within publish.stop_wait_s: no
   step_N appears, its `.tmp-` directory holds no STABLE, and the next start removes it.
 """
@@ -90,6 +93,10 @@ def _publish_ways(checkpoint: str, train_file: str, out: str, zero: int) -> dict
                     "sync": way("sync", background=False).publish(1)}
     over_budget = way("over_budget", buffer_mb=0.0)  # every share is larger: written inline
     result["over_budget"] = over_budget.publish(1) + over_budget.check()
+    from vlmcp.training import shards
+
+    shards._owner_gatherable = lambda param: False  # as under NVMe offload: DeepSpeed's gather
+    way("by_modules", background=False).publish(1)
     gate = threading.Event()
     _held_writes(gate)
     background = way("background")
@@ -106,16 +113,21 @@ def _publish_ways(checkpoint: str, train_file: str, out: str, zero: int) -> dict
         save_hf(hf_model, state, source, out / "final_rank0")
     comm.barrier()
 
+    # The second background publish refills the host buffers of the first.
+    way("sync", start_step=1, background=False).publish(2)
+    background.publish(2)
+    result["second_close"] = background.close()
+
     stopped = threading.Event()
     _held_writes(stopped)
-    background.publish(2)
+    background.publish(3)
     result["stop_close"] = background.close(0.2)
     comm.barrier()
-    tmp = out / "background" / ".tmp-step_2"
-    result["after_stop"] = {"step_2": (out / "background" / "step_2").exists(),
+    tmp = out / "background" / ".tmp-step_3"
+    result["after_stop"] = {"step_3": (out / "background" / "step_3").exists(),
                             "tmp": tmp.is_dir(), "tmp_stable": (tmp / STABLE).exists()}
     comm.barrier()
-    way("background", start_step=2)
+    way("background", start_step=3)
     result["tmp_after_restart"] = tmp.exists()
     stopped.set()
     return result
@@ -155,6 +167,7 @@ def test_rank_parallel_and_background_publishes_and_the_final_export_equal_rank0
     _assert_same_tensors(read_hf_weights(sync), reference, "rank-parallel step_1")
     assert _files(background) == _files(sync), "background and synchronous step_1 differ"
     assert _files(tmp_path / "over_budget" / "step_1") == _files(sync)
+    assert _files(tmp_path / "by_modules" / "step_1") == _files(sync)
     assert [r["step"] for r in rank0["over_budget"]] == [1]
     for name in ("config.json", "generation_config.json", "tokenizer.json"):
         assert (sync / name).read_bytes() == (serial / name).read_bytes(), name
@@ -178,6 +191,8 @@ def test_rank_parallel_and_background_publishes_and_the_final_export_equal_rank0
 
     _assert_same_tensors(final, load_file(tmp_path / "final_rank0" / WEIGHTS_NAME),
                          "final export")
+    assert [r["step"] for r in rank0["second_close"]] == [2]
+    assert _files(tmp_path / "background" / "step_2") == _files(tmp_path / "sync" / "step_2")
     assert len(list((tmp_path / "final").glob("model-*-of-00002.safetensors"))) == 2
     for name in ("config.json", "generation_config.json", "preprocessor_config.json"):
         assert (tmp_path / "final" / name).read_bytes() == \
@@ -185,5 +200,5 @@ def test_rank_parallel_and_background_publishes_and_the_final_export_equal_rank0
 
     for result in ranks:
         assert result["stop_close"] == []
-        assert result["after_stop"] == {"step_2": False, "tmp": True, "tmp_stable": False}
+        assert result["after_stop"] == {"step_3": False, "tmp": True, "tmp_stable": False}
         assert result["tmp_after_restart"] is False

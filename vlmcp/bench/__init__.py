@@ -4,6 +4,7 @@
     inputs.py      synthetic packs: random text samples with images of mixed sizes
     procs.py       memory readings and the fresh rank processes each length runs in
     data_scale.py  --data-scale: does a rank's memory grow with the dataset size?
+    publish.py     --publish: the publish's time on the critical path, its total and rank 0's RSS
 """
 
 from vlmcp.bench.run import run_bench

@@ -577,6 +577,10 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         from vlmcp.bench.data_scale import run_data_scale
 
         return _write_report(args, run_data_scale(args))
+    if args.publish:
+        from vlmcp.bench.publish import run_publish_bench
+
+        return _write_report(args, run_publish_bench(args))
     device = compute_device()
     _resolve_args(args, device)
     vocab, hidden = _model_sizes(args)

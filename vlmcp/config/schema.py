@@ -336,9 +336,9 @@ class PublishSection:
         "the next step); needs publish.sharded; false: training waits for the write; not "
         "under LoRA"))
     buffer_mb: float = field(default=32768.0, metadata=_key(
-        "per rank, the largest share (MiB) that a background write copies to host memory; a "
-        "rank whose share is larger writes it before training on, as with background false "
-        "(logged once)", min=0.0))
+        "per rank, the largest share (MiB) of the weights kept in host memory for background "
+        "writes (allocated at the first publish, then reused); a rank whose share is larger "
+        "writes it before training on, as with background false (logged once)", min=0.0))
     stop_wait_s: float = field(default=10.0, metadata=_key(
         "on a stop signal, after the stop checkpoint: how long to wait for a background write "
         "still in flight; past it the write is abandoned as .tmp-step_N, never read and "

@@ -62,7 +62,7 @@ def save_final(engine, hf_model: PreTrainedModel, source_dir: str | Path,
     plan = SharePlan.of(hf_model, comm.world_size())
     write = ShardedWrite.begin(out_dir, plan, what="model",
                                replaceable=lambda path: (path / "config.json").is_file())
-    share = gather_share(engine, hf_model, plan, comm.rank(), copy=False)
+    share = gather_share(engine, hf_model, plan, comm.rank())
     write.start(share, background=False,
                 extra=lambda tmp: write_model_config(hf_model, source_dir, tmp))
     del share

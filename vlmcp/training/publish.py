@@ -65,6 +65,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from vlmcp.config import JobConfig
 from vlmcp.data.rollouts import PUBLISHED_BY, STABLE, written_by_publish
 from vlmcp.model.packed import PackedVLM
@@ -135,6 +137,9 @@ class Publisher:
         self.background = job.publish.sharded and job.publish.background and adapter is None
         self.buffer_bytes = int(job.publish.buffer_mb * 2**20)
         self._plan: SharePlan | None = None
+        #: This rank's host copy of its share for background writes, reused from publish to
+        #: publish (the previous write has finished before the next copy).
+        self._staging: dict[str, torch.Tensor] = {}
         self._inflight: _InFlight | None = None
         self._warned_buffer = False
         problems = []
@@ -200,7 +205,8 @@ class Publisher:
                            "%g, so it writes it before training on", comm.rank(),
                            plan.bytes_of(comm.rank()) >> 20, self.buffer_bytes / 2**20)
         hf_model = self.module.hf_model
-        share = gather_share(self.engine, hf_model, plan, comm.rank(), copy=background)
+        share = gather_share(self.engine, hf_model, plan, comm.rank(),
+                             self._staging if background else None)
         write.start(share, background=background,
                     extra=lambda tmp: write_model_config(hf_model, self.source_dir, tmp))
         del share
