@@ -151,9 +151,6 @@ def run_publish_bench(args: argparse.Namespace) -> dict[str, Any]:
     """The `--publish` report (see the module docstring)."""
     from vlmcp.model.tiny import build_tiny_checkpoint
 
-    if args.model:
-        raise ValueError("--publish builds its own model (--hidden-size, --intermediate-size, "
-                         "--vocab-size); --model does not apply")
     world = args.sp_size or 2
     hidden = args.hidden_size or DEFAULT_HIDDEN
     intermediate = args.intermediate_size or 4 * hidden

@@ -512,6 +512,10 @@ _IGNORED_BY_MODE = {
     "loss_only": ("model", "moe", "intermediate_size", "images", "videos", "vision", "sp_size",
                   "deltanet_cp", "deltanet_kernel", "gradient_checkpointing", "tiled_mlp",
                   "offload_activations"),
+    "publish": ("model", "moe", "images", "videos", "vision", "pairs", "deltanet_cp",
+                "deltanet_kernel", "gradient_checkpointing", "tiled_mlp", "offload_activations",
+                "loss_chunk_mb", "loss_only", "find_max_len", "saved_bytes", "compare_alst",
+                "data_scale"),
 }
 #: The values those flags have when not given (the others default to None, False or 0).
 _FLAG_DEFAULTS = {"dtype": "float32", "deltanet_cp": DELTANET_MODES[0],
@@ -580,6 +584,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.publish:
         from vlmcp.bench.publish import run_publish_bench
 
+        problems = [p for p in _ignored_flags(args) if p.startswith("--publish ")]
+        if problems:
+            raise ValueError("; ".join(problems))
         return _write_report(args, run_publish_bench(args))
     device = compute_device()
     _resolve_args(args, device)

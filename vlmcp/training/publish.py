@@ -182,11 +182,12 @@ class Publisher:
         rows: list[dict[str, Any]] = []
         waited = 0.0
         if self._inflight is not None:
-            if comm.rank() == 0:
-                logger.info("the publish of step %d waits for the write of step %d, still in "
-                            "flight", done, self._inflight.step)
+            previous = self._inflight.step
             rows += self._settle(wait=True)
             waited = time.perf_counter() - started
+            if comm.rank() == 0:
+                logger.info("the publish of step %d waited %.2f s for the write of step %d, "
+                            "still in flight (at most one publish is)", done, waited, previous)
         out = self.root / f"step_{done}"
         if self.adapter is not None or not self.sharded:
             self._publish_on_rank0(done, out)

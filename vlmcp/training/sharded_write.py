@@ -202,16 +202,21 @@ class ShardedWrite:
             self._fail([self._problem] if self._problem else [])
         if not written:
             return False
-        problems = []
-        if self.rank == 0:
-            self._all_written.set()
-            if self._thread is not None:
-                self._thread.join()
-            else:
-                self._finish()
-            problems = [self._final_problem] if self._final_problem else []
-        fail_together(problems, CheckpointError)
+        problem = self._finish_on_rank0()
+        fail_together([problem] if problem else [], CheckpointError)
         return True
+
+    def _finish_on_rank0(self) -> str | None:
+        """Once every rank wrote its part: rank 0 finishes the directory (or waits for its thread
+        to); returns rank 0's problem in finishing it, if any."""
+        if self.rank != 0:
+            return None
+        self._all_written.set()
+        if self._thread is not None:
+            self._thread.join()
+        else:
+            self._finish()
+        return self._final_problem
 
     def _fail(self, problems: list[str]) -> None:
         try:
@@ -229,13 +234,7 @@ class ShardedWrite:
         if failed or not written:
             self.abandon()
             return self._problem
-        if self.rank == 0:
-            self._all_written.set()
-            if self._thread is not None:
-                self._thread.join()
-            else:
-                self._finish()
-        return self._final_problem
+        return self._finish_on_rank0()
 
     def abandon(self) -> None:
         """Leave the write unfinished (no collective): rank 0 never writes the marker or renames;
