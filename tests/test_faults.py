@@ -6,7 +6,6 @@ SP 2, a tiny model, a few steps of 64-token packs, and runs under a timeout.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -14,13 +13,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 from safetensors.torch import load_file
 
+from tests.helpers.disks import small_tmpfs
 from tests.helpers.images import save_png
 from tests.helpers.launching import (REPO, assert_ok, launched, launcher_prefix, run_vlmcp,
                                      tiny_job, train_losses, vlmcp_frames, write_job)
@@ -216,26 +215,11 @@ def test_a_frozen_rank_ends_the_whole_job_naming_the_collective(tiny_checkpoint,
           file=sys.stderr)
 
 
-@contextlib.contextmanager
-def _small_tmpfs(path: Path, size: str) -> Iterator[Path]:
-    """A tmpfs of `size` mounted at `path` for the block (the test is skipped where mounting is not
-    allowed), unmounted afterwards."""
-    path.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                             capture_output=True, check=False)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.decode().strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", str(path)], check=False)
-
-
 @pytest.mark.e2e
 def test_a_full_disk_is_named_and_the_previous_checkpoint_stays_intact(
         tiny_checkpoint, digits_jsonl, tmp_path):
     # One checkpoint of this job takes about 3.7 MB: the first fits, the second does not.
-    with _small_tmpfs(tmp_path / "small", "6m") as small:
+    with small_tmpfs(tmp_path / "small", "6m") as small:
         out = small / "out"
         job = write_job(tmp_path / "job.json", _job(tiny_checkpoint, digits_jsonl, out,
                                                     save_every=2, max_steps=4))
@@ -251,7 +235,7 @@ def test_a_full_disk_is_named_and_the_previous_checkpoint_stays_intact(
 def test_an_export_to_a_full_disk_leaves_no_half_written_model_and_names_the_disk(
         reference, tiny_checkpoint, digits_jsonl, tmp_path, capsys):
     # The exported tiny model takes about 1 MB.
-    with _small_tmpfs(tmp_path / "small", "256k") as small:
+    with small_tmpfs(tmp_path / "small", "256k") as small:
         job = write_job(tmp_path / "job.json", _job(tiny_checkpoint, digits_jsonl, reference))
         assert main(["export", str(job), "--out", str(small / "model")]) == 1
         assert f"no space left on {small}" in capsys.readouterr().err

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.launching import REPO, assert_ok, run_vlmcp, tiny_job, train_losses, write_job
+from vlmcp.training.hf_format import INDEX_NAME
 
 pytestmark = pytest.mark.e2e
 
@@ -38,5 +39,6 @@ def test_launcher_trains_two_ranks_to_single_process_losses(
     assert len(losses) == 2
     assert losses == pytest.approx(single_process_losses, rel=1e-5)
     final = tmp_path / "out" / "final"
-    assert (final / "config.json").is_file() and (final / "model.safetensors").is_file()
+    assert (final / "config.json").is_file() and (final / INDEX_NAME).is_file()
+    assert len(list(final.glob("model-*-of-00002.safetensors"))) == 2
     assert (final / "tokenizer.json").is_file() and (final / "preprocessor_config.json").is_file()

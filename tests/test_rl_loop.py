@@ -50,6 +50,7 @@ from vlmcp.data.processor import load_processor
 from vlmcp.data.rollouts import STABLE, step_dir
 from vlmcp.model.tiny import build_tiny_checkpoint
 from vlmcp.training.checkpoint import newest_complete
+from vlmcp.training.hf_format import INDEX_NAME, read_hf_weights
 from vlmcp.training.metrics import read_metrics
 from vlmcp.training.signals import STOP_MARKER
 
@@ -181,11 +182,12 @@ def test_publish_keep_leaves_exactly_the_newest_complete_steps_and_they_load_off
     weights = loop_run["weights"]
     assert sorted(p.name for p in weights.iterdir()) == ["step_4", "step_5"]
     for name in ("step_4", "step_5"):
-        assert {"config.json", "model.safetensors", STABLE, "tokenizer.json",
+        assert {"config.json", INDEX_NAME, "model-00001-of-00002.safetensors",
+                "model-00002-of-00002.safetensors", STABLE, "tokenizer.json",
                 "preprocessor_config.json"} <= {p.name for p in (weights / name).iterdir()}
     published = Qwen3_5ForConditionalGeneration.from_pretrained(
         str(weights / "step_5"), dtype=torch.float32, local_files_only=True).state_dict()
-    final = load_file(loop_run["out"] / "final" / "model.safetensors")
+    final = read_hf_weights(loop_run["out"] / "final")
     assert published.keys() >= final.keys()
     for key, value in final.items():
         assert torch.equal(published[key], value), key
@@ -299,7 +301,7 @@ def test_lora_publishes_only_the_adapter_which_peft_loads_and_a_malformed_sample
     for step in (1, 2):
         names = {p.name for p in (weights / f"step_{step}").iterdir()}
         assert {"adapter_config.json", "adapter_model.safetensors", STABLE} <= names
-        assert "model.safetensors" not in names
+        assert not any(name.startswith("model") for name in names)
     base = Qwen3_5ForConditionalGeneration.from_pretrained(str(tiny_checkpoint),
                                                            dtype=torch.float32)
     adapted = PeftModel.from_pretrained(base, str(weights / "step_2"))
@@ -356,7 +358,7 @@ def test_a_rollout_step_over_dp_2_is_one_exact_sgd_step_and_an_over_stale_step_i
 
     reference = _sgd_reference_update(checkpoint, samples, lr)
     before = load_file(checkpoint / "model.safetensors")
-    after = load_file(weights / "step_1" / "model.safetensors")
+    after = read_hf_weights(weights / "step_1")
     rounding = 4 * torch.finfo(torch.float32).eps
     for key, w0 in before.items():
         if key.startswith("model.visual."):

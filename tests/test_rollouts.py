@@ -25,7 +25,7 @@ from vlmcp.config import LossTerm, job_from_dict
 from vlmcp.data.dataset import load_samples
 from vlmcp.data.index import build_index
 from vlmcp.data.pack import build_batch
-from vlmcp.data.rollouts import STABLE, is_complete, read_meta, step_dir, step_files
+from vlmcp.data.rollouts import PUBLISHED_BY, STABLE, is_complete, read_meta, step_dir, step_files
 from vlmcp.errors import ConfigError, DataError
 from vlmcp.model.loss_terms import Loss
 from vlmcp.model.mismatch import mismatch_count, mismatch_sums
@@ -250,7 +250,7 @@ def test_published_steps_are_the_complete_ones_newest_first(tmp_path):
                          (".tmp-step_12", True), ("step_x", True)]:
         (tmp_path / name).mkdir()
         if stable:
-            (tmp_path / name / STABLE).write_text("")
+            (tmp_path / name / STABLE).write_text(json.dumps({"written_by": PUBLISHED_BY}))
     assert published_steps(tmp_path) == [10, 2]
 
 

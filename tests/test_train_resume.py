@@ -20,6 +20,7 @@ from vlmcp.data.index import build_index
 from vlmcp.data.pack import PackedDataset
 from vlmcp.data.stream import SampleReader
 from vlmcp.model.loss_terms import Loss
+from vlmcp.training.hf_format import read_hf_weights
 from vlmcp.training.step_packs import StepPacks
 
 
@@ -47,7 +48,7 @@ def test_two_steps_plus_resume_equal_four_straight_steps_and_export_matches_fina
     assert_ok(run_vlmcp(["train", str(job), "--set", "train.max_steps=2"],
                         launcher="torchrun", nproc=2))
     assert (resumed / "checkpoints" / "latest").read_text().strip() == "step2"
-    first_final = load_file(resumed / "final" / "model.safetensors")
+    first_final = read_hf_weights(resumed / "final")
 
     assert_ok(run_vlmcp(["export", str(job), "--tag", "step2", "--out", str(tmp_path / "exported")]))
     exported = load_file(tmp_path / "exported" / "model.safetensors")

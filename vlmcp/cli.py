@@ -219,7 +219,17 @@ def build_parser() -> argparse.ArgumentParser:
                             "interleaved fresh processes (--sp-size ranks), and report the step-time "
                             "and activation-memory ratios and the losses")
     bench.add_argument("--repeats", type=int, default=3,
-                       help="--compare-alst: interleaved vlmcp/ALST pairs per length")
+                       help="--compare-alst: interleaved vlmcp/ALST pairs per length; --publish: "
+                            "interleaved rounds of the three ways")
+    bench.add_argument("--publish", action="store_true",
+                       help="instead of a step benchmark: publish the weights of a tiny Qwen3.5 "
+                            "widened to --hidden-size (default 2048, about 0.8 GB in fp32) on "
+                            "--sp-size ranks (default 2) three ways, rank 0 alone "
+                            "(publish.sharded false), rank-parallel, and rank-parallel in the "
+                            "background, and report the time on the training's critical path, "
+                            "the total time and rank 0's peak resident set of each")
+    bench.add_argument("--publish-zero", type=int, choices=[0, 1, 2, 3], default=3,
+                       help="--publish: the ZeRO stage of the run (default 3)")
     bench.add_argument("--find-max-len", action="store_true",
                        help="find the longest single sample whose step fits --memory-budget-gb")
     bench.add_argument("--memory-budget-gb", type=float, default=None,
@@ -244,8 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--data-workers", type=int, default=2,
                        help="data.num_workers of the --data-scale and --rollout-rss jobs")
     bench.add_argument("--scratch", default=None,
-                       help="directory for --data-scale's, --rollout-rss's and --engine-mismatch's "
-                            "temporary files (default: the system temporary directory)")
+                       help="directory for --data-scale's, --rollout-rss's, --engine-mismatch's and "
+                            "--publish's temporary files (default: the system temporary "
+                            "directory)")
     bench.add_argument("--engine-mismatch", action="store_true",
                        help="instead of a step benchmark: sample image and text prompts from a "
                             "vLLM server (the engine venv, bf16) and compare its logprobs with "

@@ -6,6 +6,7 @@
     data_scale.py  --data-scale: does a rank's memory grow with the dataset size?
     rollout_rss.py --rollout-rss: does a rank's memory grow with a rollout step's size?
     engine_mismatch.py  --engine-mismatch: an inference engine's logprobs against the trainer's
+    publish.py     --publish: the publish's time on the critical path, its total and rank 0's RSS
 """
 
 from vlmcp.bench.run import run_bench

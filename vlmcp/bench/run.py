@@ -572,7 +572,11 @@ _IGNORED_BY_MODE = {
                         "gradient_checkpointing", "tiled_mlp", "offload_activations",
                         "loss_chunk_mb", "loss_only", "saved_bytes", "compare_alst",
                         "find_max_len", "memory_budget_gb", "data_scale", "rollout_rss",
-                        "routes"),
+                        "routes", "publish"),
+    "publish": ("model", "moe", "images", "videos", "vision", "pairs", "deltanet_cp",
+                "deltanet_kernel", "gradient_checkpointing", "tiled_mlp", "offload_activations",
+                "loss_chunk_mb", "loss_only", "find_max_len", "saved_bytes", "compare_alst",
+                "data_scale", "rollout_rss", "engine_mismatch", "routes"),
 }
 #: The values those flags have when not given (the others default to None, False or 0).
 _FLAG_DEFAULTS = {"dtype": "float32", "deltanet_cp": DELTANET_MODES[0],
@@ -655,6 +659,13 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         from vlmcp.bench.rollout_rss import run_rollout_rss
 
         return _write_report(args, run_rollout_rss(args))
+    if args.publish:
+        from vlmcp.bench.publish import run_publish_bench
+
+        problems = [p for p in _ignored_flags(args) if p.startswith("--publish ")]
+        if problems:
+            raise ValueError("; ".join(problems))
+        return _write_report(args, run_publish_bench(args))
     device = compute_device()
     _resolve_args(args, device)
     vocab, hidden = _model_sizes(args)

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import types
 import typing
 from dataclasses import fields, is_dataclass
+from pathlib import Path
 from typing import Any
 
 from vlmcp.config.schema import (JobConfig, LoraSection, ModelSection, PublishSection, RolloutsSection,
@@ -171,6 +173,70 @@ def cross_key_problems(job: JobConfig) -> list[str]:
     problems.extend(_video_checks(job.data.video))
     problems.extend(_rollout_checks(job))
     problems.extend(_keys_set_without(job.publish, "publish", "dir"))
+    problems.extend(_publish_writer_checks(job))
+    problems.extend(_overlapping_dirs(job))
+    return problems
+
+
+def _publish_writer_checks(job: JobConfig) -> list[str]:
+    """publish.sharded and publish.background against each other and LoRA (explicit values)."""
+    given = {key for key in ("publish.sharded", "publish.background")
+             if key in job.explicit_keys}
+    if job.lora.r:
+        return [f"config key '{key}' does not apply under LoRA (lora.r > 0): the adapter is small "
+                "and rank 0 writes it" for key in sorted(given)]
+    if "publish.background" in given and job.publish.background and not job.publish.sharded:
+        return ["config key 'publish.background' is true but 'publish.sharded' is false: the "
+                "background write is the rank-parallel one; set publish.sharded to true"]
+    return []
+
+
+def _real_dir(path: str) -> Path:
+    """`path` as the filesystem means it: absolute, `~` expanded, symbolic links resolved (also
+    of its parts that exist, when the rest does not exist yet)."""
+    return Path(os.path.realpath(Path(path).expanduser().absolute()))
+
+
+def _within(inner: Path, outer: Path) -> bool:
+    return inner == outer or outer in inner.parents
+
+
+def _overlapping_dirs(job: JobConfig) -> list[str]:
+    """Directories that vlmcp writes or deletes in, placed where that would destroy another's.
+
+    rollouts.dir is only read (its producer owns it), publish.dir holds step_N directories that
+    vlmcp writes, replaces and prunes, and the final export replaces OUTPUT_DIR/final whole; so
+    publish.dir and rollouts.dir may not overlap at all (equal, or one inside the other), output_dir
+    may not lie in rollouts.dir, and neither rollouts.dir nor publish.dir may lie in the
+    directories vlmcp replaces or prunes under output_dir (checkpoints/, final/).
+    """
+    named = {key: _real_dir(value) for key, value in (
+        ("rollouts.dir", job.rollouts.dir), ("publish.dir", job.publish.dir),
+        ("output_dir", job.output_dir)) if value}
+    rollouts, publish, output = (named.get(k) for k in ("rollouts.dir", "publish.dir",
+                                                         "output_dir"))
+    problems = []
+
+    def refuse(inner_key: str, inner: Path, outer_key: str, outer: Path, why: str) -> None:
+        where = "is" if inner == outer else "lies inside"
+        problems.append(f"config keys '{inner_key}' and '{outer_key}' overlap: {inner} {where} "
+                        f"{outer}; {why}; give them separate directories")
+
+    if rollouts and publish:
+        for (a_key, a), (b_key, b) in ((("publish.dir", publish), ("rollouts.dir", rollouts)),
+                                       (("rollouts.dir", rollouts), ("publish.dir", publish))):
+            if _within(a, b):
+                refuse(a_key, a, b_key, b, "vlmcp writes, replaces and deletes step_N "
+                       "directories in publish.dir and never writes in rollouts.dir")
+                break
+    if rollouts and output and _within(output, rollouts):
+        refuse("output_dir", output, "rollouts.dir", rollouts,
+               "vlmcp never writes in rollouts.dir")
+    for key, path in (("rollouts.dir", rollouts), ("publish.dir", publish)):
+        for sub in ("checkpoints", "final"):
+            if path and output and _within(path, output / sub):
+                refuse(key, path, "output_dir", output / sub,
+                       f"vlmcp replaces and prunes OUTPUT_DIR/{sub}")
     return problems
 
 

@@ -336,8 +336,29 @@ class PublishSection:
         "current directory; null: off"))
     every: int = field(default=1, metadata=_key("publish after every N-th step", min=1))
     keep: int = field(default=0, metadata=_key(
-        "keep only the newest N published steps (older ones are deleted after each publish); "
-        "0 keeps all", min=0))
+        "keep only the newest N published steps (older ones are deleted after each publish, "
+        "never the step just published); 0 keeps all; 1 warns: keep enough steps to cover an "
+        "engine's reload", min=0))
+    sharded: bool = field(default=True, metadata=_key(
+        "every rank writes a balanced share of whole tensors into its own safetensors shard "
+        "(Hugging Face's sharded layout with model.safetensors.index.json; one "
+        "model.safetensors at world 1); false: rank 0 gathers the whole model and writes one "
+        "model.safetensors while the other ranks wait; not under LoRA (the adapter is small "
+        "and rank 0 writes it)"))
+    background: bool = field(default=True, metadata=_key(
+        "write a published step on a background thread while the next steps train, from a host "
+        "copy of each rank's share taken before the next optimizer step (STABLE once every "
+        "shard is on the disk; at most one publish in flight; a failed write stops the run at "
+        "the next step); needs publish.sharded; false: training waits for the write; not "
+        "under LoRA"))
+    buffer_mb: float = field(default=32768.0, metadata=_key(
+        "per rank, the largest share (MiB) of the weights kept in host memory for background "
+        "writes (allocated at the first publish, then reused); a rank whose share is larger "
+        "writes it before training on, as with background false (logged once)", min=0.0))
+    stop_wait_s: float = field(default=10.0, metadata=_key(
+        "on a stop signal, after the stop checkpoint: how long to wait for a background write "
+        "still in flight; past it the write is abandoned as .tmp-step_N, never read and "
+        "removed at the next start (docs/faults.md)", min=0.0))
 
 
 @dataclass

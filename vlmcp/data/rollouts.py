@@ -39,6 +39,9 @@ STABLE = "STABLE"
 META = "meta.json"
 #: What a step's data files end with.
 DATA_SUFFIXES = (".jsonl", ".json")
+#: The writer a published weights step names in its STABLE (`{"written_by": ...}`, written by
+#: vlmcp.training.publish); a rollout step's STABLE is its producer's and never says this.
+PUBLISHED_BY = "vlmcp publish"
 
 
 def step_dir(root: str | Path, step: int) -> Path:
@@ -52,6 +55,17 @@ def is_complete(path: str | Path) -> bool:
     never ends)."""
     path = Path(path)
     return (path / STABLE).is_file() or (path.exists() and not path.is_dir())
+
+
+def written_by_publish(path: str | Path) -> bool:
+    """Whether the directory's STABLE says vlmcp's publish wrote it: a step of published weights,
+    never a rollout step (only the marker's first 4 KiB are read)."""
+    try:
+        with (Path(path) / STABLE).open("rb") as handle:
+            raw = json.loads(handle.read(4096))
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and raw.get("written_by") == PUBLISHED_BY
 
 
 @dataclass(frozen=True)
@@ -100,6 +114,10 @@ def step_files(path: str | Path) -> list[Path]:
     """The data files of the step directory `path`, in name order. Raises DataError when it holds
     none, cannot be listed, or holds a data file name that is not a file."""
     path = Path(path)
+    if written_by_publish(path):
+        raise DataError(f"{path}: a step of published weights (its {STABLE} says "
+                        f"{PUBLISHED_BY!r} wrote it), not a rollout step: is rollouts.dir "
+                        "another run's publish.dir?")
     try:
         named = sorted(p for p in path.iterdir()
                        if p.name != META and p.name.endswith(DATA_SUFFIXES))

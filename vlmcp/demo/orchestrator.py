@@ -34,13 +34,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 from transformers import Qwen3_5ForConditionalGeneration
 
 from vlmcp.data.formats import parse_record
 from vlmcp.data.processor import VLProcessor
 from vlmcp.data.rollouts import META, STABLE, step_dir
 from vlmcp.training.evaluate import generation_prompt
+from vlmcp.training.hf_format import read_hf_weights
 from vlmcp.training.publish import published_steps
 
 #: Answers are a digit and <|im_end|>.
@@ -123,8 +123,9 @@ class Policy:
                       *range(len(processor.tokenizer), config.get_text_config().vocab_size)]
 
     def reload(self, published: Path, version: int) -> None:
-        """Load the weights of WEIGHTS/step_`version` into the running model."""
-        self.model.load_state_dict(load_file(published / "model.safetensors"), strict=True)
+        """Load the weights of WEIGHTS/step_`version` (one file or rank shards) into the running
+        model."""
+        self.model.load_state_dict(read_hf_weights(published), strict=True)
         self.version = version
 
     @torch.no_grad()

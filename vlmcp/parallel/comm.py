@@ -184,6 +184,28 @@ def all_gather_world(tensor: torch.Tensor) -> torch.Tensor:
     return torch.stack(parts).to(tensor.device)
 
 
+def gather_to_rank(tensor: torch.Tensor, dst: int,
+                   out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Every rank's `tensor` (same shape and dtype on all ranks, [N]) concatenated in global rank
+    order on global rank `dst`, None elsewhere: into `out` ([W * N], on any device) when given,
+    else into a fresh tensor (on `dst`'s GPU under NCCL). Only `dst` receives anything. No
+    autograd."""
+    moved = tensor.contiguous()
+    if not is_initialized() or world_size() == 1:
+        return (out if out is not None else torch.empty_like(moved)).copy_(moved)
+    if not tensor.is_cuda and dist.get_backend() == "nccl":
+        moved = tensor.to(torch.device("cuda", torch.cuda.current_device()))
+    flat = None
+    if rank() == dst:
+        flat = out if out is not None and out.device == moved.device else torch.empty(
+            world_size() * moved.numel(), dtype=moved.dtype, device=moved.device)
+    dist.gather(moved, gather_list=list(flat.chunk(world_size())) if flat is not None else None,
+                dst=dst)
+    if flat is not None and out is not None and flat is not out:
+        return out.copy_(flat)
+    return flat
+
+
 def broadcast_object(obj: Any) -> Any:
     """Global rank 0's `obj` (any picklable value; the other ranks pass None), on every rank of
     the world. No autograd; under NCCL the bytes travel through this rank's GPU."""

@@ -2,7 +2,9 @@
 
 A directory is written under a temporary name beside its final one and renamed into place when
 complete (a rename within one filesystem is atomic); a small file is written to a temporary file
-and `os.replace`d. Write failures are described for people: a full disk says "no space left on
+and `os.replace`d. `fsync_tree` flushes a finished directory's files and the directory itself to
+the disk before its marker and its rename, and `fsync_path` the parent after the rename, so that
+after a host crash a directory with its marker never holds a truncated file. Write failures are described for people: a full disk says "no space left on
 <mount point>" with the free and (when known) needed bytes, instead of the `basic_ios::clear:
 iostream error` that torch.save raises there.
 """
@@ -26,6 +28,26 @@ def write_text_atomic(path: Path, text: str) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
+
+
+def fsync_path(path: Path) -> None:
+    """Flush `path` (a file, or a directory's entries) to the disk."""
+    handle = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
+
+
+def fsync_tree(directory: Path) -> None:
+    """Flush every file under `directory`, then each directory of it, the top last."""
+    paths = sorted(directory.rglob("*"))
+    for path in paths:
+        if path.is_file():
+            fsync_path(path)
+    for path in sorted((p for p in paths if p.is_dir()), reverse=True):
+        fsync_path(path)
+    fsync_path(directory)
 
 
 def replace_dir(tmp: Path, final: Path) -> None:

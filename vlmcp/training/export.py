@@ -22,8 +22,10 @@ from vlmcp.config import JobConfig
 from vlmcp.model.load import load_model
 from vlmcp.parallel import comm
 from vlmcp.training.checkpoint import checkpoint_dir, newest_complete
-from vlmcp.training.hf_format import hf_key_prefixes, save_hf, to_hf_keys, write_on_rank0
+from vlmcp.training.hf_format import hf_key_prefixes, save_hf, to_hf_keys, write_model_config
 from vlmcp.training.lora_export import export_lora
+from vlmcp.training.sharded_write import ShardedWrite
+from vlmcp.training.shards import SharePlan, gather_share
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +36,8 @@ _MODEL_STATES_FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_
 def engine_hf_state_dict(engine, module: nn.Module, hf_model: nn.Module) -> dict[str, torch.Tensor] | None:
     """The full HF state dict of the live model on rank 0 (None elsewhere). Call on every rank.
 
-    Under ZeRO-3 the partitioned parameters are gathered one layer at a time.
+    Under ZeRO-3 the partitioned parameters are gathered one layer at a time. The single-writer
+    publish (`publish.sharded: false`) writes this with save_pretrained.
     """
     if engine.zero_optimization_partition_weights():
         trained = engine._zero3_consolidated_16bit_state_dict()
@@ -47,20 +50,26 @@ def engine_hf_state_dict(engine, module: nn.Module, hf_model: nn.Module) -> dict
     return state
 
 
-def save_final(engine, module: nn.Module, hf_model: PreTrainedModel, source_dir: str | Path,
+def save_final(engine, hf_model: PreTrainedModel, source_dir: str | Path,
                out_dir: str | Path) -> Path:
-    """Write the trained model to `out_dir` in HF format (rank 0 writes; call on every rank).
+    """Write the trained model to `out_dir` in HF format, every rank its share of whole tensors
+    into its own shard (training/sharded_write.py, training/shards.py; one
+    model.safetensors at world 1); call on every rank.
 
-    Every rank raises CheckpointError when rank 0 could not write it (nothing half-written
-    stays, and the run's checkpoints are untouched).
+    Every rank raises CheckpointError when any rank could not write (nothing half-written stays,
+    and the run's checkpoints are untouched).
     """
-    state = engine_hf_state_dict(engine, module, hf_model)
-
-    def write() -> None:
-        save_hf(hf_model, state, source_dir, out_dir)
-        logger.info("saved the trained model (Hugging Face format) to %s", out_dir)
-
-    write_on_rank0(state, write)
+    plan = SharePlan.of(hf_model, comm.world_size())
+    write = ShardedWrite.begin(out_dir, plan, what="model",
+                               replaceable=lambda path: (path / "config.json").is_file())
+    share = gather_share(engine, hf_model, plan, comm.rank())
+    write.start(share, background=False,
+                extra=lambda tmp: write_model_config(hf_model, source_dir, tmp))
+    del share
+    write.settle(wait=True)
+    if comm.rank() == 0:
+        logger.info("saved the trained model (Hugging Face format, %d shards) to %s",
+                    len(plan.files), out_dir)
     return Path(out_dir)
 
 

@@ -16,10 +16,12 @@ every micro-batch that each could load it, so a pack that fails on one rank stop
 
 After each step, the ranks first agree on a stop signal (training/signals.py): a stopped run
 checkpoints and exits before anything optional. Then, with `publish.dir`, the weights are
-published after every `publish.every`-th step (training/publish.py); a failed publish checkpoints
-the trained steps before it raises, and a resumed run publishes its start step first when that
-step is due and not in publish.dir (so every trained step that is due gets published, by its run
-or the resumed one). Then evaluation, then the periodic checkpoint. A failure on one rank alone
+published after every `publish.every`-th step (training/publish.py), a background write checked
+at every step boundary and waited for after the last step (on a stop, for at most
+publish.stop_wait_s, after the stop checkpoint); a failed publish checkpoints the trained steps
+before it raises, and a resumed run publishes its start step first when that step is due and not
+in publish.dir (so every trained step that is due gets published, by its run or the resumed one).
+Then evaluation, then the periodic checkpoint. A failure on one rank alone
 where the others would wait (a metrics row rank 0 cannot write, a pack that fails to load with
 any exception) is agreed (`parallel.agree.run_together`) and raised on every rank.
 
@@ -38,6 +40,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,7 +155,8 @@ def start_run(job: JobConfig) -> Run:
                step_packs=None if job.rollouts.dir else _step_packs(job, preflight, sp,
                                                                     reference),
                rollouts=RolloutSteps(job, preflight.processor, sp) if job.rollouts.dir else None,
-               publisher=Publisher(job, engine, module, adapter) if job.publish.dir else None,
+               publisher=(Publisher(job, engine, module, adapter, start_step)
+                          if job.publish.dir else None),
                metrics=run_together(
                    lambda: MetricsWriter(job.output_dir, enabled=comm.rank() == 0,
                                          start_step=start_step),
@@ -327,7 +331,7 @@ def train(job: JobConfig) -> Run:
                 save_final_adapter(run.module, run.adapter, job.resolve_input(job.model.path),
                                    f"{job.output_dir}/final")
             else:
-                save_final(run.engine, run.module, run.module.hf_model,
+                save_final(run.engine, run.module.hf_model,
                            job.resolve_input(job.model.path), f"{job.output_dir}/final")
     logger.info("done: %d steps; metrics in %s/metrics.jsonl, checkpoints in %s",
                 job.train.max_steps, job.output_dir, checkpoint_dir(job))
@@ -376,9 +380,14 @@ def _keep_trained_steps(run: Run, step: int, saver: _Saver) -> str:
 
 def _stop(run: Run, signum: int, step: int, saver: _Saver, when: str) -> None:
     """End the run on the agreed stop signal `signum` after `step` completed steps: checkpoint
-    them, then (rank 0) the metrics row and OUTPUT_DIR/stopped.json that tell a clean stop from a
-    failure (training/signals.py); raises StopRequested on every rank."""
+    them, give a background publish in flight publish.stop_wait_s, then (rank 0) the metrics row
+    and OUTPUT_DIR/stopped.json, written last, that tell a clean stop from a failure
+    (training/signals.py); raises StopRequested on every rank."""
     kept = _keep_trained_steps(run, step, saver)
+    if run.publisher is not None:
+        # the write in flight gets publish.stop_wait_s, then is abandoned as its .tmp- directory
+        for row in run.publisher.close(run.job.publish.stop_wait_s):
+            _write_row(run, row)
     checkpoint = None if saver.saved_step != step else str(checkpoint_dir(run.job) / f"step{step}")
     _write_row(run, stop_row(signum, step, checkpoint))
     run_together(lambda: write_stop_marker(run.job.output_dir, signum, step, checkpoint)
@@ -402,20 +411,40 @@ def _wait_for_rollout(run: Run, step: int, stop: StopSignals, watchdog: Watchdog
                        if comm.rank() == 0 else [])
 
 
-def _publish(run: Run, done: int, watchdog: Watchdog, saver: _Saver) -> None:
-    """Publish the weights after `done` steps and write the publish row (call on every rank).
-    A publish that fails (CheckpointError, on every rank) keeps the trained steps first: the
-    error says where the checkpoint of step `done` is, and the resumed run publishes that step
-    before it trains the next."""
+def _publishing(run: Run, done: int, watchdog: Watchdog, saver: _Saver,
+                actions: Callable[[], list[dict[str, Any]]]) -> None:
+    """Run the publisher's `actions` after `done` completed steps (call on every rank) and write
+    the rows of the publishes that completed. A failed publish (CheckpointError on every rank;
+    also a background write of an earlier step) keeps the trained steps first: the error says
+    where the checkpoint of step `done` is, and when `done` is due, that the resumed run publishes
+    it before it trains the next."""
     try:
-        with watchdog.watch(f"publishing the weights of step {done}"):
-            row = run.publisher.publish(done)
+        with watchdog.watch(f"publishing after step {done}"):
+            rows = actions()
     except CheckpointError as exc:
         kept = _keep_trained_steps(run, done, saver)
-        lines = exc.problems[:-1] + [f"{exc.problems[-1]}; {kept} (the resumed run publishes "
-                                     f"step {done} first)"] if exc.problems else []
+        if run.publisher.due(done):
+            kept += f" (the resumed run publishes step {done} first)"
+        lines = exc.problems[:-1] + [f"{exc.problems[-1]}; {kept}"] if exc.problems else []
         raise CheckpointError(lines) from exc
-    _write_row(run, row)
+    for row in rows:
+        _write_row(run, row)
+
+
+def _publish_boundary(run: Run, done: int, watchdog: Watchdog, saver: _Saver) -> None:
+    """After step `done` (every rank): the rows of the background writes that completed, the
+    publish of `done` when it is due, and after the last step the wait for the write in flight."""
+    publisher = run.publisher
+
+    def actions() -> list[dict[str, Any]]:
+        rows = publisher.check()
+        if publisher.due(done):
+            rows += publisher.publish(done)
+        if done == run.job.train.max_steps:
+            rows += publisher.close()
+        return rows
+
+    _publishing(run, done, watchdog, saver, actions)
 
 
 def _publish_pending(run: Run, watchdog: Watchdog, saver: _Saver) -> None:
@@ -431,13 +460,20 @@ def _publish_pending(run: Run, watchdog: Watchdog, saver: _Saver) -> None:
         if comm.rank() == 0:
             logger.info("publishing the weights of step %d, which the stopped run had not "
                         "published", run.start_step)
-        _publish(run, run.start_step, watchdog, saver)
+        _publishing(run, run.start_step, watchdog, saver,
+                    lambda: run.publisher.publish(run.start_step))
 
 
 def _train_loop(run: Run, stop: StopSignals, watchdog: Watchdog) -> None:
     progress = _progress(run)
     try:
         _run_steps(run, stop, watchdog, progress)
+    except BaseException:
+        # One rank may fail alone here: no collective, the write in flight is abandoned (a stop
+        # has settled it already, in `_stop`).
+        if run.publisher is not None:
+            run.publisher.close(agreed=False)
+        raise
     finally:
         # Also when a step raises: the bar ends its line before the error lines are printed.
         if progress is not None:
@@ -489,8 +525,8 @@ def _run_steps(run: Run, stop: StopSignals, watchdog: Watchdog, progress: Any) -
         signum = stop.agreed()
         if signum:
             _stop(run, signum, done, saver, f"after step {done}")
-        if run.publisher is not None and run.publisher.due(done):
-            _publish(run, done, watchdog, saver)
+        if run.publisher is not None:
+            _publish_boundary(run, done, watchdog, saver)
         if train_cfg.eval_every and (done % train_cfg.eval_every == 0 or done == train_cfg.max_steps):
             with watchdog.watch(f"evaluation after step {done}"):
                 eval_row = evaluation_row(run, done)

@@ -84,7 +84,7 @@ def save_final_adapter(module: nn.Module, peft_model: PeftModel, source_dir: str
         save_adapter(peft_model, state, source_dir, out_dir)
         logger.info("saved the LoRA adapter (PEFT format) to %s", out_dir)
 
-    write_on_rank0(state, write)
+    write_on_rank0(state, write, out_dir)
     return Path(out_dir)
 
 

@@ -42,6 +42,7 @@ from vlmcp.data.index import LengthIndex
 from vlmcp.data.index_cache import IndexResult, default_cache_dir, obtain_index
 from vlmcp.data.mixture import draws_per_epoch
 from vlmcp.data.processor import VLProcessor, load_processor
+from vlmcp.data.rollouts import PUBLISHED_BY, written_by_publish
 from vlmcp.data.sources import DataFile, data_files
 from vlmcp.device import compute_device
 from vlmcp.errors import ConfigError, KernelError, ModelLoadError, ProcessorError
@@ -56,6 +57,7 @@ from vlmcp.training.checkpoint import checkpoint_dir, checkpoint_tags, latest_ta
 from vlmcp.training.ds.blocks import offloads_optimizer
 from vlmcp.training.ds.config import fill_deepspeed_config, load_deepspeed_config, zero_stage
 from vlmcp.training.objective_step import objective_problems, token_array_names
+from vlmcp.training.publish import step_dirs
 from vlmcp.training.reference import reference_problems
 
 
@@ -196,6 +198,30 @@ def _check_resume(job: JobConfig, report: Preflight) -> None:
                                "train.resume=true to continue it, or choose another output_dir")
 
 
+def _check_publish_dir(job: JobConfig, report: Preflight) -> None:
+    """publish.dir of a training run: a fresh run refuses one that holds steps (an earlier run's
+    published weights, or another's step directories), as it refuses an earlier run's output_dir;
+    a resume refuses step directories vlmcp's publish did not write (it sets aside its own
+    steps beyond the checkpoint itself, training/publish.py). Warns on publish.keep 1."""
+    root = Path(job.publish.dir).absolute()
+    steps = step_dirs(root)
+    foreign = sorted(n for n, path in steps.items() if not written_by_publish(path))
+    if foreign:
+        report.problems.append(
+            f"config key 'publish.dir': {root} holds step directories that vlmcp's publish did "
+            f"not write (step_{foreign[0]}{', ...' if len(foreign) > 1 else ''}: no STABLE naming "
+            f"{PUBLISHED_BY!r}); is it a rollouts.dir? choose an empty or new publish.dir")
+    elif steps and not job.train.resume:
+        report.problems.append(
+            f"config key 'publish.dir': {root} already holds the published weights of an "
+            f"earlier run (newest: step_{max(steps)}); set train.resume=true to continue it, or "
+            "choose another publish.dir (or empty it)")
+    if job.publish.keep == 1 and comm.rank() == 0:
+        logger.warning("publish.keep=1: each publish deletes the previous step, which an engine "
+                       "may still be loading; keep at least 2 (enough steps to cover the "
+                       "engine's load time, docs/rl-loop.md)")
+
+
 def _check_writable(key: str, directory: str, report: Preflight) -> None:
     """`directory`, or the nearest directory above it that exists, accepts a new file (a probe
     file, removed again; nothing is created for a directory that does not exist yet)."""
@@ -321,6 +347,8 @@ def run_preflight(job: JobConfig, world_size: int, *, index_role: str = "build",
         _check_writable("publish.dir", job.publish.dir, report)
     if training:
         _check_resume(job, report)
+        if job.publish.dir:
+            _check_publish_dir(job, report)
         if job.rollouts.dir:
             _check_rollouts(job, report)
     if report.processor is not None and _check_image_root(job, report) and index_role != "skip":

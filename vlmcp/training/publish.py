@@ -2,23 +2,56 @@
 
     WEIGHTS/                    publish.dir
         step_4/                 the weights after optimizer step 4 (policy version 4): a Hugging
-                                Face model directory (config.json, model.safetensors,
-                                generation_config.json, the tokenizer, chat template and
+                                Face model directory (config.json, generation_config.json,
+                                model-0000R-of-0000W.safetensors, one per rank, and
+                                model.safetensors.index.json; one model.safetensors at world 1
+                                or with publish.sharded false; the tokenizer, chat template and
                                 processor files of model.path), or under LoRA the PEFT adapter
                                 directory (adapter_config.json, adapter_model.safetensors, the
                                 same tokenizer and processor files)
-            STABLE              written last: {"step": 4, "bytes": ...}
+            STABLE              written last: {"step": 4, "bytes": ..., "written_by": "vlmcp publish"}
         step_8/
         .tmp-step_12/           being written; never a published step
+        .set-aside/run-<time>/step_9/   set aside by a resume from an earlier checkpoint
 
-After every `publish.every`-th step, every rank calls `Publisher.publish`: the weights are gathered
-as for the final export (under ZeRO-3 layer by layer onto rank 0; under LoRA the adapters only),
-and rank 0 fills WEIGHTS/.tmp-step_N/, writes STABLE last and renames the directory to step_N
-(`hf_format.write_dir_atomically`; a rename within one filesystem is atomic). So a reader that
-finds step_N finds all of it; one that also checks for STABLE is safe where renames are not atomic.
-Then rank 0 removes the complete steps older than the newest `publish.keep` (each renamed away
-first, then deleted): never a `.tmp-` one being written, never one without STABLE.
+After every `publish.every`-th step, every rank calls `Publisher.publish`. With publish.sharded
+(the default) each rank takes its share of whole tensors (training/shards.py: under ZeRO-3 every
+rank joins each gather and keeps its own tensors) and writes it into its own shard of
+WEIGHTS/.tmp-step_N/; rank 0 writes the config and processor files, and once every shard is on
+the disk the index, STABLE last, and renames the directory to step_N (training/sharded_write.py;
+a rename within one filesystem is atomic). With publish.sharded false, rank 0 gathers the whole
+model and writes it with save_pretrained (`hf_format.write_dir_atomically`); under LoRA rank 0
+writes the adapter that way. So a reader that finds step_N finds all of it; one that also checks
+for STABLE is safe where renames are not atomic. Files are flushed to the disk before STABLE,
+and the directory before and after the rename.
+
+With publish.background (the default, with sharded), `publish` returns once this rank's share
+is copied to host memory, before the next optimizer step can change a parameter, and a thread
+writes it while the next steps train; the copy is gathered on the main thread, and the thread
+only writes files. At most one publish is in flight: the next one first waits for it (logged,
+`publish_wait_s` in its row). Every rank calls `check` at every step boundary: one small
+all-reduce tells all ranks whether every shard of the step in flight is written, and a failed
+write raises CheckpointError on every rank there (the loop checkpoints first). A rank whose
+share exceeds publish.buffer_mb writes it before returning, as without background. `close` ends
+the run's publishing: at the end of training it waits for the write in flight; on a stop it
+waits at most publish.stop_wait_s and otherwise abandons the write as its `.tmp-` directory;
+after another error (a rank may be alone) it abandons it without talking to the other ranks.
+The row of a publish, {"step", "published", "publish_s" (on the critical path), "publish_total_s",
+"publish_bytes"}, is returned when the publish completes: by `publish` itself when it is
+synchronous, by a later `check`, `publish` or `close` when it is not.
+
+Then rank 0 removes the published steps older than the newest `publish.keep` (each renamed away
+first, then deleted): never the step just published, never a `.tmp-` one being written, never a
+directory whose STABLE does not name vlmcp's publish as its writer (`written_by`; a rollout
+step's STABLE never does, so the two kinds of step can never be taken for each other).
 A failed write raises CheckpointError on every rank; nothing half-written stays.
+
+At the start (`Publisher(...)`), rank 0 removes the `.tmp-step_*` and `.old-step_*` directories
+an interrupted run left behind (a network filesystem can keep them), and a resume at step S sets
+aside the published steps beyond S (a crashed run can publish steps after its last checkpoint:
+weights of a timeline the resume does not continue) by renaming them into
+`.set-aside/run-<UTC time>/`, where no engine looking for `step_N` finds them. A fresh run
+refuses a publish.dir that already holds steps (training/preflight.py).
 """
 
 from __future__ import annotations
@@ -27,85 +60,265 @@ import json
 import logging
 import re
 import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from vlmcp.config import JobConfig
-from vlmcp.data.rollouts import STABLE, is_complete
+from vlmcp.data.rollouts import PUBLISHED_BY, STABLE, written_by_publish
 from vlmcp.model.packed import PackedVLM
+from vlmcp.errors import CheckpointError
 from vlmcp.parallel import comm
+from vlmcp.parallel.agree import fail_together
 from vlmcp.training.atomic import dir_size, remove_quietly, write_text_atomic
 from vlmcp.training.export import engine_hf_state_dict
-from vlmcp.training.hf_format import state_bytes, write_dir_atomically, write_hf_files, \
-    write_on_rank0
+from vlmcp.training.hf_format import (state_bytes, write_dir_atomically, write_hf_files,
+                                      write_model_config, write_on_rank0)
+from vlmcp.training.sharded_write import ShardedWrite
+from vlmcp.training.shards import SharePlan, gather_share
 from vlmcp.training.lora_export import trained_state_dict, write_adapter_files
 
 logger = logging.getLogger(__name__)
 
 _STEP = re.compile(r"^step_(\d+)$")
+#: Leftovers of an interrupted write or prune, removed at the start of a run.
+_STALE = re.compile(r"^\.(tmp|old)-step_\d+$")
+#: Where a resume sets aside the published steps beyond its checkpoint.
+SET_ASIDE = ".set-aside"
+
+
+def step_dirs(directory: str | Path) -> dict[int, Path]:
+    """{N: path} of every `step_N` directory in `directory` (published or not)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return {}
+    return {int(m.group(1)): p for p in directory.iterdir()
+            if p.is_dir() and (m := _STEP.match(p.name))}
 
 
 def published_steps(directory: str | Path) -> list[int]:
-    """The complete (STABLE) published steps in `directory`, newest first."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    return sorted((int(m.group(1)) for p in directory.iterdir()
-                   if p.is_dir() and (m := _STEP.match(p.name)) and is_complete(p)), reverse=True)
+    """The complete published steps in `directory` (their STABLE names vlmcp's publish), newest
+    first."""
+    return sorted((step for step, path in step_dirs(directory).items()
+                   if written_by_publish(path)), reverse=True)
+
+
+@dataclass
+class _InFlight:
+    """A publish not yet settled: its step, directory, start (perf_counter), the seconds it
+    waited for the previous one, and its rank-parallel write (None: written on rank 0)."""
+
+    step: int
+    out: Path
+    started: float
+    waited_s: float
+    write: ShardedWrite | None
+    #: Seconds `publish` took on the main thread, when the write went on in the background.
+    critical_s: float | None = None
 
 
 class Publisher:
     """Writes WEIGHTS/step_N of the live run (see the module docstring)."""
 
-    def __init__(self, job: JobConfig, engine: Any, module: PackedVLM, adapter: Any = None):
+    def __init__(self, job: JobConfig, engine: Any, module: PackedVLM, adapter: Any = None,
+                 start_step: int = 0):
+        """Call on every rank, before the first step: rank 0 clears what an interrupted run left
+        in publish.dir and sets aside the published steps beyond `start_step` (the module
+        docstring); every rank raises CheckpointError when it cannot."""
         self.root = Path(job.publish.dir).absolute()
         self.every = job.publish.every
         self.keep = job.publish.keep
         self.source_dir = job.resolve_input(job.model.path)
         self.engine, self.module, self.adapter = engine, module, adapter
+        self.sharded = job.publish.sharded
+        self.background = job.publish.sharded and job.publish.background and adapter is None
+        self.buffer_bytes = int(job.publish.buffer_mb * 2**20)
+        self._plan: SharePlan | None = None
+        #: This rank's host copy of its share for background writes, reused from publish to
+        #: publish (the previous write has finished before the next copy).
+        self._staging: dict[str, torch.Tensor] = {}
+        self._inflight: _InFlight | None = None
+        self._warned_buffer = False
+        problems = []
+        if comm.rank() == 0:
+            try:
+                self._clear_leftovers(start_step)
+            except OSError as exc:
+                problems.append(f"publish.dir: cannot clear {self.root} for this run: {exc}")
+        fail_together(problems, CheckpointError)
+
+    def _clear_leftovers(self, start_step: int) -> None:
+        """Rank 0: remove stale `.tmp-`/`.old-` steps; set aside published steps > start_step."""
+        if not self.root.is_dir():
+            return
+        for path in self.root.iterdir():
+            if _STALE.match(path.name):
+                remove_quietly(path)
+                logger.info("removed %s, left by an interrupted publish", path)
+        ahead = sorted(step for step in published_steps(self.root) if step > start_step)
+        if not ahead:
+            return
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+        aside = self.root / SET_ASIDE / f"run-{stamp}"
+        aside.mkdir(parents=True)
+        for step in ahead:
+            (self.root / f"step_{step}").rename(aside / f"step_{step}")
+        logger.warning("publish.dir: resuming at step %d, set aside the published steps %s (a "
+                       "timeline ahead of the checkpoint) to %s", start_step,
+                       ", ".join(map(str, ahead)), aside)
 
     def due(self, done: int) -> bool:
         """Whether the weights after `done` completed steps are published."""
         return done % self.every == 0
 
-    def publish(self, done: int) -> dict[str, Any]:
-        """Publish the weights after `done` steps (call on every rank); returns the metrics row
-        {"step", "published", "publish_s", "publish_bytes"} (meaningful on rank 0)."""
+    def publish(self, done: int) -> list[dict[str, Any]]:
+        """Publish the weights after `done` steps (call on every rank, right after the optimizer
+        step); returns the rows of the publishes that completed meanwhile (meaningful on rank 0),
+        this one's too when it is synchronous."""
         started = time.perf_counter()
+        rows: list[dict[str, Any]] = []
+        waited = 0.0
+        if self._inflight is not None:
+            previous = self._inflight.step
+            rows += self._settle(wait=True)
+            waited = time.perf_counter() - started
+            if comm.rank() == 0:
+                logger.info("the publish of step %d waited %.2f s for the write of step %d, "
+                            "still in flight (at most one publish is)", done, waited, previous)
         out = self.root / f"step_{done}"
+        if self.adapter is not None or not self.sharded:
+            self._publish_on_rank0(done, out)
+            self._inflight = _InFlight(done, out, started, waited, None)
+            rows += self._settle(wait=True)
+            return rows
+        plan = self._share_plan()
+        write = ShardedWrite.begin(out, plan, what="published weights",
+                                   replaceable=written_by_publish,
+                                   seal=lambda tmp: self._mark(tmp, done, plan.total_size),
+                                   after=lambda _: self._prune(done))
+        background = self.background and plan.bytes_of(comm.rank()) <= self.buffer_bytes
+        if self.background and not background and not self._warned_buffer:
+            self._warned_buffer = True
+            logger.warning("rank %d: its share of the weights (%d MiB) exceeds publish.buffer_mb="
+                           "%g, so it writes it before training on", comm.rank(),
+                           plan.bytes_of(comm.rank()) >> 20, self.buffer_bytes / 2**20)
+        hf_model = self.module.hf_model
+        share = gather_share(self.engine, hf_model, plan, comm.rank(),
+                             self._staging if background else None)
+        write.start(share, background=background,
+                    extra=lambda tmp: write_model_config(hf_model, self.source_dir, tmp))
+        del share
+        self._inflight = _InFlight(done, out, started, waited, write)
+        if not self.background:
+            rows += self._settle(wait=True)
+        else:
+            self._inflight.critical_s = time.perf_counter() - started
+        return rows
+
+    def check(self) -> list[dict[str, Any]]:
+        """At a step boundary (call on every rank): the rows of the publishes that completed;
+        CheckpointError on every rank when a background write failed."""
+        return self._settle(wait=False) if self._inflight is not None else []
+
+    def close(self, stop_wait_s: float | None = None, *, agreed: bool = True
+              ) -> list[dict[str, Any]]:
+        """End the run's publishing. `stop_wait_s` None (the end of training, every rank): wait
+        for the write in flight, as `check`. A number (a stop every rank agreed on): wait at most
+        that long for it, else abandon it as its `.tmp-` directory. `agreed` False (an error
+        that one rank may have alone): abandon it at once, with no collective."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is None or inflight.write is None:
+            return []
+        if not agreed:
+            inflight.write.abandon()
+            return []
+        if stop_wait_s is None:
+            self._inflight = inflight
+            return self._settle(wait=True)
+        problem = inflight.write.settle_within(stop_wait_s)
+        if problem:
+            logger.error("rank %d: the publish of step %d failed while stopping: %s",
+                         comm.rank(), inflight.step, problem)
+        if inflight.write.complete:
+            return [self._row(inflight)]
+        if comm.rank() == 0:
+            logger.warning("stopping: abandoned the publish of step %d after publish.stop_wait_s="
+                           "%g s; %s is never read and the next start removes it", inflight.step,
+                           stop_wait_s, inflight.write.tmp)
+        return []
+
+    def _settle(self, wait: bool) -> list[dict[str, Any]]:
+        inflight = self._inflight
+        if inflight.write is not None:
+            try:
+                complete = inflight.write.settle(wait)
+            except CheckpointError:
+                self._inflight = None
+                raise
+            if not complete:
+                return []
+        self._inflight = None
+        return [self._row(inflight)]
+
+    def _row(self, inflight: _InFlight) -> dict[str, Any]:
+        row: dict[str, Any] = {"step": inflight.step, "published": str(inflight.out)}
+        if comm.rank() != 0:
+            return row
+        finished = inflight.write.finished_at if inflight.write is not None else None
+        total = (finished or time.perf_counter()) - inflight.started
+        critical = inflight.critical_s if inflight.critical_s is not None else total
+        row.update({"publish_s": critical, "publish_total_s": total,
+                    "publish_bytes": dir_size(inflight.out)})
+        if inflight.waited_s:
+            row["publish_wait_s"] = inflight.waited_s
+        logger.info("published the weights of step %d to %s (%d bytes, %.2f s, %.2f s of them "
+                    "on the training's critical path)", inflight.step, inflight.out,
+                    row["publish_bytes"], total, critical)
+        return row
+
+    def _share_plan(self) -> SharePlan:
+        if self._plan is None:
+            self._plan = SharePlan.of(self.module.hf_model, comm.world_size())
+        return self._plan
+
+    def _publish_on_rank0(self, done: int, out: Path) -> None:
+        """Rank 0 writes the whole step with save_pretrained (the adapter under LoRA), every
+        rank waiting; CheckpointError on every rank when it failed."""
         if self.adapter is not None:
             state = trained_state_dict(self.module, self.adapter.base_model.model)
 
             def fill(tmp: Path) -> None:
                 write_adapter_files(self.adapter, state, self.source_dir, tmp)
-                self._mark(tmp, done, state)
         else:
             state = engine_hf_state_dict(self.engine, self.module, self.module.hf_model)
 
             def fill(tmp: Path) -> None:
                 write_hf_files(self.module.hf_model, state, self.source_dir, tmp)
-                self._mark(tmp, done, state)
 
-        write_on_rank0(state, lambda: write_dir_atomically(out, STABLE, "published weights",
-                                                           fill, state_bytes(state)))
-        row: dict[str, Any] = {"step": done, "published": str(out)}
-        if comm.rank() == 0:
-            self._prune()
-            row.update({"publish_s": time.perf_counter() - started,
-                        "publish_bytes": dir_size(out)})
-            logger.info("published the weights of step %d to %s (%d bytes, %.2f s)", done, out,
-                        row["publish_bytes"], row["publish_s"])
-        return row
+        def write() -> None:
+            if out.exists() and not written_by_publish(out):
+                raise CheckpointError([f"publishing step {done}: {out} exists and was not "
+                                       "written by vlmcp's publish; it is left as it is"])
+            write_dir_atomically(out, STABLE, "published weights", fill, state_bytes(state),
+                                 seal=lambda tmp: self._mark(tmp, done, state_bytes(state)))
+            self._prune(done)
+
+        write_on_rank0(state, write, out)
 
     @staticmethod
-    def _mark(tmp: Path, done: int, state: dict) -> None:
-        write_text_atomic(tmp / STABLE, json.dumps({"step": done, "bytes": state_bytes(state)}))
+    def _mark(tmp: Path, done: int, weight_bytes: int) -> None:
+        write_text_atomic(tmp / STABLE, json.dumps({"step": done, "bytes": weight_bytes,
+                                                    "written_by": PUBLISHED_BY}))
 
-    def _prune(self) -> None:
-        """Rank 0: remove the complete published steps beyond the newest `keep`."""
+    def _prune(self, done: int) -> None:
+        """Rank 0: remove the published steps older than the newest `keep` up to `done` (the step
+        just published, which is always kept)."""
         if not self.keep:
             return
-        for step in published_steps(self.root)[self.keep:]:
+        for step in [s for s in published_steps(self.root) if s <= done][self.keep:]:
             path = self.root / f"step_{step}"
             gone = path.with_name(f".old-{path.name}")
             try:

@@ -1,0 +1,177 @@
+"""`vlmcp bench --publish`: what publishing the weights costs the training, three ways.
+
+One fresh world of `--sp-size` ranks (default 2) trains a tiny-architecture Qwen3.5 scaled up in
+width (`--hidden-size`, default 2048, with `--intermediate-size`, default 4 x hidden: about
+0.8 GB of fp32 weights at 4 layers) under ZeRO-3 (`--publish-zero`) with SGD on a few 64-token
+samples, and after each step publishes its weights, in turn:
+
+    serial       publish.sharded false: rank 0 gathers the whole model and writes it with
+                 save_pretrained while the others wait (the publish before rank-parallel shards)
+    parallel     publish.sharded, background false: every rank writes its own shard
+    background   publish.sharded and background: each rank copies its share and a thread writes
+                 it while the next steps train (they run until the step is in place)
+
+For each, `--repeats` times (interleaved, after one untimed round, which allocates the background
+way's staging buffers as a run's first publish does): `critical_s`, the time the training waited (the
+slowest rank's time in `Publisher.publish`; what a step grows by), `total_s` (until step_N was in
+place, rank 0), and rank 0's resident set: `rank0_peak_rss_mb` (VmHWM, reset right before the
+publish, read when `publish` returns for the synchronous ways, and once the step is in place for
+the background way, so that one also holds the training steps that ran meanwhile) and
+`rank0_rss_before_mb`, and their difference `rank0_rss_increase_mb` (what the publish added; the
+allocator may reuse memory the training already holds, so small publishes add little; the
+background way's staging buffers are resident before it starts, in `rank0_rss_before_mb`). Each
+value is given as min / median / max over the repeats; the ratios compare medians with the serial
+way's. The weights' bytes are those of the published files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vlmcp.bench.procs import Memory, run_fresh
+from vlmcp.parallel import comm
+
+#: The ways published, and the publish keys each sets.
+WAYS = {"serial": {"sharded": False}, "parallel": {"sharded": True, "background": False},
+        "background": {"sharded": True, "background": True}}
+#: Width and vocabulary of the benched model unless --hidden-size, --vocab-size say otherwise.
+DEFAULT_HIDDEN = 2048
+DEFAULT_VOCAB = 512
+_SAMPLES, _SAMPLE_LEN = 8, 32
+
+
+def _tokens_data(path: Path) -> Path:
+    """A few tokens-format samples of `_SAMPLE_LEN` tokens (half of each a target), of ids every
+    tiny tokenizer has (its byte-level alphabet)."""
+    generator = torch.Generator().manual_seed(0)
+    lines = []
+    for _ in range(_SAMPLES):
+        ids = torch.randint(8, 256, (_SAMPLE_LEN,), generator=generator).tolist()
+        half = _SAMPLE_LEN // 2
+        lines.append(json.dumps({"input_ids": ids, "labels": [-100] * half + ids[half:]}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@dataclass(frozen=True)
+class PublishTask:
+    """One world: train and publish every way `repeats` times; returns rank 0's row."""
+
+    job: dict
+    scratch: str
+    repeats: int
+
+    def run(self, device: torch.device) -> dict[str, Any]:
+        from vlmcp.config import job_from_dict
+        from vlmcp.training.loop import start_run, train_step
+        from vlmcp.training.publish import Publisher
+
+        job = job_from_dict(self.job)
+        run = start_run(job)
+        run.engine.train()
+        memory = Memory(device)
+        step = 0
+        train_step(run, step)
+        step += 1
+        samples: dict[str, list[dict[str, float]]] = {way: [] for way in WAYS}
+        publishers = {way: Publisher(dataclasses.replace(job, publish=dataclasses.replace(
+            job.publish, dir=str(Path(self.scratch, way)), **keys)), run.engine, run.module,
+            start_step=step) for way, keys in WAYS.items()}
+        weight_bytes = 0
+        for repeat in range(self.repeats + 1):  # the first round warms the staging buffers
+            for way, publisher in publishers.items():
+                rss_before = memory.current_mb()
+                memory.reset_peak()
+                started = time.perf_counter()
+                rows = publisher.publish(step)
+                critical = time.perf_counter() - started
+                steps_meanwhile = 0
+                while not rows:
+                    train_step(run, step)
+                    step += 1
+                    steps_meanwhile += 1
+                    rows = publisher.check()
+                peak = memory.peak_mb()
+                slowest = torch.tensor([critical], dtype=torch.float64)
+                comm.all_reduce_max(slowest)
+                if comm.rank() == 0:
+                    weight_bytes = rows[0]["publish_bytes"]
+                    if repeat:
+                        samples[way].append({"critical_s": float(slowest[0]),
+                                             "total_s": rows[0]["publish_total_s"],
+                                             "rank0_peak_rss_mb": peak,
+                                             "rank0_rss_before_mb": rss_before,
+                                             "rank0_rss_increase_mb": peak - rss_before,
+                                             "steps_meanwhile": steps_meanwhile})
+                    shutil.rmtree(rows[0]["published"], ignore_errors=True)
+                comm.barrier()
+                train_step(run, step)  # the next publish is of other weights
+                step += 1
+        comm.shutdown()
+        return {"published_bytes": weight_bytes, "ways": samples}
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"min": round(min(values), 3), "median": round(statistics.median(values), 3),
+            "max": round(max(values), 3)}
+
+
+def _summary(ways: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
+    summary = {way: {key: _spread([s[key] for s in runs]) for key in runs[0]}
+               for way, runs in ways.items()}
+    serial = summary["serial"]
+
+    def ratio(way: str, key: str) -> float:
+        return round(summary[way][key]["median"] / serial[key]["median"], 3)
+
+    summary["ratios"] = {
+        "background_critical_vs_serial": ratio("background", "critical_s"),
+        "parallel_total_vs_serial": ratio("parallel", "total_s"),
+        "background_total_vs_serial": ratio("background", "total_s"),
+        "parallel_rank0_peak_rss_vs_serial": ratio("parallel", "rank0_peak_rss_mb"),
+        "background_rank0_peak_rss_vs_serial": ratio("background", "rank0_peak_rss_mb"),
+        "parallel_rank0_rss_increase_vs_serial": ratio("parallel", "rank0_rss_increase_mb"),
+        "background_rank0_rss_increase_vs_serial": ratio("background",
+                                                         "rank0_rss_increase_mb")}
+    return summary
+
+
+def run_publish_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """The `--publish` report (see the module docstring)."""
+    from vlmcp.model.tiny import build_tiny_checkpoint
+
+    world = args.sp_size or 2
+    hidden = args.hidden_size or DEFAULT_HIDDEN
+    intermediate = args.intermediate_size or 4 * hidden
+    vocab = args.vocab_size or DEFAULT_VOCAB
+    if args.scratch:
+        Path(args.scratch).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="vlmcp-bench-publish-", dir=args.scratch) as scratch:
+        root = Path(scratch)
+        model_dir = build_tiny_checkpoint(root / "model", vocab_size=vocab,
+                                          hidden_size=hidden, intermediate_size=intermediate)
+        job = {"model": {"path": str(model_dir), "dtype": args.dtype},
+               "data": {"train": str(_tokens_data(root / "train.jsonl")),
+                        "max_seq_len": 2 * _SAMPLE_LEN, "num_workers": 0},
+               "optimizer": {"type": "sgd", "lr": 1e-4},
+               "train": {"max_steps": 10_000, "seed": 0},
+               "deepspeed": {"zero_optimization": {"stage": args.publish_zero}},
+               "publish": {"dir": str(root / "unused")},
+               "output_dir": str(root / "out")}
+        row = run_fresh(PublishTask(job, str(root), args.repeats), world, distributed=False)
+    return {"mode": "publish", "world": world, "zero_stage": args.publish_zero,
+            "model": f"tiny dense Qwen3.5, hidden {hidden}, intermediate {intermediate}, "
+                     f"4 layers, vocab {vocab} (random init)",
+            "dtype": args.dtype, "published_bytes": row["published_bytes"],
+            "repeats": args.repeats, **_summary(row["ways"]), "runs": row["ways"]}
