@@ -10,7 +10,7 @@ import pytest
 
 from tests.helpers.launching import tiny_job
 from vlmcp.config import job_from_dict
-from vlmcp.data.policy_versions import step_versions, target_version_range, token_versions
+from vlmcp.data.policy_versions import target_version_range, token_versions
 from vlmcp.data.rollouts import META, STABLE, step_dir
 from vlmcp.errors import DataError, RolloutError
 from vlmcp.training.rollout_steps import RolloutSteps
@@ -77,8 +77,6 @@ def test_staleness_counts_from_the_oldest_token_version_and_the_row_gives_min_an
     for number in (1, 2, 3):
         _write_step(root, number, [_line(None) | {"policy_versions": [None] * 3 + [0, 0]}], 0)
     _write_step(root, 4, lines, 2)
-    assert (step_versions(sorted(step_dir(root, 4).glob("*.jsonl"))).oldest,
-            step_versions(sorted(step_dir(root, 4).glob("*.jsonl"))).newest) == (0, 3)
     skipped = _steps(tiny_checkpoint, tiny_processor, tmp_path, max_staleness=2,
                      on_stale="skip").step_batches(3)
     assert skipped.skip == "stale"
@@ -93,8 +91,8 @@ def test_staleness_counts_from_the_oldest_token_version_and_the_row_gives_min_an
         _steps(tiny_checkpoint, tiny_processor, tmp_path, max_staleness=2).step_batches(3)
 
 
-def test_a_malformed_policy_versions_line_stops_the_step_naming_it(tiny_checkpoint,
-                                                                  tiny_processor, tmp_path):
+def test_a_malformed_policy_versions_is_a_bad_sample_of_its_line_under_either_setting(
+        tiny_checkpoint, tiny_processor, tmp_path):
     path = _write_step(tmp_path / "rollouts", 1, [_line([None, None, None, 0, 0]),
                                                   _line([None, 0, 0])], 0)
     with pytest.raises(RolloutError) as info:
@@ -102,3 +100,21 @@ def test_a_malformed_policy_versions_line_stops_the_step_naming_it(tiny_checkpoi
     assert info.value.problems == [f"{path / 'rollouts.jsonl'}:2: policy_versions has 3 entries "
                                    "for 5 tokens (one per token, null where none applies; or a "
                                    "list of spans)"]
+    skipped = _steps(tiny_checkpoint, tiny_processor, tmp_path,
+                     on_bad_sample="skip").step_batches(0)
+    assert (skipped.skip, skipped.row["rollout_samples"], skipped.row["rollout_skipped_samples"],
+            skipped.row["policy_version_oldest"]) == (None, 1, 1, 0)
+
+
+def test_samples_without_per_token_versions_count_from_meta_json_beside_those_with_them(
+        tiny_checkpoint, tiny_processor, tmp_path):
+    root = tmp_path / "rollouts"
+    for number in (1, 2):
+        _write_step(root, number, [_line(None) | {"policy_versions": [None] * 3 + [0, 0]}], 0)
+    plain = _line(None)
+    del plain["policy_versions"]
+    # step 3 trains from the weights of step 2: one line sampled by version 2, one by meta's 1
+    _write_step(root, 3, [_line([None, None, None, 2, 2]), plain], 1)
+    row = _steps(tiny_checkpoint, tiny_processor, tmp_path).step_batches(2).row
+    assert {k: row[k] for k in ("policy_lag", "policy_lag_min", "policy_version_oldest")} == {
+        "policy_lag": 1, "policy_lag_min": 0, "policy_version_oldest": 1}

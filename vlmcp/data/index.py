@@ -29,6 +29,7 @@ import numpy as np
 from vlmcp.data.batch import IGNORE_INDEX, PAIR_VALUES, TOKEN_ARRAYS
 from vlmcp.data.image_size import header_grid
 from vlmcp.data.pairs import record_paths, record_samples, record_tokens
+from vlmcp.data.policy_versions import record_version_range
 from vlmcp.data.processor import VLProcessor
 from vlmcp.data.records import Span, locate_records, record_label
 from vlmcp.data.sources import is_json_array
@@ -63,6 +64,9 @@ class LengthIndex:
     nonzero_targets: per array named in `build_index(count_nonzero=...)` (a loss term's weights),
              each sample's targets where that array is not 0 (0 for a sample without it); what
              a step's normalisers need beyond the target counts, without loading a pack.
+    policy_versions: with `build_index(versions=True)` (rollout steps), [N, 2] int64: the oldest
+             and newest policy version of each sample's targets (`vlmcp.data.policy_versions`),
+             -1 for a sample without them; else None.
     """
 
     files: list[str]
@@ -83,6 +87,7 @@ class LengthIndex:
     chosen_tokens: np.ndarray
     array_names: tuple[str, ...] = TOKEN_ARRAYS + PAIR_VALUES
     nonzero_targets: dict[str, np.ndarray] = field(default_factory=dict)
+    policy_versions: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -131,6 +136,8 @@ class LengthIndex:
                            image_root=self.image_root, array_names=self.array_names,
                            nonzero_targets={name: values[keep] for name, values
                                             in self.nonzero_targets.items()},
+                           policy_versions=(None if self.policy_versions is None
+                                            else self.policy_versions[keep]),
                            **{name: values[keep] for name, values in self.arrays().items()})
 
 
@@ -190,20 +197,22 @@ def _row(record: object, source: str, base_dir: Path, processor: VLProcessor, ma
 
 def build_index(files: Sequence[Path], processor: VLProcessor, max_seq_len: int,
                 truncate: bool = False, *, image_root: Path | None = None, decode: bool = False,
-                array_names: tuple[str, ...] = TOKEN_ARRAYS, count_nonzero: tuple[str, ...] = ()
-                ) -> tuple[LengthIndex, list[str]]:
+                array_names: tuple[str, ...] = TOKEN_ARRAYS, count_nonzero: tuple[str, ...] = (),
+                versions: bool = False) -> tuple[LengthIndex, list[str]]:
     """The index of every usable sample of `files` (in file order), and one "source: problem"
     line per bad record or file (all of them). image_root: what relative image and video paths
     are relative to (None: each file's directory). With `decode`, images and the sampled video
     frames are decoded once each (validation); else only image headers and video container
     metadata are read. array_names: the per-token arrays read from
     tokens records (`LengthIndex.array_names`); count_nonzero: those of them whose nonzero targets
-    are counted (`LengthIndex.nonzero_targets`).
+    are counted (`LengthIndex.nonzero_targets`); versions: also read each record's per-token
+    policy versions (`LengthIndex.policy_versions`; a malformed one is the record's problem).
 
     A record that fails with another exception than DataError (a library's error on input no
     check foresaw) is a bad record too, its line naming the exception."""
     columns = {name: array("q") for name, _ in COLUMNS}
     nonzero = {name: array("q") for name in count_nonzero}
+    version_ranges = array("q")
     problems: list[str] = []
     kinds: list[bool] = []
     for file_id, path in enumerate(map(Path, files)):
@@ -216,6 +225,7 @@ def build_index(files: Sequence[Path], processor: VLProcessor, max_seq_len: int,
             try:
                 counts = _row(record, source, base_dir, processor, max_seq_len, truncate, decode,
                               array_names, tuple(count_nonzero))
+                version_range = record_version_range(record, source) if versions else None
             except DataError as e:
                 problems.append(str(e))
                 continue
@@ -227,10 +237,13 @@ def build_index(files: Sequence[Path], processor: VLProcessor, max_seq_len: int,
                 columns[name].append(value)
             for name, value in zip(count_nonzero, values[len(COLUMNS):]):
                 nonzero[name].append(value)
+            version_ranges.extend(version_range or (-1, -1))
     arrays = {name: np.frombuffer(columns[name], dtype=np.int64).astype(dtype)
               for name, dtype in COLUMNS}
     return LengthIndex(files=[str(f) for f in files], json_array=kinds,
                        image_root=None if image_root is None else str(image_root),
                        **arrays, array_names=tuple(array_names) + PAIR_VALUES,
                        nonzero_targets={name: np.frombuffer(values, dtype=np.int64).astype(np.int32)
-                                        for name, values in nonzero.items()}), problems
+                                        for name, values in nonzero.items()},
+                       policy_versions=(np.frombuffer(version_ranges, dtype=np.int64).reshape(-1, 2)
+                                        if versions else None)), problems

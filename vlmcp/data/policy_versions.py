@@ -18,17 +18,20 @@ A version is the optimizer step of the weights (0: `model.path`, k: WEIGHTS/step
 meta.json's `policy_step`. Every target token (label != -100) of a line that has the field must
 have a version. The step's staleness is then counted from the OLDEST version of any token of the
 step (PrimeRL's `max_off_policy_steps`), not from meta.json (`vlmcp.training.rollout_steps`).
+The length index pass reads them with each record (`vlmcp.data.index.build_index(versions=True)`),
+so a malformed one is that sample's problem, as any other (`rollouts.on_bad_sample`).
 
-This module reads JSON lines only; it imports no torch.
+This module imports no torch.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from vlmcp.errors import DataError
 
@@ -58,7 +61,7 @@ def token_versions(value: Any, n_tokens: int, source: str) -> list[int | None]:
                 raise DataError(f"{where}[{i}]: a span is {{\"version\", \"start\", \"end\"}}, "
                                 f"got keys {sorted(span)}")
             start, end = span["start"], span["end"]
-            if not (isinstance(start, int) and isinstance(end, int) and 0 <= start < end <= n_tokens):
+            if not (type(start) is int and type(end) is int and 0 <= start < end <= n_tokens):
                 raise DataError(f"{where}[{i}]: span [{start}, {end}) is not within the line's "
                                 f"{n_tokens} tokens (0 <= start < end <= {n_tokens})")
             version = _version(span["version"], f"{where}[{i}].version")
@@ -87,60 +90,44 @@ def target_version_range(versions: Sequence[int | None], labels: Sequence[int], 
     return (min(found), max(found)) if found else None
 
 
-@dataclass
+def record_version_range(record: dict[str, Any], source: str) -> tuple[int, int] | None:
+    """(oldest, newest) version of the record's target tokens from its `policy_versions` (None:
+    the record has no such field, or no target). Raises DataError naming `source` when the field
+    is malformed or the record is not in the tokens format."""
+    if FIELD not in record:
+        return None
+    ids, labels = record.get("input_ids"), record.get("labels")
+    if not isinstance(ids, list) or not isinstance(labels, list):
+        raise DataError(f"{source}: {FIELD} needs the tokens format (input_ids and labels), "
+                        "which the record lacks")
+    return target_version_range(token_versions(record[FIELD], len(ids), source), labels, source)
+
+
+@dataclass(frozen=True)
 class StepVersions:
-    """The per-token versions of a rollout step's lines: the oldest and newest version of any
-    target token (None when no line has the field), how many lines have it, and one problem line
-    per malformed line."""
+    """The policy versions that generated a rollout step's samples: the oldest and newest (None:
+    unknown), and whether any sample gave its own per-token versions (else all came from
+    meta.json's `policy_step`)."""
 
-    oldest: int | None = None
-    newest: int | None = None
-    lines: int = 0
-    problems: list[str] = field(default_factory=list)
+    oldest: int | None
+    newest: int | None
+    per_token: bool
 
-
-def step_versions(files: Sequence[Path]) -> StepVersions:
-    """Read `policy_versions` of every JSON-lines record in `files` that has it (a `.json` file
-    holding a list of records counts its items); lines without the field are left out."""
-    found = StepVersions()
-    for path in files:
-        for source, record in _records(path):
-            if not isinstance(record, dict) or FIELD not in record:
-                continue
-            ids = record.get("input_ids")
-            labels = record.get("labels")
-            if not isinstance(ids, list) or not isinstance(labels, list):
-                found.problems.append(f"{source}: {FIELD} needs the tokens format (input_ids and "
-                                      "labels), which the line lacks")
-                continue
-            try:
-                span = target_version_range(token_versions(record[FIELD], len(ids), source),
-                                            labels, source)
-            except DataError as exc:
-                found.problems.append(str(exc))
-                continue
-            found.lines += 1
-            if span is not None:
-                found.oldest = span[0] if found.oldest is None else min(found.oldest, span[0])
-                found.newest = span[1] if found.newest is None else max(found.newest, span[1])
-    return found
+    def lags(self, step: int) -> tuple[int | None, int | None]:
+        """(largest, smallest) policy lag of optimizer step `step` (1-based): (step - 1) minus the
+        oldest and the newest version."""
+        return (None if self.oldest is None else step - 1 - self.oldest,
+                None if self.newest is None else step - 1 - self.newest)
 
 
-def _records(path: Path) -> list[tuple[str, Any]]:
-    """(source label, record) of a data file; lines that are not JSON are left to the index pass,
-    which reports them."""
-    text = path.read_text(encoding="utf-8", errors="replace")
-    if path.suffix == ".json":
-        try:
-            items = json.loads(text)
-        except ValueError:
-            return []
-        return [(f"{path}[{i}]", item) for i, item in enumerate(items)] \
-            if isinstance(items, list) else []
-    records = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        try:
-            records.append((f"{path}:{number}", json.loads(line)))
-        except ValueError:
-            continue
-    return records
+def step_versions(ranges: np.ndarray, policy_step: int | None) -> StepVersions:
+    """The versions of a step from its samples' `ranges` ([N, 2] int64, (oldest, newest) of each
+    sample's targets, -1 for a sample without per-token versions, which meta.json's
+    `policy_step` then covers when given)."""
+    known = ranges[ranges[:, 0] >= 0]
+    oldest = [int(known[:, 0].min())] if len(known) else []
+    newest = [int(known[:, 1].max())] if len(known) else []
+    if policy_step is not None and len(known) < len(ranges):
+        oldest.append(policy_step)
+        newest.append(policy_step)
+    return StepVersions(min(oldest, default=None), max(newest, default=None), bool(len(known)))

@@ -50,9 +50,9 @@ import torch
 from vlmcp.config import JobConfig
 from vlmcp.data.index import LengthIndex, build_index
 from vlmcp.data.pack import first_fit
-from vlmcp.data.policy_versions import step_versions
+from vlmcp.data.policy_versions import StepVersions, step_versions
 from vlmcp.data.processor import VLProcessor
-from vlmcp.data.rollouts import is_complete, read_meta, step_dir, step_files
+from vlmcp.data.rollouts import META, RolloutMeta, is_complete, read_meta, step_dir, step_files
 from vlmcp.data.stream import SampleReader, load_packs
 from vlmcp.errors import DataError, RolloutError
 from vlmcp.parallel import comm
@@ -173,47 +173,32 @@ class RolloutSteps:
             files = step_files(path)
         except DataError as exc:
             return _Indexed(problems=[str(exc)])
-        # Per-token policy versions (vlmcp.data.policy_versions): the lag counts from the oldest
-        # version of any token of the step; without them, from meta.json's policy_step.
-        versions = step_versions(files)
-        if versions.problems:
-            return _Indexed(problems=versions.problems)
-        oldest = meta.policy_step if versions.oldest is None else versions.oldest
-        lag = None if oldest is None else number - 1 - oldest
-        row: dict[str, Any] = {"policy_step": meta.policy_step, "policy_lag": lag}
-        if versions.oldest is not None:
-            row.update({"policy_version_oldest": versions.oldest,
-                        "policy_version_newest": versions.newest,
-                        "policy_lag_min": number - 1 - versions.newest, "policy_lag_max": lag})
-        newest = meta.policy_step if versions.newest is None else versions.newest
-        if newest is not None and newest > number - 1:
-            where = (f"{path / 'meta.json'}: policy_step" if versions.newest is None
-                     else f"{path}: the data's policy_versions give version")
-            return _Indexed(problems=[
-                f"{where} {newest} is ahead of the weights that train step {number} (policy lag "
-                f"{number - 1 - newest}; at most step {number - 1}'s can have generated it): a "
-                "producer bug, or another run's rollouts.dir"], row=row)
-        stale = self._stale(number, oldest, lag)
+        data = self.job.data
+        image_root = None if data.image_root is None else self.job.resolve_input(data.image_root)
+        index, bad = build_index(files, self.processor, data.max_seq_len, data.truncate,
+                                 image_root=image_root, array_names=token_array_names(self.job),
+                                 count_nonzero=weight_arrays(self.objective), versions=True)
+        lacking = sorted({int(i) for indices, _, _ in untrainable(self.job, index)
+                          for i in indices})
+        lines = bad + objective_problems(self.job, index)
+        if lines and cfg.on_bad_sample == "error":
+            return _Indexed(problems=lines, row=_lag_row(number, meta, index))
+        for line in lines:
+            logger.warning("skipping a sample of rollout step %s (rollouts.on_bad_sample=skip): "
+                           "%s", path, line)
+        index = index.without(lacking)
+        versions = step_versions(index.policy_versions, meta.policy_step)
+        row = _lag_row(number, meta, index)
+        ahead = self._ahead(number, versions)
+        if ahead is not None:
+            return _Indexed(problems=[ahead], row=row)
+        stale = self._stale(number, versions)
         if stale is not None and cfg.on_stale == "error":
             return _Indexed(problems=[stale], row=row)
         if stale is not None:
             logger.warning("skipping rollout step %s: %s (rollouts.on_stale=skip; %d stale steps "
                            "skipped in this run)", path, stale, self.stale_skipped + 1)
             return _Indexed(row=row, skip="stale")
-        data = self.job.data
-        image_root = None if data.image_root is None else self.job.resolve_input(data.image_root)
-        index, bad = build_index(files, self.processor, data.max_seq_len, data.truncate,
-                                 image_root=image_root, array_names=token_array_names(self.job),
-                                 count_nonzero=weight_arrays(self.objective))
-        lacking = sorted({int(i) for indices, _, _ in untrainable(self.job, index)
-                          for i in indices})
-        lines = bad + objective_problems(self.job, index)
-        if lines and cfg.on_bad_sample == "error":
-            return _Indexed(problems=lines, row=row)
-        for line in lines:
-            logger.warning("skipping a sample of rollout step %s (rollouts.on_bad_sample=skip): "
-                           "%s", path, line)
-        index = index.without(lacking)
         row.update({"rollout_samples": len(index),
                     "rollout_skipped_samples": len(bad) + len(lacking)})
         if not len(index):
@@ -221,20 +206,37 @@ class RolloutSteps:
             return _Indexed(row=row, skip="no usable sample")
         return _Indexed(index=index, row=row)
 
-    def _stale(self, number: int, oldest: int | None, lag: int | None) -> str | None:
-        """Why step_`number`, whose oldest generating version is `oldest`, is too old for
-        rollouts.max_staleness (None: it is not)."""
+    def _where(self, number: int, versions: StepVersions) -> str:
+        """What gave step_`number`'s versions: its data's policy_versions, or meta.json."""
+        path = step_dir(self.root, number)
+        return (f"{path}: the data's policy_versions give version" if versions.per_token
+                else f"{path / META}: policy_step")
+
+    def _ahead(self, number: int, versions: StepVersions) -> str | None:
+        """Why step_`number` cannot have been generated before it trains: a version newer than
+        the weights that train it (a producer bug, or another run's rollouts.dir); else None."""
+        if versions.newest is None or versions.newest <= number - 1:
+            return None
+        return (f"{self._where(number, versions)} {versions.newest} is ahead of the weights "
+                f"that train step {number} (policy lag {versions.lags(number)[1]}; at "
+                f"most step {number - 1}'s can have generated it): a producer bug, or another "
+                "run's rollouts.dir")
+
+    def _stale(self, number: int, versions: StepVersions) -> str | None:
+        """Why step_`number` is too old for rollouts.max_staleness, counting from the oldest
+        version of any of its tokens (None: it is not)."""
         limit = self.job.rollouts.max_staleness
         if limit is None:
             return None
-        path = step_dir(self.root, number) / "meta.json"
-        if lag is None:
-            return (f"rollouts.max_staleness={limit} needs the generating policy's step: {path} "
-                    "has no \"policy_step\" and the data no \"policy_versions\"")
+        if versions.oldest is None:
+            return (f"rollouts.max_staleness={limit} needs the generating policy's step: "
+                    f"{step_dir(self.root, number) / META} has no \"policy_step\" and the data "
+                    "no \"policy_versions\"")
+        lag = versions.lags(number)[0]
         if lag > limit:
-            return (f"{step_dir(self.root, number)}: policy version {oldest} (the oldest of the "
-                    f"step) is {lag} steps behind the weights that train step {number} "
-                    f"(rollouts.max_staleness={limit})")
+            return (f"{step_dir(self.root, number)}: policy version {versions.oldest} (the "
+                    f"oldest of the step) is {lag} steps behind the weights that train step "
+                    f"{number} (rollouts.max_staleness={limit})")
         return None
 
     def _stream(self, index: LengthIndex, row: dict[str, Any]) -> StepBatches:
@@ -253,3 +255,17 @@ class RolloutSteps:
                            [[index.source(i) for i in pack] for pack in mine], row,
                            batches=load_packs(reader, mine, data.num_workers,
                                               data.prefetch_factor))
+
+
+def _lag_row(number: int, meta: RolloutMeta, index: LengthIndex) -> dict[str, Any]:
+    """The row entries of rollout step_`number`'s policy lag: `policy_step` (meta.json's),
+    `policy_lag` (from the oldest version of any token), and with per-token versions the oldest
+    and newest version and the lags from each."""
+    versions = step_versions(index.policy_versions, meta.policy_step)
+    oldest_lag, newest_lag = versions.lags(number)
+    row: dict[str, Any] = {"policy_step": meta.policy_step, "policy_lag": oldest_lag}
+    if versions.per_token:
+        row.update({"policy_version_oldest": versions.oldest,
+                    "policy_version_newest": versions.newest,
+                    "policy_lag_min": newest_lag, "policy_lag_max": oldest_lag})
+    return row
