@@ -155,7 +155,8 @@ def test_each_failure_to_serve_a_step_is_one_clear_error_and_the_engine_serves_o
     shutil.copytree(published["weights"] / "step_1", bad / "step_1")
     (bad / "step_1" / STABLE).unlink()
     shutil.copytree(published["weights"] / "step_1", bad / "step_2")
-    (bad / "step_2" / "model.safetensors").write_bytes(b"\0" * 64)
+    for shard in (bad / "step_2").glob("*.safetensors"):  # one file, or one shard per rank
+        shard.write_bytes(b"\0" * 64)
     build_tiny_checkpoint(bad / "step_3", seed=0, **{**DEMO_MODEL, **VLLM_CPU_HEADS,
                                                       "hidden_size": 64})
     (bad / "step_3" / STABLE).write_text("")

@@ -6,6 +6,7 @@ SP 2, a tiny model, a few steps of 64-token packs, and runs under a timeout.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil

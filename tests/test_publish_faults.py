@@ -50,7 +50,6 @@ def test_a_background_write_on_a_full_disk_stops_the_run_at_the_next_step_with_a
         assert len(errors) == 1 and f"no space left on {small}" in errors[0], errors
         assert f'File "{REPO / "vlmcp"}' not in result.stderr, "a traceback from vlmcp"
         assert newest_complete(out / "checkpoints")[0] == "step3"
-        assert "publishing the weights failed after step 3; a checkpoint of step 3" in \
-            result.stderr
+        assert f"a checkpoint of step 3 is in {out / 'checkpoints'}" in errors[0], errors
         assert sorted(p.name for p in weights.iterdir()) == ["step_1"]
         _assert_every_stable_step_is_whole(weights)

@@ -163,7 +163,7 @@ def test_a_2_rank_rollout_job_under_skip_trains_through_bad_samples_counting_eac
         assert rows[number]["rollout_samples"] == mutation.expect.kept, mutation.name
         assert f"{step_dir(rollouts, number)}/{mutation.expect.names}" in result.stderr
     assert rows[1]["rollout_skipped_samples"] == 0 and rows[1]["rollout_samples"] == len(base.lines)
-    assert (out / "final" / "model.safetensors").is_file()
+    assert (out / "final" / "model.safetensors.index.json").is_file()  # one shard per rank
 
 
 @pytest.mark.parametrize("name", ["a NUL byte in a string", "the step directory an empty file"])

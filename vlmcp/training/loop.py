@@ -36,6 +36,7 @@ A MoE model replays the routes its packs carry (model.router_replay); every MoE 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -412,16 +413,20 @@ def _wait_for_rollout(run: Run, step: int, stop: StopSignals, watchdog: Watchdog
 
 
 def _publishing(run: Run, done: int, watchdog: Watchdog, saver: _Saver,
-                actions: Callable[[], list[dict[str, Any]]]) -> None:
-    """Run the publisher's `actions` after `done` completed steps (call on every rank) and write
-    the rows of the publishes that completed. A failed publish (CheckpointError on every rank;
-    also a background write of an earlier step) keeps the trained steps first: the error says
-    where the checkpoint of step `done` is, and when `done` is due, that the resumed run publishes
-    it before it trains the next."""
+                actions: Callable[[list[dict[str, Any]]], None]) -> None:
+    """Run the publisher's `actions` after `done` completed steps (call on every rank; they append
+    the rows of the publishes that completed to the list they get) and write those rows. A failed
+    publish (CheckpointError on every rank; also a background write of an earlier step) keeps
+    the trained steps first, and the rows of the publishes that completed before it: the error
+    says where the checkpoint of step `done` is, and when `done` is due, that the resumed run
+    publishes it before it trains the next."""
+    rows: list[dict[str, Any]] = []
     try:
         with watchdog.watch(f"publishing after step {done}"):
-            rows = actions()
+            actions(rows)
     except CheckpointError as exc:
+        for row in rows:
+            _write_row(run, row)
         kept = _keep_trained_steps(run, done, saver)
         if run.publisher.due(done):
             kept += f" (the resumed run publishes step {done} first)"
@@ -436,13 +441,12 @@ def _publish_boundary(run: Run, done: int, watchdog: Watchdog, saver: _Saver) ->
     publish of `done` when it is due, and after the last step the wait for the write in flight."""
     publisher = run.publisher
 
-    def actions() -> list[dict[str, Any]]:
-        rows = publisher.check()
+    def actions(rows: list[dict[str, Any]]) -> None:
+        rows += publisher.check()
         if publisher.due(done):
             rows += publisher.publish(done)
         if done == run.job.train.max_steps:
             rows += publisher.close()
-        return rows
 
     _publishing(run, done, watchdog, saver, actions)
 
@@ -461,7 +465,7 @@ def _publish_pending(run: Run, watchdog: Watchdog, saver: _Saver) -> None:
             logger.info("publishing the weights of step %d, which the stopped run had not "
                         "published", run.start_step)
         _publishing(run, run.start_step, watchdog, saver,
-                    lambda: run.publisher.publish(run.start_step))
+                    lambda rows: rows.extend(run.publisher.publish(run.start_step)))
 
 
 def _train_loop(run: Run, stop: StopSignals, watchdog: Watchdog) -> None:
@@ -470,9 +474,11 @@ def _train_loop(run: Run, stop: StopSignals, watchdog: Watchdog) -> None:
         _run_steps(run, stop, watchdog, progress)
     except BaseException:
         # One rank may fail alone here: no collective, the write in flight is abandoned (a stop
-        # has settled it already, in `_stop`).
+        # has settled it already, in `_stop`); rank 0 still records one it saw complete.
         if run.publisher is not None:
-            run.publisher.close(agreed=False)
+            for row in run.publisher.close(agreed=False):
+                with contextlib.suppress(OSError):
+                    run.metrics.write(row)
         raise
     finally:
         # Also when a step raises: the bar ends its line before the error lines are printed.

@@ -228,13 +228,14 @@ class Publisher:
         """End the run's publishing. `stop_wait_s` None (the end of training, every rank): wait
         for the write in flight, as `check`. A number (a stop every rank agreed on): wait at most
         that long for it, else abandon it as its `.tmp-` directory. `agreed` False (an error
-        that one rank may have alone): abandon it at once, with no collective."""
+        that one rank may have alone): abandon it at once, with no collective; its row when it
+        was complete already (known on rank 0 alone, the rank that writes the metrics)."""
         inflight, self._inflight = self._inflight, None
         if inflight is None or inflight.write is None:
             return []
         if not agreed:
             inflight.write.abandon()
-            return []
+            return [self._row(inflight)] if inflight.write.complete else []
         if stop_wait_s is None:
             self._inflight = inflight
             return self._settle(wait=True)

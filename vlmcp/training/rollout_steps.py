@@ -234,9 +234,11 @@ class RolloutSteps:
                     "no \"policy_versions\"")
         lag = versions.lags(number)[0]
         if lag > limit:
-            return (f"{step_dir(self.root, number)}: policy version {versions.oldest} (the "
-                    f"oldest of the step) is {lag} steps behind the weights that train step "
-                    f"{number} (rollouts.max_staleness={limit})")
+            what = (f"{step_dir(self.root, number)}: policy version {versions.oldest} (the "
+                    "oldest of the step's policy_versions)" if versions.per_token
+                    else f"{step_dir(self.root, number) / META}: policy_step {versions.oldest}")
+            return (f"{what} is {lag} steps behind the weights that train step {number} "
+                    f"(rollouts.max_staleness={limit})")
         return None
 
     def _stream(self, index: LengthIndex, row: dict[str, Any]) -> StepBatches:
