@@ -10,8 +10,9 @@ import pytest
 from vlmcp.bench.publish import WAYS
 from vlmcp.cli import main
 
-FIELDS = {"critical_s", "total_s", "rank0_peak_rss_mb", "rank0_rss_before_mb",
-          "rank0_rss_increase_mb", "steps_meanwhile"}
+FIELDS = {"critical_s", "fence_wait_s", "total_s", "rank0_peak_rss_mb", "rank0_rss_before_mb",
+          "rank0_rss_increase_mb", "rank0_host_buffers_mb", "rank0_step_rss_increase_mb",
+          "steps_meanwhile"}
 
 
 def test_the_publish_bench_refuses_flags_it_does_not_use(tmp_path, capsys):
@@ -34,6 +35,8 @@ def test_the_publish_bench_reports_every_way_from_fresh_ranks(tmp_path):
         (run,) = report["runs"][way]
         assert run["total_s"] > 0 and run["critical_s"] > 0
     assert report["background"]["steps_meanwhile"]["min"] >= 1
+    assert report["background"]["rank0_host_buffers_mb"]["min"] > 0
+    assert report["serial"]["rank0_host_buffers_mb"]["max"] == 0
     assert set(report["ratios"]) >= {"background_critical_vs_serial", "parallel_total_vs_serial",
                                      "parallel_rank0_peak_rss_vs_serial"}
     assert not any((tmp_path / "scratch").iterdir())

@@ -8,20 +8,30 @@ samples, and after each step publishes its weights, in turn:
     serial       publish.sharded false: rank 0 gathers the whole model and writes it with
                  save_pretrained while the others wait (the publish before rank-parallel shards)
     parallel     publish.sharded, background false: every rank writes its own shard
-    background   publish.sharded and background: each rank copies its share and a thread writes
-                 it while the next steps train (they run until the step is in place)
+    background   publish.sharded and background: each rank's publish thread copies its part
+                 off the live model, gathers (ZeRO-3) and writes while the next steps train (they
+                 run until the step is in place; the first one's optimizer step waits for the
+                 copy)
 
 For each, `--repeats` times (interleaved, after one untimed round, which allocates the background
-way's staging buffers as a run's first publish does): `critical_s`, the time the training waited (the
-slowest rank's time in `Publisher.publish`; what a step grows by), `total_s` (until step_N was in
-place, rank 0), and rank 0's resident set: `rank0_peak_rss_mb` (VmHWM, reset right before the
-publish, read when `publish` returns for the synchronous ways, and once the step is in place for
-the background way, so that one also holds the training steps that ran meanwhile) and
-`rank0_rss_before_mb`, and their difference `rank0_rss_increase_mb` (what the publish added; the
-allocator may reuse memory the training already holds, so small publishes add little; the
-background way's staging buffers are resident before it starts, in `rank0_rss_before_mb`). Each
-value is given as min / median / max over the repeats; the ratios compare medians with the serial
-way's. The weights' bytes are those of the published files.
+way's staging buffers as a run's first publish does): `critical_s`, the time the training waited
+(the slowest rank's `publish_s`: its time in `Publisher.publish` and, for the background way, in
+the fences of the steps after it, where an optimizer step waits for the rank's copy off the live
+model; what the steps grow by), `fence_wait_s` (the slowest rank's part of that in the fences; 0
+for the synchronous ways), `total_s` (until step_N was in place, rank 0), and rank 0's resident
+set: `rank0_peak_rss_mb` (VmHWM, reset right before the publish, read when `publish` returns for
+the synchronous ways, and once the step is in place for the background way, so that one also
+holds the training steps that ran meanwhile) and `rank0_rss_before_mb`, and their difference
+`rank0_rss_increase_mb` (what the publish added; the allocator may reuse memory the training
+already holds, so small publishes add little; the background way's host buffers, its share and
+under ZeRO-3 its partitions of the other ranks' tensors, are resident before it starts, in
+`rank0_rss_before_mb`; the three ways share one world, so every way's resident set holds the
+background way's buffers from the first round on), `rank0_host_buffers_mb` (the host buffers the
+way's publisher keeps for the run: none for the synchronous ways) and, for reference,
+`rank0_step_rss_increase_mb` (what a training step adds with no publish in flight, measured on
+the step after: the background way's window holds such a step). Each value is given as min /
+median / max over the repeats; the ratios compare medians with the serial way's. The weights'
+bytes are those of the published files.
 """
 
 from __future__ import annotations
@@ -32,7 +42,6 @@ import json
 import shutil
 import statistics
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,11 +100,10 @@ class PublishTask:
         weight_bytes = 0
         for repeat in range(self.repeats + 1):  # the first round warms the staging buffers
             for way, publisher in publishers.items():
+                run.publisher = publisher  # the steps' optimizer steps wait at its fence
                 rss_before = memory.current_mb()
                 memory.reset_peak()
-                started = time.perf_counter()
                 rows = publisher.publish(step)
-                critical = time.perf_counter() - started
                 steps_meanwhile = 0
                 while not rows:
                     train_step(run, step)
@@ -103,21 +111,27 @@ class PublishTask:
                     steps_meanwhile += 1
                     rows = publisher.check()
                 peak = memory.peak_mb()
-                slowest = torch.tensor([critical], dtype=torch.float64)
+                slowest = torch.tensor([rows[0]["publish_s"],
+                                        rows[0].get("publish_fence_wait_s", 0.0)],
+                                       dtype=torch.float64)
                 comm.all_reduce_max(slowest)
                 if comm.rank() == 0:
                     weight_bytes = rows[0]["publish_bytes"]
-                    if repeat:
-                        samples[way].append({"critical_s": float(slowest[0]),
-                                             "total_s": rows[0]["publish_total_s"],
-                                             "rank0_peak_rss_mb": peak,
-                                             "rank0_rss_before_mb": rss_before,
-                                             "rank0_rss_increase_mb": peak - rss_before,
-                                             "steps_meanwhile": steps_meanwhile})
                     shutil.rmtree(rows[0]["published"], ignore_errors=True)
                 comm.barrier()
+                step_before = memory.current_mb()
+                memory.reset_peak()
                 train_step(run, step)  # the next publish is of other weights
                 step += 1
+                if comm.rank() == 0 and repeat:
+                    samples[way].append({
+                        "critical_s": float(slowest[0]), "fence_wait_s": float(slowest[1]),
+                        "total_s": rows[0]["publish_total_s"], "rank0_peak_rss_mb": peak,
+                        "rank0_rss_before_mb": rss_before,
+                        "rank0_rss_increase_mb": peak - rss_before,
+                        "rank0_host_buffers_mb": publisher.host_buffer_bytes / 2**20,
+                        "rank0_step_rss_increase_mb": memory.peak_mb() - step_before,
+                        "steps_meanwhile": steps_meanwhile})
         comm.shutdown()
         return {"published_bytes": weight_bytes, "ways": samples}
 

@@ -346,19 +346,22 @@ class PublishSection:
         "model.safetensors while the other ranks wait; not under LoRA (the adapter is small "
         "and rank 0 writes it)"))
     background: bool = field(default=True, metadata=_key(
-        "write a published step on a background thread while the next steps train, from a host "
-        "copy of each rank's share taken before the next optimizer step (STABLE once every "
-        "shard is on the disk; at most one publish in flight; a failed write stops the run at "
-        "the next step); needs publish.sharded; false: training waits for the write; not "
-        "under LoRA"))
+        "copy, gather (ZeRO-3) and write a published step on a background thread while the "
+        "next steps train; the next optimizer step first waits until this rank's host copy is "
+        "complete (STABLE once every shard is on the disk; at most one publish in flight; a "
+        "failed copy or write stops the run at the next step); needs publish.sharded; false: "
+        "training waits for the write; not under LoRA"))
     buffer_mb: float = field(default=32768.0, metadata=_key(
-        "per rank, the largest share (MiB) of the weights kept in host memory for background "
-        "writes (allocated at the first publish, then reused); a rank whose share is larger "
-        "writes it before training on, as with background false (logged once)", min=0.0))
+        "per rank, the most host memory (MiB) kept for background publishes: its share, and "
+        "under ZeRO-3 its partitions of the tensors other ranks write (allocated at the first "
+        "publish, then reused); past it the publish gathers on the training's thread and a rank "
+        "whose share is larger writes it before training on, as with background false (logged "
+        "once)", min=0.0))
     stop_wait_s: float = field(default=10.0, metadata=_key(
         "on a stop signal, after the stop checkpoint: how long to wait for a background write "
         "still in flight; past it the write is abandoned as .tmp-step_N, never read and "
-        "removed at the next start (docs/faults.md)", min=0.0))
+        "removed at the next start, after at most as long again for the ranks' publish threads "
+        "to leave their gather together (docs/faults.md)", min=0.0))
 
 
 @dataclass

@@ -206,6 +206,41 @@ def gather_to_rank(tensor: torch.Tensor, dst: int,
     return flat
 
 
+def new_world_gloo_group(timeout_s: float) -> ProcessGroup | None:
+    """A new gloo process group over the whole world, for the collectives of one background
+    thread only (call on every rank, at the same point of the program: group creation is itself
+    collective over the default group). Its collectives never interleave with the main thread's,
+    which run on other groups; torch.distributed.checkpoint's async save keeps a gloo group of
+    its own for the same reason. gloo serves CPU tensors under any default backend. A collective
+    on it raises after `timeout_s`. None when there is one rank (nothing to talk to)."""
+    if not is_initialized() or world_size() == 1:
+        return None
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
+def gather_into(part: torch.Tensor, dst: int, out: torch.Tensor | None,
+                group: ProcessGroup | None) -> None:
+    """Every rank's `part` ([N] CPU, the same N and dtype on all ranks) into `out` ([W * N] CPU,
+    on global rank `dst` only; None elsewhere) in global rank order: rank r's part lands in
+    out[r*N:(r+1)*N]. `dst`'s own part may already be that slice of `out` (it is not copied
+    then). Point to point over `group`, a gloo group over the whole world (`new_world_gloo_group`;
+    None: one rank): the others send, `dst` receives straight into `out`, so no rank allocates
+    anything (gloo's gather would stage a flat [W * N] copy on `dst` first). Call on every rank
+    of `group`, in the same order. No autograd."""
+    if rank() == dst:
+        slots = out.view(world_size(), -1)
+        if slots[dst].data_ptr() != part.data_ptr():
+            slots[dst].copy_(part)
+        if group is None:
+            return
+        receives = [dist.irecv(slots[src], src=src, group=group)
+                    for src in range(world_size()) if src != dst]
+        for receive in receives:
+            receive.wait()
+    elif group is not None:
+        dist.send(part.contiguous(), dst=dst, group=group)
+
+
 def broadcast_object(obj: Any) -> Any:
     """Global rank 0's `obj` (any picklable value; the other ranks pass None), on every rank of
     the world. No autograd; under NCCL the bytes travel through this rank's GPU."""

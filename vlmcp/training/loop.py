@@ -18,9 +18,11 @@ After each step, the ranks first agree on a stop signal (training/signals.py): a
 checkpoints and exits before anything optional. Then, with `publish.dir`, the weights are
 published after every `publish.every`-th step (training/publish.py), a background write checked
 at every step boundary and waited for after the last step (on a stop, for at most
-publish.stop_wait_s, after the stop checkpoint); a failed publish checkpoints the trained steps
-before it raises, and a resumed run publishes its start step first when that step is due and not
-in publish.dir (so every trained step that is due gets published, by its run or the resumed one).
+publish.stop_wait_s, after the stop checkpoint); the next optimizer step first waits until a
+background publish's copy of the weights is complete (`Publisher.fence`); a failed publish
+checkpoints the trained steps before it raises, and a resumed run publishes its start step
+first when that step is due and not in publish.dir (so every trained step that is due gets
+published, by its run or the resumed one).
 Then evaluation, then the periodic checkpoint. A failure on one rank alone
 where the others would wait (a metrics row rank 0 cannot write, a pack that fails to load with
 any exception) is agreed (`parallel.agree.run_together`) and raised on every rank.
@@ -244,6 +246,8 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
             # DeepSpeed checks for NaN/Inf gradients itself everywhere else (training/nonfinite.py).
             if can_veto(engine.optimizer):
                 engine.optimizer.overflow = not math.isfinite(grad_norm)
+        if index == last and run.publisher is not None:
+            run.publisher.fence()  # a background publish's copy of the weights is complete
         engine.step()
         sums[0] += float(loss_sum.detach()) * weight
         if router_share is not None:

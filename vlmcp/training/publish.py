@@ -25,20 +25,27 @@ writes the adapter that way. So a reader that finds step_N finds all of it; one 
 for STABLE is safe where renames are not atomic. Files are flushed to the disk before STABLE,
 and the directory before and after the rename.
 
-With publish.background (the default, with sharded), `publish` returns once this rank's share
-is copied to host memory, before the next optimizer step can change a parameter, and a thread
-writes it while the next steps train; the copy is gathered on the main thread, and the thread
-only writes files. At most one publish is in flight: the next one first waits for it (logged,
-`publish_wait_s` in its row). Every rank calls `check` at every step boundary: one small
-all-reduce tells all ranks whether every shard of the step in flight is written, and a failed
-write raises CheckpointError on every rank there (the loop checkpoints first). A rank whose
-share exceeds publish.buffer_mb writes it before returning, as without background. `close` ends
-the run's publishing: at the end of training it waits for the write in flight; on a stop it
-waits at most publish.stop_wait_s and otherwise abandons the write as its `.tmp-` directory;
-after another error (a rank may be alone) it abandons it without talking to the other ranks.
-The row of a publish, {"step", "published", "publish_s" (on the critical path), "publish_total_s",
-"publish_bytes"}, is returned when the publish completes: by `publish` itself when it is
-synchronous, by a later `check`, `publish` or `close` when it is not.
+With publish.background (the default, with sharded), `publish` starts this rank's publish thread
+and returns. The thread copies this rank's own data off the live model into host buffers it
+keeps (under ZeRO-3 its partitions of every parameter, 1/W of the model; under ZeRO 0-2 its
+share), then under ZeRO-3 gathers each parameter to its writer from those copies over the
+publisher's own gloo group, made at construction, and writes (training/shards.py). The weights
+stay step N's until the next optimizer step, and `fence`, which the trainer calls right before
+that step, waits until this rank's copy is complete (logged; `publish_fence_wait_s` in the
+publish's row). Parameters DeepSpeed cannot gather to one owner are gathered on the training's
+thread, as without background, and only written by the thread; so is every share when a rank's
+host copy exceeds publish.buffer_mb (under ZeRO-3 any rank's), and a rank whose share itself
+exceeds it writes before returning. At most one publish is in flight: the next one first waits
+for it (logged, `publish_wait_s` in its row). Every rank calls `check` at every step boundary:
+one small all-reduce tells all ranks whether every shard of the step in flight is written, and a
+failed copy or write raises CheckpointError on every rank there (the loop checkpoints first).
+`close` ends the run's publishing: at the end of training it waits for the write in flight; on a
+stop it waits at most publish.stop_wait_s and otherwise abandons the write as its `.tmp-`
+directory; after another error (a rank may be alone) it abandons it without talking to the
+other ranks on the training's thread. The row of a publish, {"step", "published", "publish_s"
+(on the critical path: the time in `publish` and, in the background, in the fences after it),
+"publish_total_s", "publish_bytes"}, is returned when the publish completes: by `publish` itself
+when it is synchronous, by a later `check`, `publish` or `close` when it is not.
 
 Then rank 0 removes the published steps older than the newest `publish.keep` (each renamed away
 first, then deleted): never the step just published, never a `.tmp-` one being written, never a
@@ -75,10 +82,11 @@ from vlmcp.parallel import comm
 from vlmcp.parallel.agree import fail_together
 from vlmcp.training.atomic import dir_size, remove_quietly, write_text_atomic
 from vlmcp.training.export import engine_hf_state_dict
-from vlmcp.training.hf_format import (state_bytes, write_dir_atomically, write_hf_files,
-                                      write_model_config, write_on_rank0)
+from vlmcp.training.hf_format import (saved_tensors, state_bytes, write_dir_atomically,
+                                      write_hf_files, write_model_config, write_on_rank0)
 from vlmcp.training.sharded_write import ShardedWrite
-from vlmcp.training.shards import SharePlan, gather_share
+from vlmcp.training.shards import (SharePlan, StagedShare, bytes_to_stage, gather_share,
+                                   gathers_by_modules, partitioned)
 from vlmcp.training.lora_export import trained_state_dict, write_adapter_files
 
 logger = logging.getLogger(__name__)
@@ -118,6 +126,8 @@ class _InFlight:
     write: ShardedWrite | None
     #: Seconds `publish` took on the main thread, when the write went on in the background.
     critical_s: float | None = None
+    #: Seconds the optimizer steps after it waited for this rank's copy (`Publisher.fence`).
+    fence_wait_s: float = 0.0
 
 
 class Publisher:
@@ -136,11 +146,20 @@ class Publisher:
         self.sharded = job.publish.sharded
         self.background = job.publish.sharded and job.publish.background and adapter is None
         self.buffer_bytes = int(job.publish.buffer_mb * 2**20)
+        self.stop_wait_s = job.publish.stop_wait_s
         self._plan: SharePlan | None = None
         #: This rank's host copy of its share for background writes, reused from publish to
         #: publish (the previous write has finished before the next copy).
         self._staging: dict[str, torch.Tensor] = {}
+        #: {rank: host bytes it stages} (every rank under ZeRO-3, this one otherwise), once.
+        self._stage_bytes: dict[int, int] | None = None
+        #: The publish thread's own group for the ZeRO-3 gather (training/shards.py), made on
+        #: every rank here, at the same point of the run; None at world 1 or without background.
+        self._group = (comm.new_world_gloo_group(job.train.collective_timeout_s)
+                       if self.background else None)
         self._inflight: _InFlight | None = None
+        #: An abandoned write whose thread may still be in a gather on `_group`.
+        self._abandoned: ShardedWrite | None = None
         self._warned_buffer = False
         problems = []
         if comm.rank() == 0:
@@ -169,6 +188,12 @@ class Publisher:
         logger.warning("publish.dir: resuming at step %d, set aside the published steps %s (a "
                        "timeline ahead of the checkpoint) to %s", start_step,
                        ", ".join(map(str, ahead)), aside)
+
+    @property
+    def host_buffer_bytes(self) -> int:
+        """Bytes of the host buffers this rank keeps for background publishes (resident from
+        the first one to the end of the run)."""
+        return sum(buffer.numel() * buffer.element_size() for buffer in self._staging.values())
 
     def due(self, done: int) -> bool:
         """Whether the weights after `done` completed steps are published."""
@@ -199,24 +224,75 @@ class Publisher:
                                    replaceable=written_by_publish,
                                    seal=lambda tmp: self._mark(tmp, done, plan.total_size),
                                    after=lambda _: self._prune(done))
-        background = self.background and plan.bytes_of(comm.rank()) <= self.buffer_bytes
-        if self.background and not background and not self._warned_buffer:
-            self._warned_buffer = True
-            logger.warning("rank %d: its share of the weights (%d MiB) exceeds publish.buffer_mb="
-                           "%g, so it writes it before training on", comm.rank(),
-                           plan.bytes_of(comm.rank()) >> 20, self.buffer_bytes / 2**20)
         hf_model = self.module.hf_model
-        share = gather_share(self.engine, hf_model, plan, comm.rank(),
-                             self._staging if background else None)
-        write.start(share, background=background,
-                    extra=lambda tmp: write_model_config(hf_model, self.source_dir, tmp))
-        del share
+        tensors = saved_tensors(hf_model)
+        zero3 = partitioned(self.engine)
+        by_modules = gathers_by_modules(self.engine, tensors, plan)
+
+        def extra(tmp: Path) -> None:
+            write_model_config(hf_model, self.source_dir, tmp)
+
+        if self._stages(plan, tensors, zero3, by_modules):
+            if self._abandoned is not None:  # the group serves one publish at a time
+                self._abandoned.abandon(None)
+                self._abandoned = None
+            staged = StagedShare.capture(tensors, plan, comm.rank(), zero3, self._staging)
+            write.start_staged(staged.stage, lambda stop: staged.collect(self._group, stop),
+                               extra=extra)
+        else:
+            background = self.background and plan.bytes_of(comm.rank()) <= self.buffer_bytes
+            share = gather_share(self.engine, hf_model, plan, comm.rank(),
+                                 self._staging if background else None, by_modules=by_modules)
+            write.start(share, background=background, extra=extra)
+            del share
         self._inflight = _InFlight(done, out, started, waited, write)
         if not self.background:
             rows += self._settle(wait=True)
         else:
             self._inflight.critical_s = time.perf_counter() - started
         return rows
+
+    def _stages(self, plan: SharePlan, tensors: dict[str, torch.Tensor], zero3: bool,
+                by_modules: bool) -> bool:
+        """Whether this publish copies (and under ZeRO-3 gathers) on the publish thread: in the
+        background, unless the ranks gather with DeepSpeed (`by_modules`) or the host copy
+        exceeds publish.buffer_mb: under ZeRO-3 on any rank, as the ranks gather together (every
+        rank computes every rank's bytes, the same), else on this rank. Otherwise the gather runs
+        here, on the training's thread, and a rank whose share fits still writes in the
+        background."""
+        if not self.background or by_modules:
+            return False
+        if self._stage_bytes is None:
+            ranks = range(comm.world_size()) if zero3 else [comm.rank()]
+            self._stage_bytes = {r: bytes_to_stage(tensors, plan, r, zero3) for r in ranks}
+        over = sorted(r for r, size in self._stage_bytes.items() if size > self.buffer_bytes)
+        if over and comm.rank() in over and not self._warned_buffer:
+            self._warned_buffer = True
+            logger.warning("rank %d: its host copy of the weights for a background publish "
+                           "(%d MiB) exceeds publish.buffer_mb=%g, so %s", comm.rank(),
+                           self._stage_bytes[comm.rank()] >> 20, self.buffer_bytes / 2**20,
+                           "the ranks gather before training on, and it writes its share "
+                           "before training on where that exceeds it too" if zero3
+                           else "it writes its share before training on")
+        return not over
+
+    def fence(self) -> None:
+        """Call on every rank right before an optimizer step that may change the parameters
+        (training/loop.py: the accumulation boundary's `engine.step()`): waits until this rank's
+        copy of the publish in flight is off the live model (training/shards.py), logs the
+        wait and counts it in the publish's row (`publish_fence_wait_s`, and in `publish_s`).
+        It needs no other rank, so it never hangs; a copy that failed returns at once and fails
+        the run at the next `check`."""
+        inflight = self._inflight
+        if inflight is None or inflight.write is None:
+            return
+        started = time.perf_counter()
+        if not inflight.write.wait_staged():
+            return
+        waited = time.perf_counter() - started
+        inflight.fence_wait_s += waited
+        logger.info("rank %d: the optimizer step waited %.3f s for the host copy of step %d's "
+                    "weights (the publish fence)", comm.rank(), waited, inflight.step)
 
     def check(self) -> list[dict[str, Any]]:
         """At a step boundary (call on every rank): the rows of the publishes that completed;
@@ -225,16 +301,20 @@ class Publisher:
 
     def close(self, stop_wait_s: float | None = None, *, agreed: bool = True
               ) -> list[dict[str, Any]]:
-        """End the run's publishing. `stop_wait_s` None (the end of training, every rank): wait
-        for the write in flight, as `check`. A number (a stop every rank agreed on): wait at most
-        that long for it, else abandon it as its `.tmp-` directory. `agreed` False (an error
-        that one rank may have alone): abandon it at once, with no collective; its row when it
+        """End the run's publishing; afterwards no thread reads the live model. `stop_wait_s`
+        None (the end of training, every rank): wait for the write in flight, as `check`. A
+        number (a stop every rank agreed on): wait at most that long for it, else abandon it as
+        its `.tmp-` directory. `agreed` False (an error that one rank may have alone): abandon it
+        at once, with no collective on this thread. An abandoned write waits for this rank's
+        copy off the live model, and at most publish.stop_wait_s for the ranks' publish threads
+        to leave their gather together (training/shards.py); it returns the write's row when it
         was complete already (known on rank 0 alone, the rank that writes the metrics)."""
         inflight, self._inflight = self._inflight, None
         if inflight is None or inflight.write is None:
             return []
         if not agreed:
-            inflight.write.abandon()
+            inflight.write.abandon(self.stop_wait_s)
+            self._abandoned = inflight.write
             return [self._row(inflight)] if inflight.write.complete else []
         if stop_wait_s is None:
             self._inflight = inflight
@@ -245,6 +325,7 @@ class Publisher:
                          comm.rank(), inflight.step, problem)
         if inflight.write.complete:
             return [self._row(inflight)]
+        self._abandoned = inflight.write
         if comm.rank() == 0:
             logger.warning("stopping: abandoned the publish of step %d after publish.stop_wait_s="
                            "%g s; %s is never read and the next start removes it", inflight.step,
@@ -265,14 +346,19 @@ class Publisher:
         return [self._row(inflight)]
 
     def _row(self, inflight: _InFlight) -> dict[str, Any]:
-        row: dict[str, Any] = {"step": inflight.step, "published": str(inflight.out)}
-        if comm.rank() != 0:
-            return row
+        """The publish's row: `publish_s` (this rank's time on the critical path) and in the
+        background `publish_fence_wait_s` on every rank, the rest on rank 0."""
         finished = inflight.write.finished_at if inflight.write is not None else None
         total = (finished or time.perf_counter()) - inflight.started
-        critical = inflight.critical_s if inflight.critical_s is not None else total
-        row.update({"publish_s": critical, "publish_total_s": total,
-                    "publish_bytes": dir_size(inflight.out)})
+        background = inflight.critical_s is not None
+        critical = inflight.critical_s + inflight.fence_wait_s if background else total
+        row: dict[str, Any] = {"step": inflight.step, "published": str(inflight.out),
+                               "publish_s": critical}
+        if background:
+            row["publish_fence_wait_s"] = inflight.fence_wait_s
+        if comm.rank() != 0:
+            return row
+        row.update({"publish_total_s": total, "publish_bytes": dir_size(inflight.out)})
         if inflight.waited_s:
             row["publish_wait_s"] = inflight.waited_s
         logger.info("published the weights of step %d to %s (%d bytes, %.2f s, %.2f s of them "

@@ -14,12 +14,15 @@ final export), with the index and the marker last.
         (publish.keep's pruning)
 
 A rank writes its share on the calling thread, or (`background`) on a thread of its own; on rank 0
-that thread also finishes the directory once every mark is there. The thread only writes files and
-never takes part in a collective: the ranks agree on the outcome on the main thread (`settle`), at
-a point every rank reaches. A failure on any rank raises CheckpointError on every rank there and
-removes the temporary directory. `abandon` leaves an unfinished write behind as the `.tmp-`
+that thread also finishes the directory once every mark is there. With `start_staged` the thread
+first makes the share itself (training/shards.py: the copy off the live model, `staged` once it
+ended, which `wait_staged` waits for; then under ZeRO-3 the gather over the publisher's own group,
+the only collectives the thread takes part in, which the ranks' threads leave together). The
+ranks agree on the outcome on the main thread (`settle`), at a point every rank reaches. A
+failure on any rank (a copy, a write, rank 0's finish) raises CheckpointError on every rank there
+and removes the temporary directory. `abandon` leaves an unfinished write behind as the `.tmp-`
 directory, which no reader takes for a model directory (the next write of the same name, or the
-next run's publisher, removes it).
+next run's publisher, removes it), once this rank's thread has left its collectives.
 """
 
 from __future__ import annotations
@@ -59,6 +62,10 @@ class ShardedWrite:
         self.tmp = out_dir.with_name(f".tmp-{out_dir.name}")
         self._seal, self._after = seal, after
         self.rank = comm.rank()
+        #: This rank no longer reads the live model, and its thread no longer takes part in a
+        #: collective (both at once without `start_staged`).
+        self._staged = threading.Event()
+        self._collected = threading.Event()
         self._written = threading.Event()
         self._all_written = threading.Event()
         self._abandoned = threading.Event()
@@ -66,6 +73,8 @@ class ShardedWrite:
         self._thread: threading.Thread | None = None
         self._pending: dict[str, torch.Tensor] | None = None
         self._problem: str | None = None
+        #: This rank's thread stopped with the others before writing, with no problem of its own.
+        self._incomplete = False
         self._final_problem: str | None = None
         self._finished = False
         #: perf_counter() when rank 0 renamed the finished directory into place.
@@ -99,18 +108,76 @@ class ShardedWrite:
         """Write this rank's part: `extra(tmp)` first on rank 0, on this thread (the config and
         processor files: they read the live model's config), then its shard of `share`, here or
         on a background thread (`share` must then be a copy nothing changes)."""
+        self._extra(extra)
+        self._staged.set()
+        self._collected.set()
+        if not background:
+            self._write_own(share)
+            return
+        self._pending = share
+        self._launch(self._run)
+
+    def start_staged(self, stage: Callable[[], None],
+                     collect: Callable[[Callable[[], bool]], dict[str, torch.Tensor] | None], *,
+                     extra: Callable[[Path], None] | None = None) -> None:
+        """As `start` in the background, the thread making the share first: `stage()` copies
+        what this rank needs of the live model (`staged` is set when it ended, also when it
+        failed), then `collect(stop)` returns the share, or None when the ranks stopped together
+        (`stop()`: this rank's copy failed or the write was abandoned)."""
+        self._extra(extra)
+
+        def run() -> None:
+            self._pending = self._stage_and_collect(stage, collect)
+            if self._pending is None:
+                self._incomplete = self._problem is None
+                self._written.set()
+                return
+            self._run()
+
+        self._launch(run)
+
+    def _extra(self, extra: Callable[[Path], None] | None) -> None:
         if extra is not None and self.rank == 0:
             try:
                 extra(self.tmp)
             except Exception as exc:  # any failure is agreed, never one rank's alone
                 self._problem = self._describe(exc, self.tmp)
-        if not background:
-            self._write_own(share)
-            return
-        self._pending = share
-        self._thread = threading.Thread(target=self._run, daemon=True,
+
+    def _launch(self, target: Callable[[], None]) -> None:
+        self._thread = threading.Thread(target=target, daemon=True,
                                         name=f"vlmcp-write-{self.out_dir.name}")
         self._thread.start()
+
+    def _stage_and_collect(self, stage: Callable[[], None],
+                           collect: Callable[[Callable[[], bool]], dict[str, torch.Tensor] | None]
+                           ) -> dict[str, torch.Tensor] | None:
+        """Background: `stage`, then `collect`; None when there is nothing to write."""
+        try:
+            try:
+                stage()
+            except Exception as exc:  # any failure is agreed, never one rank's alone
+                self._problem = self._problem or self._staging_problem("copying", exc)
+            finally:
+                self._staged.set()
+            try:
+                return collect(lambda: self._problem is not None or self._abandoned.is_set())
+            except Exception as exc:  # the connection: agreed at the next check
+                self._problem = self._problem or self._staging_problem("gathering", exc)
+                return None
+        finally:
+            self._collected.set()
+
+    def _staging_problem(self, doing: str, exc: BaseException) -> str:
+        return (f"writing the {self.what} to {self.out_dir}: {doing} rank {self.rank}'s share in "
+                f"host memory: {type(exc).__name__}: {exc}")
+
+    def wait_staged(self) -> bool:
+        """Wait until this rank no longer reads the live model (its copy ended, or failed: that
+        is agreed at the next `settle`); whether it had to wait. Needs no other rank."""
+        if self._staged.is_set():
+            return False
+        self._staged.wait()
+        return True
 
     def _describe(self, exc: BaseException, path: Path) -> str:
         needed = self.plan.bytes_of(self.rank) or None
@@ -136,8 +203,8 @@ class ShardedWrite:
             self._written.set()
 
     def _run(self) -> None:
-        """Background: this rank's shard; rank 0 then finishes the directory once every writing
-        rank's mark is there (or the ranks agreed that all wrote theirs)."""
+        """Background: this rank's shard (`_pending`); rank 0 then finishes the directory once
+        every writing rank's mark is there (or the ranks agreed that all wrote theirs)."""
         share, self._pending = self._pending, None
         self._write_own(share or {})
         del share
@@ -181,8 +248,9 @@ class ShardedWrite:
                 logger.warning("after writing %s: %s", self.out_dir, exc)
 
     def _agree(self) -> tuple[bool, bool]:
-        """(any rank failed, every rank wrote its part): one small all-reduce."""
-        failed = self._written.is_set() and self._problem is not None
+        """(any rank failed or stopped short, every rank wrote its part): one small
+        all-reduce."""
+        failed = self._written.is_set() and (self._problem is not None or self._incomplete)
         flags = torch.tensor([float(failed), float(not self._written.is_set())],
                              dtype=torch.float64)
         comm.all_reduce_max(flags)
@@ -221,25 +289,37 @@ class ShardedWrite:
     def _fail(self, problems: list[str]) -> None:
         try:
             fail_together(problems, CheckpointError)
+            # no rank had a problem of its own: a rank's thread stopped short, on an abandon
+            raise CheckpointError([f"writing the {self.what} to {self.out_dir}: abandoned on "
+                                   "another rank"] if self.rank == 0 else [])
         finally:
             if self.rank == 0:
                 remove_quietly(self.tmp)
 
     def settle_within(self, wait_s: float) -> str | None:
         """Finish the directory if every rank writes its part within `wait_s` seconds, else
-        abandon it (call on every rank at the same point: a stop). Returns this rank's problem,
-        if any (logged; nothing is raised, as the run is stopping)."""
+        abandon it (call on every rank at the same point: a stop), waiting at most `wait_s` more
+        for this rank's thread to leave its collectives. Returns this rank's problem, if any
+        (logged; nothing is raised, as the run is stopping)."""
         self._written.wait(wait_s)
         failed, written = self._agree()
         if failed or not written:
-            self.abandon()
+            self.abandon(wait_s)
             return self._problem
         return self._finish_on_rank0()
 
-    def abandon(self) -> None:
-        """Leave the write unfinished (no collective): rank 0 never writes the marker or renames;
-        the `.tmp-` directory stays behind."""
+    def abandon(self, leave_s: float | None = 0.0) -> None:
+        """Leave the write unfinished (no collective on this thread): rank 0 never writes the
+        marker or renames; the `.tmp-` directory stays behind. Waits for this rank's copy off
+        the live model to end, then at most `leave_s` seconds (None: until then) for its thread
+        to leave its collectives (the ranks' threads stop together at their next agreement:
+        logged when it takes longer)."""
         self._abandoned.set()
+        self._staged.wait()
+        if not self._collected.wait(leave_s):
+            logger.warning("rank %d: the publish thread of %s is still in a gather after %g s; "
+                           "it stops at the ranks' next agreement", self.rank, self.out_dir,
+                           leave_s)
 
     @property
     def complete(self) -> bool:
