@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 import threading
-import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -120,6 +120,28 @@ def test_each_published_step_served_in_place_gives_transformers_logprobs_within_
             assert rel_err(stale64, ref64) > 2 * bf16_allowance(ref_bf16, ref64), (step, kind)
 
 
+def _stream_generate(url: str, request: dict, started: threading.Event, out: dict) -> None:
+    """POST a streamed `/inference/v1/generate` request; set `started` at its first tokens and
+    leave in `out` the output's token ids and the final chunk's `weight_versions`."""
+    body = json.dumps({**request, "stream": True}).encode()
+    tokens: list[int] = []
+    with urllib.request.urlopen(urllib.request.Request(
+            url + "/inference/v1/generate", data=body,
+            headers={"Content-Type": "application/json"}), timeout=300) as answer:
+        for raw in answer:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[len("data: "):]).get("choices", []):
+                tokens += choice.get("token_ids") or []
+                if choice.get("weight_versions"):
+                    out["weight_versions"] = choice["weight_versions"]
+            if tokens:
+                started.set()
+    out["token_ids"] = tokens
+    started.set()
+
+
 def test_an_in_flight_reload_labels_each_token_with_the_version_that_sampled_it(
         published, server):
     client = VllmHttpClient(server.url, published["weights"], published["checkpoint"],
@@ -128,21 +150,24 @@ def test_an_in_flight_reload_labels_each_token_with_the_version_that_sampled_it(
     prompt = text_prompt_ids(published["processor"])
     request = {"token_ids": prompt, "sampling_params": {
         "max_tokens": 400, "min_tokens": 400, "temperature": 1.0, "logprobs": 0}}
+    # Streamed, so the reload starts at the request's first tokens, however fast the CPU is.
     answer: dict = {}
-    thread = threading.Thread(target=lambda: answer.update(client.post(
-        "/inference/v1/generate", request)))
+    started = threading.Event()
+    thread = threading.Thread(target=_stream_generate,
+                              args=(server.url, request, started, answer))
     thread.start()
-    time.sleep(1.5)
+    assert started.wait(timeout=300)
     client.serve(STEPS - 1)
     thread.join(timeout=300)
-    spans = answer["choices"][0]["weight_versions"]
+    assert len(answer["token_ids"]) == 400
+    spans = answer["weight_versions"]
     assert [span["version"] for span in spans] == [str(STEPS), str(STEPS - 1)], spans
     assert spans[0]["start"] == 0 and spans[-1]["end"] == 400
     # As a rollout line writes them: output spans shifted by the prompt's length.
     line_spans = [{"version": int(s["version"]), "start": len(prompt) + s["start"],
                    "end": len(prompt) + s["end"]} for s in spans]
     versions = token_versions(line_spans, len(prompt) + 400, "line")
-    labels = [-100] * len(prompt) + answer["choices"][0]["token_ids"]
+    labels = [-100] * len(prompt) + answer["token_ids"]
     assert target_version_range(versions, labels, "line") == (STEPS - 1, STEPS)
 
 
