@@ -45,6 +45,8 @@ def test_bench_parses_every_flag():
     assert args.gradient_checkpointing and args.tiled_mlp and args.offload_activations
     assert args.saved_bytes and args.compare_alst and args.routes
     assert args.engine_mismatch and (args.weights, args.temperature) == ("runs/rl/weights", 0.7)
+    assert args.routes == "recorded"
+    assert build_parser().parse_args(["bench", "--routes", "random"]).routes == "random"
 
 
 @pytest.mark.parametrize("mode,given,named", [
@@ -177,14 +179,17 @@ def test_routes_need_a_moe_model_and_one_vision_mode(tmp_path, capsys):
 
 
 @pytest.mark.e2e
-def test_routes_bench_runs_native_and_replayed_steps_in_fresh_processes(tmp_path):
+def test_routes_bench_replays_the_models_own_routes_in_full_agreement_in_fresh_processes(tmp_path):
     out = tmp_path / "routes.json"
     assert main(["bench", "--moe", "--routes", "--sp-size", "2", "--seq-lens", "128",
                  "--steps", "1", "--warmup", "0", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     (row,) = report["results"]
-    assert report["routes"] and STEP_FIELDS <= set(row["native"]) and STEP_FIELDS <= set(row["replayed"])
-    assert not row["native"]["routes"] and row["replayed"]["routes"]
+    assert report["routes"] == "recorded"
+    assert STEP_FIELDS <= set(row["native"]) and STEP_FIELDS <= set(row["replayed"])
+    assert not row["native"]["routes"] and row["replayed"]["routes"] == "recorded"
+    assert row["replayed"]["router_replay_tokens"] > 0
+    assert row["replayed"]["router_replay_agreement"] == 1.0
     assert row["replay_time_ratio"] == row["replayed"]["step_time_s"] / row["native"]["step_time_s"]
     assert row["replay_peak_memory_mb"] == row["replayed"]["peak_memory_mb"] - row["native"]["peak_memory_mb"]
 

@@ -199,10 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--offload-activations", action="store_true",
                        help="train.offload_activations: DeepSpeed's CheckpointHiddenStatesOffload on the "
                             "checkpointed layer inputs (needs --gradient-checkpointing)")
-    bench.add_argument("--routes", action="store_true",
-                       help="MoE: run every length without and with routing replay (random routes "
-                            "on every token) and report replay_time_ratio and "
-                            "replay_peak_memory_mb")
+    bench.add_argument("--routes", nargs="?", const="recorded", choices=("recorded", "random"),
+                       help="MoE: run every length without and with routing replay and report "
+                            "replay_time_ratio and replay_peak_memory_mb; the routes replayed are "
+                            "the model's own from a scoring pass (recorded, the default: the "
+                            "replay's own cost) or random experts on every token (random)")
     bench.add_argument("--loss-chunk-mb", type=float, default=None,
                        help="memory budget (MiB) of one lm_head + cross-entropy chunk (default: "
                             "train.loss_chunk_mb's default)")

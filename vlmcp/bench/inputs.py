@@ -1,6 +1,6 @@
 """Synthetic packs for `vlmcp bench`: random text samples with images of mixed sizes and videos,
-or preference pairs whose halves show the same prompt images (`synthetic_pairs`), and random MoE
-routes for a pack (`synthetic_routes`).
+or preference pairs whose halves show the same prompt images (`synthetic_pairs`), and MoE routes
+for a pack: random (`synthetic_routes`) or the model's own (`recorded_routes`).
 
 Every rank builds the same pack from the same seed, so no data moves between ranks.
 """
@@ -16,6 +16,7 @@ from vlmcp.data.formats import Sample
 from vlmcp.data.pack import build_batch
 from vlmcp.data.positions import IMAGE, VIDEO, mrope_positions
 from vlmcp.data.routes import route_spec
+from vlmcp.parallel import comm
 
 #: (h, w) patch grids the `--images` images cycle through: mixed sizes and aspect ratios, from 4 to
 #: 192 image tokens each after the 2 x 2 merge.
@@ -156,3 +157,13 @@ def synthetic_routes(tokens: int, text_config: Any, seed: int = 0) -> torch.Tens
     generator = torch.Generator().manual_seed(seed)
     scores = torch.rand(tokens, spec.layers, spec.num_experts, generator=generator)
     return scores.argsort(dim=-1)[..., :spec.top_k].to(spec.dtype)
+
+
+def recorded_routes(module: Any, batch: PackedBatch) -> torch.Tensor:
+    """Host routes [S, L_moe, K] of `batch`: the experts `module` (a MoE `PackedVLM`) selects on
+    its own, recorded in one scoring pass (as `vlmcp score --routes` records them for R2) and
+    gathered over the SP group, the same on every rank of it (each rank of the group calls this)."""
+    spec = route_spec(module.hf_model.config.get_text_config().to_dict())
+    _, _, local = module.token_scores(batch, routes=True)
+    shards = comm.all_gather_autograd(local, module.sp.group)
+    return shards.flatten(0, 1)[:batch.num_tokens].cpu().to(spec.dtype)

@@ -12,9 +12,12 @@ Five modes, each writing one JSON report:
   `vision_s` over the mean replicated `vision_s` (each rank's wall-clock seconds in the vision
   tower's forward per step), `vision_cpu_s_ratio` the same for the rank processes' CPU seconds
   there (`vision_cpu_s`: on a shared CPU, what the rank itself spent). With `--routes` (a MoE
-  model) every length runs without and with routing replay (random routes on every token,
-  model.router_replay), in fresh processes each, and the row compares them: `replay_time_ratio`
-  (step time with / without) and `replay_peak_memory_mb` (the peak's difference).
+  model) every length runs without and with routing replay (model.router_replay), in fresh
+  processes each, and the row compares them: `replay_time_ratio` (step time with / without) and
+  `replay_peak_memory_mb` (the peak's difference). The replayed routes are by default the model's
+  own, recorded in a scoring pass on the same pack (R2; the experts each get the same tokens, so
+  the ratio is the replay's own cost), or with `--routes random` random experts on every token
+  (which also moves tokens between experts).
 - `--loss-only`: the lm_head + cross-entropy alone (`shard_loss_sum`, forward+backward) on random
   hidden states of each length.
 - `--find-max-len`: the longest single sample whose step's peak memory fits `--memory-budget-gb`.
@@ -57,7 +60,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlmcp.bench.inputs import synthetic_pack, synthetic_pairs, synthetic_routes
+from vlmcp.bench.inputs import recorded_routes, synthetic_pack, synthetic_pairs, synthetic_routes
 from vlmcp.bench.procs import Memory, MemoryLimitExceeded, run_fresh
 from vlmcp.bench.saved_bytes import SavedBytesTask
 from vlmcp.data.batch import PackedBatch
@@ -103,8 +106,9 @@ class StepTask:
     video_grid: tuple[int, int] = (16, 16)
     #: The device's peak in 10^12 FLOP/s (`vlmcp.training.utilisation`), for the row's mfu.
     peak_tflops: float | None = None
-    #: Replay random routes on every token (`synthetic_routes`).
-    routes: bool = False
+    #: Routing replay: "" none, "recorded" the model's own routes from a scoring pass on the same
+    #: pack (`recorded_routes`), "random" random routes on every token (`synthetic_routes`).
+    routes: str = ""
 
     def run(self, device: torch.device, sp: Any = None) -> dict[str, Any]:
         """This rank's numbers gathered over the world; returns the row (the same on every rank).
@@ -128,11 +132,17 @@ class StepTask:
             batch = synthetic_pack(self.seq_len, self.samples, config, self.images,
                                    videos=self.videos, frames=self.frames,
                                    video_group_hw=self.video_grid)
-        if self.routes:
+        if self.routes == "random":
             batch.routes = synthetic_routes(batch.num_tokens, config.get_text_config())
+        elif self.routes == "recorded":
+            batch.routes = recorded_routes(module, batch)
         flops = batch_flops(config, batch, Trains(vision=module.vision_trainable)).total
         row = {**measure_steps(module, batch, self, memory), "deltanet_kernel_ran": module.deltanet_kernel,
                "routes": self.routes}
+        if self.routes:
+            replayed, agreed = module.router_replay.take_totals()
+            row.update(router_replay_tokens=replayed,
+                       router_replay_agreement=agreed / replayed if replayed else None)
         row.update(utilisation(flops, row["step_time_s"], comm.world_size(), self.peak_tflops))
         return {**row, "pair_images": self.pair_images} if self.pair_images else row
 
@@ -319,7 +329,7 @@ def _model_sizes(args: argparse.Namespace) -> tuple[int, int]:
 
 def _step_task(args: argparse.Namespace, model_dir: str, seq_len: int, samples: int, steps: int,
                warmup: int, vision: str | None = None, pair_images: str = "",
-               routes: bool = False) -> StepTask:
+               routes: str = "") -> StepTask:
     return StepTask(model_dir=model_dir, dtype=args.dtype, sp_size=args.sp_size or 1,
                     deltanet_cp=args.deltanet_cp, deltanet_kernel=args.deltanet_kernel,
                     vision=vision or args.vision, loss_chunk_mb=args.loss_chunk_mb,
@@ -336,7 +346,7 @@ def _memory_options(args: argparse.Namespace) -> tuple[tuple[str, bool], ...]:
 
 
 def _one_step_row(args: argparse.Namespace, model_dir: str, seq_len: int, device: torch.device,
-                  sp: Any, vision: str, pair_images: str = "", routes: bool = False
+                  sp: Any, vision: str, pair_images: str = "", routes: str = ""
                   ) -> dict[str, Any]:
     if device.type == "cpu" and not _launched():
         task = _step_task(args, model_dir, seq_len, args.samples_per_pack, args.steps,
@@ -378,8 +388,8 @@ def _bench_steps(args: argparse.Namespace, model_dir: str, device: torch.device,
         _check_pack(args, model_dir, seq_len, args.samples_per_pack)
         modes = ["split", "replicated"] if args.vision == "both" else [args.vision]
         if args.routes:
-            measured = [_one_step_row(args, model_dir, seq_len, device, sp, modes[0], routes=on)
-                        for on in (False, True)]
+            measured = [_one_step_row(args, model_dir, seq_len, device, sp, modes[0], routes=kind)
+                        for kind in ("", args.routes)]
             rows.append(_replay_compared(*measured))
             if "replay_time_ratio" in rows[-1]:
                 logger.info("seq_len %d: routing replay / native step time %.3f, peak memory "
@@ -448,7 +458,7 @@ def _check_pack(args: argparse.Namespace, model_dir: str, seq_len: int, samples:
 
 def _in_process_step(args: argparse.Namespace, model_dir: str, seq_len: int, device: torch.device, sp: Any,
                      samples: int | None = None, steps: int | None = None, warmup: int | None = None,
-                     vision: str | None = None, pair_images: str = "", routes: bool = False
+                     vision: str | None = None, pair_images: str = "", routes: str = ""
                      ) -> dict[str, Any]:
     """One length on the current world (launcher ranks, or one CUDA process). A CUDA
     out-of-memory error becomes a row with `error`."""
