@@ -215,3 +215,30 @@ def test_engine_mismatch_scores_the_engines_samples_with_every_side_at_lag_0(tmp
         assert kind["vlmcp_fp32"]["numeric"]["max_abs_diff"] < 0.1
         assert 0 <= kind["vlmcp_fp32"]["numeric"]["mismatch_kl"] < 1e-3
     assert set(report["summary"]["image"]) >= {"vlmcp_fp32_numeric", "vlmcp_fp32_rows"}
+
+
+@pytest.mark.e2e
+def test_data_scale_bench_builds_the_index_once_then_reads_it_from_the_cache(tmp_path):
+    out = tmp_path / "scale.json"
+    assert main(["bench", "--data-scale", "4", "--steps", "1", "--data-workers", "0",
+                 "--scratch", str(tmp_path / "scratch"), "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    first, second = report["results"]
+    assert report["mode"] == "data_scale" and report["sp_size"] == 2
+    assert (first["index"], second["index"]) == ("built", "loaded from cache")
+    assert first["index_cache"] == second["index_cache"] and second["index_build_s"] is None
+    assert len(first["peak_rss_mb_per_rank"]) == 2 and first["peak_rss_ratio"] == 1.0
+    assert first["steps"] == second["steps"] == 1
+    assert list((tmp_path / "scratch").iterdir()) == []
+
+
+@pytest.mark.e2e
+def test_rollout_rss_bench_trains_every_step_size_in_a_fresh_process(tmp_path):
+    out = tmp_path / "rss.json"
+    assert main(["bench", "--rollout-rss", "1,2", "--steps", "1", "--rollout-image-size", "64",
+                 "--data-workers", "0", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["mode"] == "rollout_rss" and report["window_packs"] == 3
+    assert [row["packs_per_step"] for row in report["results"]] == [1, 2]
+    assert all(row["steps"] == 1 and row["peak_rss_mb"] > 0 for row in report["results"])
+    assert report["results"][0]["peak_rss_ratio"] == 1.0

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import struct
-import tempfile
 import time
 import zlib
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 from PIL import Image
 
+from vlmcp.bench.jobs import scratch_folder, short_job, timed_training
 from vlmcp.bench.procs import Memory, run_fresh
 from vlmcp.parallel import comm
 
@@ -81,12 +81,7 @@ class DataScaleTask:
     attempt: int
 
     def run(self, device: torch.device) -> dict[str, Any]:
-        from vlmcp.config import load_job
-        from vlmcp.training.loop import train
-
-        started = time.perf_counter()
-        run = train(load_job(self.job_path, []))
-        seconds = time.perf_counter() - started
+        run, seconds = timed_training(self.job_path)
         peaks = torch.zeros(comm.world_size(), dtype=torch.float64)
         peaks[comm.rank()] = Memory(device).peak_mb()
         comm.all_reduce_sum(peaks)
@@ -104,14 +99,10 @@ class DataScaleTask:
 
 
 def _job(model_dir: Path, data: Path, out: Path, cache: Path, args: argparse.Namespace) -> dict:
-    return {"model": {"path": str(model_dir)},
-            "data": {"train": str(data), "max_seq_len": args.data_max_seq_len,
-                     "cache_dir": str(cache), "num_workers": args.data_workers},
-            "parallel": {"sp_size": args.sp_size},
-            "optimizer": {"type": "sgd", "lr": 1e-3},
-            "train": {"max_steps": args.steps, "seed": 0},
-            "deepspeed": {"zero_optimization": {"stage": 0}},
-            "output_dir": str(out)}
+    return short_job({"path": str(model_dir)},
+                     {"train": str(data), "max_seq_len": args.data_max_seq_len,
+                      "cache_dir": str(cache), "num_workers": args.data_workers},
+                     out, args.steps, parallel={"sp_size": args.sp_size})
 
 
 def run_data_scale(args: argparse.Namespace) -> dict[str, Any]:
@@ -121,10 +112,7 @@ def run_data_scale(args: argparse.Namespace) -> dict[str, Any]:
     sizes = [int(n) for n in args.data_scale.split(",")]
     args.sp_size = args.sp_size or 2
     rows = []
-    if args.scratch:
-        Path(args.scratch).mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="vlmcp-data-scale-", dir=args.scratch) as scratch:
-        root = Path(scratch)
+    with scratch_folder(args.scratch, "vlmcp-data-scale-") as root:
         model_dir = build_tiny_checkpoint(root / "model", moe=False, seed=0)
         for n in sizes:
             started = time.perf_counter()

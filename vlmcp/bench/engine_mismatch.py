@@ -46,7 +46,6 @@ import json
 import logging
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -57,6 +56,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForImageTextToText
 
+from vlmcp.bench.jobs import scratch_folder
 from vlmcp.data.processor import VLProcessor, load_processor
 from vlmcp.demo.assets import write_digits_dataset
 from vlmcp.demo.image import torchrun_command
@@ -332,10 +332,7 @@ def run_engine_mismatch(args: argparse.Namespace) -> dict[str, Any]:
                          "VLMCP_ENGINE_PYTHON=/path/to/its/python)")
     tau, sp_size = args.temperature, args.sp_size or 1
     engine_log = Path(args.out).with_name(Path(args.out).stem + "-engine.log")
-    if args.scratch:
-        Path(args.scratch).mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="vlmcp-engine-mismatch-", dir=args.scratch) as name:
-        scratch = Path(name)
+    with scratch_folder(args.scratch, "vlmcp-engine-mismatch-") as scratch:
         policies = _policies(args, scratch)
         processor = load_processor(policies[0][1])
         _, eval_jsonl = write_digits_dataset(scratch / "digits", n_train=1,

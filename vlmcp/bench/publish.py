@@ -41,13 +41,13 @@ import dataclasses
 import json
 import shutil
 import statistics
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from vlmcp.bench.jobs import scratch_folder, short_job
 from vlmcp.bench.procs import Memory, run_fresh
 from vlmcp.parallel import comm
 
@@ -169,20 +169,14 @@ def run_publish_bench(args: argparse.Namespace) -> dict[str, Any]:
     hidden = args.hidden_size or DEFAULT_HIDDEN
     intermediate = args.intermediate_size or 4 * hidden
     vocab = args.vocab_size or DEFAULT_VOCAB
-    if args.scratch:
-        Path(args.scratch).mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="vlmcp-bench-publish-", dir=args.scratch) as scratch:
-        root = Path(scratch)
+    with scratch_folder(args.scratch, "vlmcp-bench-publish-") as root:
         model_dir = build_tiny_checkpoint(root / "model", vocab_size=vocab,
                                           hidden_size=hidden, intermediate_size=intermediate)
-        job = {"model": {"path": str(model_dir), "dtype": args.dtype},
-               "data": {"train": str(_tokens_data(root / "train.jsonl")),
-                        "max_seq_len": 2 * _SAMPLE_LEN, "num_workers": 0},
-               "optimizer": {"type": "sgd", "lr": 1e-4},
-               "train": {"max_steps": 10_000, "seed": 0},
-               "deepspeed": {"zero_optimization": {"stage": args.publish_zero}},
-               "publish": {"dir": str(root / "unused")},
-               "output_dir": str(root / "out")}
+        job = short_job({"path": str(model_dir), "dtype": args.dtype},
+                        {"train": str(_tokens_data(root / "train.jsonl")),
+                         "max_seq_len": 2 * _SAMPLE_LEN, "num_workers": 0},
+                        root / "out", 10_000, lr=1e-4, zero_stage=args.publish_zero,
+                        publish={"dir": str(root / "unused")})
         row = run_fresh(PublishTask(job, str(root), args.repeats), world, distributed=False)
     return {"mode": "publish", "world": world, "zero_stage": args.publish_zero,
             "model": f"tiny dense Qwen3.5, hidden {hidden}, intermediate {intermediate}, "

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +23,7 @@ from typing import Any
 import torch
 
 from vlmcp.bench.data_scale import write_synthetic_dataset
+from vlmcp.bench.jobs import scratch_folder, short_job, timed_training
 from vlmcp.bench.procs import Memory, run_fresh
 from vlmcp.data.rollouts import STABLE, step_dir
 
@@ -42,13 +41,9 @@ class RolloutRssTask:
     packs: int
 
     def run(self, device: torch.device) -> dict[str, Any]:
-        from vlmcp.config import load_job
         from vlmcp.parallel import comm
-        from vlmcp.training.loop import train
 
-        started = time.perf_counter()
-        run = train(load_job(self.job_path, []))
-        seconds = time.perf_counter() - started
+        run, seconds = timed_training(self.job_path)
         peak = Memory(device).peak_mb()
         comm.shutdown()
         return {"packs_per_step": self.packs, "steps": run.job.train.max_steps,
@@ -78,14 +73,10 @@ def _sample_shape(model_dir: Path, rollouts: Path) -> tuple[int, int]:
 
 def _job(model_dir: Path, rollouts: Path, out: Path, max_seq_len: int, steps: int,
          workers: int) -> dict:
-    return {"model": {"path": str(model_dir)},
-            "data": {"max_seq_len": max_seq_len, "num_workers": workers,
-                     "prefetch_factor": _PREFETCH},
-            "optimizer": {"type": "sgd", "lr": 1e-3},
-            "rollouts": {"dir": str(rollouts), "timeout_s": 60, "poll_s": 0.1},
-            "train": {"max_steps": steps, "seed": 0},
-            "deepspeed": {"zero_optimization": {"stage": 0}},
-            "output_dir": str(out)}
+    return short_job({"path": str(model_dir)},
+                     {"max_seq_len": max_seq_len, "num_workers": workers,
+                      "prefetch_factor": _PREFETCH},
+                     out, steps, rollouts={"dir": str(rollouts), "timeout_s": 60, "poll_s": 0.1})
 
 
 def run_rollout_rss(args: argparse.Namespace) -> dict[str, Any]:
@@ -97,10 +88,7 @@ def run_rollout_rss(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--rollout-rss: pack counts must be >= 1, got {args.rollout_rss}")
     steps = args.steps
     rows = []
-    if args.scratch:
-        Path(args.scratch).mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="vlmcp-rollout-rss-", dir=args.scratch) as scratch:
-        root = Path(scratch)
+    with scratch_folder(args.scratch, "vlmcp-rollout-rss-") as root:
         model_dir = build_tiny_checkpoint(root / "model", moe=False, seed=0)
         shape = None
         for packs in sizes:

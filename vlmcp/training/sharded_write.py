@@ -4,8 +4,9 @@ final export), with the index and the marker last.
     PARENT/.tmp-NAME/                        rank 0 empties and creates it; all ranks agree
         config.json, generation_config.json  rank 0, on the calling thread (`extra`)
         tokenizer and processor files
-        model-0000K-of-0000N.safetensors     each rank its own share (training/shards.py),
-        .rank-R.written                      flushed to the disk, then its mark, flushed
+        model-0000K-of-0000N.safetensors     each writing rank its own share (training/shards.py),
+        .rank-R.written                      flushed to the disk, then its mark, flushed (a rank
+                                             without a share writes neither)
     then rank 0, once the mark of every writing rank is there, or once the ranks agreed that all
     wrote theirs (a network filesystem may show another node's mark late):
         the marks removed, model.safetensors.index.json (more than one shard), every file and
@@ -184,9 +185,14 @@ class ShardedWrite:
         return f"writing the {self.what} to {self.out_dir}: {write_error(exc, path, needed)}"
 
     def _write_own(self, share: dict[str, torch.Tensor]) -> None:
+        """This rank's shard and then its mark. A rank that writes no shard writes no mark and
+        touches nothing: rank 0 waits only for the writers' marks, so the directory may already
+        be finished and renamed."""
         try:
             shard = self.plan.shard_of(self.rank)
-            if self._problem is None and shard is not None:
+            if shard is None:
+                return
+            if self._problem is None:
                 path = self.tmp / self.plan.files[shard]
                 try:
                     write_shard(share, path)
