@@ -7,7 +7,7 @@ Every rank builds the same pack from the same seed, so no data moves between ran
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,6 +17,9 @@ from vlmcp.data.pack import build_batch
 from vlmcp.data.positions import IMAGE, VIDEO, mrope_positions
 from vlmcp.data.routes import route_spec
 from vlmcp.parallel import comm
+
+if TYPE_CHECKING:
+    from vlmcp.model.packed import PackedVLM
 
 #: (h, w) patch grids the `--images` images cycle through: mixed sizes and aspect ratios, from 4 to
 #: 192 image tokens each after the 2 x 2 merge.
@@ -159,8 +162,8 @@ def synthetic_routes(tokens: int, text_config: Any, seed: int = 0) -> torch.Tens
     return scores.argsort(dim=-1)[..., :spec.top_k].to(spec.dtype)
 
 
-def recorded_routes(module: Any, batch: PackedBatch) -> torch.Tensor:
-    """Host routes [S, L_moe, K] of `batch`: the experts `module` (a MoE `PackedVLM`) selects on
+def recorded_routes(module: PackedVLM, batch: PackedBatch) -> torch.Tensor:
+    """Host routes [S, L_moe, K] of `batch`: the experts `module` (a MoE model) selects on
     its own, recorded in one scoring pass (as `vlmcp score --routes` records them for R2) and
     gathered over the SP group, the same on every rank of it (each rank of the group calls this)."""
     spec = route_spec(module.hf_model.config.get_text_config().to_dict())

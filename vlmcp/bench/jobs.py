@@ -1,5 +1,6 @@
 """The short training jobs that `vlmcp bench`'s end-to-end modes run (`--data-scale`,
-`--rollout-rss`, `--publish`): their scratch folder, their job, and a timed run of it.
+`--rollout-rss`, `--publish`): their job and a timed run of it; and the scratch folder those modes
+and `--engine-mismatch` work in.
 
 The job is the smallest one vlmcp trains: a local tiny checkpoint, SGD, ZeRO-0 unless told
 otherwise, seed 0; each mode adds its own data, rollouts or publish sections.
@@ -12,7 +13,10 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vlmcp.training.loop import Run
 
 
 @contextmanager
@@ -36,7 +40,7 @@ def short_job(model: dict[str, Any], data: dict[str, Any], out: Path, steps: int
             "output_dir": str(out), **sections}
 
 
-def timed_training(job_path: str) -> tuple[Any, float]:
+def timed_training(job_path: str) -> tuple[Run, float]:
     """Train the job file at `job_path` (every rank of the world calls this): the finished
     `Run` (vlmcp.training.loop) and its wall-clock seconds on this rank."""
     from vlmcp.config import load_job
