@@ -58,9 +58,10 @@ def _write_step(root, number, lines, policy_step):
     return path
 
 
-def _steps(checkpoint, processor, tmp_path, **rollouts):
+def _steps(checkpoint, processor, tmp_path, data=None, **rollouts):
     raw = tiny_job(checkpoint, tmp_path / "unused.jsonl", tmp_path / "out",
-                   data={"max_seq_len": 64, "num_workers": 0}, loss={"type": "policy_gradient"},
+                   data={"max_seq_len": 64, "num_workers": 0, **(data or {})},
+                   loss={"type": "policy_gradient"},
                    rollouts={"dir": str(tmp_path / "rollouts"), **rollouts})
     del raw["data"]["train"]
     # One process: DP rank 0 of 1 (the rollout index and packs need no process group).
@@ -118,3 +119,32 @@ def test_samples_without_per_token_versions_count_from_meta_json_beside_those_wi
     row = _steps(tiny_checkpoint, tiny_processor, tmp_path).step_batches(2).row
     assert {k: row[k] for k in ("policy_lag", "policy_lag_min", "policy_version_oldest")} == {
         "policy_lag": 1, "policy_lag_min": 0, "policy_version_oldest": 1}
+
+
+def test_a_version_ahead_of_the_trainer_names_the_first_line_that_gives_it_and_counts_the_rest(
+        tiny_checkpoint, tiny_processor, tmp_path):
+    root = tmp_path / "rollouts"
+    # step 4 trains from the weights of step 3: lines 2 and 3 give version 4, line 1 does not
+    path = _write_step(root, 4, [_line([None, None, None, 3, 3]), _line([None, None, None, 3, 4]),
+                                 _line([None, None, None, 4, 4])], 3)
+    with pytest.raises(RolloutError) as info:
+        _steps(tiny_checkpoint, tiny_processor, tmp_path).step_batches(3)
+    assert info.value.problems == [
+        f"{path / 'rollouts.jsonl'}:2: policy_versions give version 4, newer than the weights of "
+        "step 3, which train step 4 (policy lag -1): a producer bug, or another run's "
+        "rollouts.dir (1 more line(s) of the step are ahead too)"]
+
+
+def test_truncation_drops_the_versions_of_the_tokens_it_cuts_from_the_step_and_its_lag(
+        tiny_checkpoint, tiny_processor, tmp_path):
+    root = tmp_path / "rollouts"
+    # 20 tokens: a prompt of 3, targets 3..9 sampled by version 5, 10..19 by version 0 (an
+    # in-flight update the other way round, so that the cut-away tokens hold the oldest version).
+    line = _line([None] * 3 + [5] * 7 + [0] * 10, prompt=3, answer=17)
+    _write_step(root, 7, [line], 5)
+    row = _steps(tiny_checkpoint, tiny_processor, tmp_path, max_staleness=2,
+                 data={"max_seq_len": 10, "truncate": True}).step_batches(6).row
+    assert {k: row[k] for k in ("policy_lag", "policy_lag_min", "policy_lag_max",
+                                "policy_version_oldest", "policy_version_newest")} == {
+        "policy_lag": 1, "policy_lag_min": 1, "policy_lag_max": 1, "policy_version_oldest": 5,
+        "policy_version_newest": 5}

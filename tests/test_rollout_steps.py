@@ -165,6 +165,5 @@ def test_a_policy_step_ahead_of_the_step_is_refused_naming_meta_json(
     with pytest.raises(RolloutError) as info:
         steps.step_batches(1)
     assert info.value.problems == [
-        f"{path / 'meta.json'}: policy_step 2 is ahead of the weights that train step 2 (policy "
-        "lag -1; at most step 1's can have generated it): a producer bug, or another run's "
-        "rollouts.dir"]
+        f"{path / 'meta.json'}: policy_step 2, newer than the weights of step 1, which train "
+        "step 2 (policy lag -1): a producer bug, or another run's rollouts.dir"]

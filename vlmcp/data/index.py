@@ -225,7 +225,9 @@ def build_index(files: Sequence[Path], processor: VLProcessor, max_seq_len: int,
             try:
                 counts = _row(record, source, base_dir, processor, max_seq_len, truncate, decode,
                               array_names, tuple(count_nonzero))
-                version_range = record_version_range(record, source) if versions else None
+                # the versions of the tokens data.truncate kept (counts[0]: their number)
+                version_range = (record_version_range(record, source, kept=counts[0])
+                                 if versions else None)
             except DataError as e:
                 problems.append(str(e))
                 continue

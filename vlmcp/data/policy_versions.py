@@ -90,17 +90,21 @@ def target_version_range(versions: Sequence[int | None], labels: Sequence[int], 
     return (min(found), max(found)) if found else None
 
 
-def record_version_range(record: dict[str, Any], source: str) -> tuple[int, int] | None:
+def record_version_range(record: dict[str, Any], source: str, kept: int | None = None
+                         ) -> tuple[int, int] | None:
     """(oldest, newest) version of the record's target tokens from its `policy_versions` (None:
-    the record has no such field, or no target). Raises DataError naming `source` when the field
-    is malformed or the record is not in the tokens format."""
+    the record has no such field, or no target). `kept`: how many leading tokens training keeps
+    (`data.truncate` cuts the rest, whose versions then count for nothing; None: all). The field
+    is checked against the whole line. Raises DataError naming `source` when the field is
+    malformed or the record is not in the tokens format."""
     if FIELD not in record:
         return None
     ids, labels = record.get("input_ids"), record.get("labels")
     if not isinstance(ids, list) or not isinstance(labels, list):
         raise DataError(f"{source}: {FIELD} needs the tokens format (input_ids and labels), "
                         "which the record lacks")
-    return target_version_range(token_versions(record[FIELD], len(ids), source), labels, source)
+    versions = token_versions(record[FIELD], len(ids), source)
+    return target_version_range(versions[:kept], labels[:kept], source)
 
 
 @dataclass(frozen=True)

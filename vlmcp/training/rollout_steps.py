@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from vlmcp.config import JobConfig
@@ -189,7 +190,7 @@ class RolloutSteps:
         index = index.without(lacking)
         versions = step_versions(index.policy_versions, meta.policy_step)
         row = _lag_row(number, meta, index)
-        ahead = self._ahead(number, versions)
+        ahead = self._ahead(number, index, meta)
         if ahead is not None:
             return _Indexed(problems=[ahead], row=row)
         stale = self._stale(number, versions)
@@ -206,21 +207,28 @@ class RolloutSteps:
             return _Indexed(row=row, skip="no usable sample")
         return _Indexed(index=index, row=row)
 
-    def _where(self, number: int, versions: StepVersions) -> str:
-        """What gave step_`number`'s versions: its data's policy_versions, or meta.json."""
-        path = step_dir(self.root, number)
-        return (f"{path}: the data's policy_versions give version" if versions.per_token
-                else f"{path / META}: policy_step")
-
-    def _ahead(self, number: int, versions: StepVersions) -> str | None:
+    def _ahead(self, number: int, index: LengthIndex, meta: RolloutMeta) -> str | None:
         """Why step_`number` cannot have been generated before it trains: a version newer than
-        the weights that train it (a producer bug, or another run's rollouts.dir); else None."""
-        if versions.newest is None or versions.newest <= number - 1:
+        the weights that train it (a producer bug, or another run's rollouts.dir). Names the
+        first line whose policy_versions give one, and how many more lines do; else meta.json,
+        when its policy_step covers a line without per-token versions. None: nothing is ahead."""
+        trained_by = number - 1
+        ranges = index.policy_versions
+        ahead = np.flatnonzero(ranges[:, 1] > trained_by)
+        if len(ahead):
+            version = int(ranges[ahead[0], 1])
+            what = f"{index.source(int(ahead[0]))}: policy_versions give version {version}"
+            more = (f" ({len(ahead) - 1} more line(s) of the step are ahead too)"
+                    if len(ahead) > 1 else "")
+        elif (meta.policy_step is not None and meta.policy_step > trained_by
+              and bool((ranges[:, 0] < 0).any())):
+            version = meta.policy_step
+            what, more = f"{step_dir(self.root, number) / META}: policy_step {version}", ""
+        else:
             return None
-        return (f"{self._where(number, versions)} {versions.newest} is ahead of the weights "
-                f"that train step {number} (policy lag {versions.lags(number)[1]}; at "
-                f"most step {number - 1}'s can have generated it): a producer bug, or another "
-                "run's rollouts.dir")
+        return (f"{what}, newer than the weights of step {trained_by}, which train step "
+                f"{number} (policy lag {trained_by - version}): a producer bug, or another "
+                f"run's rollouts.dir{more}")
 
     def _stale(self, number: int, versions: StepVersions) -> str | None:
         """Why step_`number` is too old for rollouts.max_staleness, counting from the oldest
