@@ -17,12 +17,15 @@ every micro-batch that each could load it, so a pack that fails on one rank stop
 After each step, the ranks first agree on a stop signal (training/signals.py): a stopped run
 checkpoints and exits before anything optional. Then, with `publish.dir`, the weights are
 published after every `publish.every`-th step (training/publish.py), a background write checked
-at every step boundary and waited for after the last step (on a stop, for at most
-publish.stop_wait_s, after the stop checkpoint); the next optimizer step first waits until a
-background publish's copy of the weights is complete (`Publisher.fence`); a failed publish
-checkpoints the trained steps before it raises, and a resumed run publishes its start step
-first when that step is due and not in publish.dir (so every trained step that is due gets
-published, by its run or the resumed one).
+at every step boundary and waited for after the step loop, whichever publish started it (so a
+resumed run with no step left still finishes the publish of its start step); on a stop it gets
+at most publish.stop_wait_s, after the stop checkpoint; after an error every rank raised
+together (`AGREED_ERRORS`) it is finished, after the checkpoint, rather than abandoned. The next
+optimizer step first waits until a background publish's copy of the weights is complete
+(`Publisher.fence`); a failed publish checkpoints the trained steps before it raises, and a
+resumed run publishes its start step first when that step is due and not in publish.dir (so
+every trained step that is due gets published, by its run or the resumed one). The publisher's
+rows are written in one agreement however many each rank holds (`_write_rows`).
 Then evaluation, then the periodic checkpoint. A failure on one rank alone
 where the others would wait (a metrics row rank 0 cannot write, a pack that fails to load with
 any exception) is agreed (`parallel.agree.run_together`) and raised on every rank.
@@ -55,7 +58,8 @@ from vlmcp.data.batch import PackedBatch
 from vlmcp.data.mixture import draws_per_epoch
 from vlmcp.data.pack import PackedDataset
 from vlmcp.data.stream import SampleReader
-from vlmcp.errors import CheckpointError, NonFiniteError, PreflightError, RolloutError
+from vlmcp.errors import (CheckpointError, JobError, NonFiniteError, PreflightError,
+                          RolloutError)
 from vlmcp.model.loss import scale_for_deepspeed
 from vlmcp.model.packed import PackedVLM
 from vlmcp.model.router_loss import router_objective
@@ -85,6 +89,11 @@ from vlmcp.training.utilisation import RunUtilisation
 from vlmcp.training.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
+
+#: Errors the training loop raises on every rank together (an agreement precedes each), after
+#: which the ranks can still meet: a rollout step that cannot train, a pack that fails to load,
+#: a non-finite step.
+AGREED_ERRORS = (RolloutError, PreflightError, NonFiniteError)
 
 
 @dataclass
@@ -173,6 +182,20 @@ def _write_row(run: Run, row: dict[str, Any]) -> None:
     raises CheckpointError on every rank."""
     run_together(lambda: run.metrics.write(row), CheckpointError,
                  f"writing step {row.get('step')}'s row to {run.metrics.path}")
+
+
+def _write_rows(run: Run, rows: list[dict[str, Any]]) -> None:
+    """Append rank 0's `rows` to the metrics in one agreement (call on every rank): the ranks
+    meet once however many rows each holds, so a row known on rank 0 alone (a publish it saw
+    complete) never puts their collectives out of step. A write that fails raises
+    CheckpointError on every rank."""
+    def write() -> None:
+        for row in rows:
+            run.metrics.write(row)
+
+    steps = ", ".join(str(row.get("step")) for row in rows) or "no"
+    run_together(write, CheckpointError, f"writing the rows of step(s) {steps} to "
+                 f"{run.metrics.path}")
 
 
 def _step_batches(run: Run, step: int) -> StepBatches:
@@ -391,8 +414,7 @@ def _stop(run: Run, signum: int, step: int, saver: _Saver, when: str) -> None:
     kept = _keep_trained_steps(run, step, saver)
     if run.publisher is not None:
         # the write in flight gets publish.stop_wait_s, then is abandoned as its .tmp- directory
-        for row in run.publisher.close(run.job.publish.stop_wait_s):
-            _write_row(run, row)
+        _write_rows(run, run.publisher.close(run.job.publish.stop_wait_s))
     checkpoint = None if saver.saved_step != step else str(checkpoint_dir(run.job) / f"step{step}")
     _write_row(run, stop_row(signum, step, checkpoint))
     run_together(lambda: write_stop_marker(run.job.output_dir, signum, step, checkpoint)
@@ -429,30 +451,51 @@ def _publishing(run: Run, done: int, watchdog: Watchdog, saver: _Saver,
         with watchdog.watch(f"publishing after step {done}"):
             actions(rows)
     except CheckpointError as exc:
-        for row in rows:
-            _write_row(run, row)
+        _write_rows(run, rows)
         kept = _keep_trained_steps(run, done, saver)
         if run.publisher.due(done):
             kept += f" (the resumed run publishes step {done} first)"
         lines = exc.problems[:-1] + [f"{exc.problems[-1]}; {kept}"] if exc.problems else []
         raise CheckpointError(lines) from exc
-    for row in rows:
-        _write_row(run, row)
+    _write_rows(run, rows)
 
 
 def _publish_boundary(run: Run, done: int, watchdog: Watchdog, saver: _Saver) -> None:
-    """After step `done` (every rank): the rows of the background writes that completed, the
-    publish of `done` when it is due, and after the last step the wait for the write in flight."""
+    """After step `done` (every rank): the rows of the background writes that completed, and the
+    publish of `done` when it is due."""
     publisher = run.publisher
 
     def actions(rows: list[dict[str, Any]]) -> None:
         rows += publisher.check()
         if publisher.due(done):
             rows += publisher.publish(done)
-        if done == run.job.train.max_steps:
-            rows += publisher.close()
 
     _publishing(run, done, watchdog, saver, actions)
+
+
+def _finish_publishing(run: Run, watchdog: Watchdog, saver: _Saver) -> None:
+    """After the step loop (every rank): wait for the write in flight, whichever publish started
+    it (the last step's, or a resumed run's pending one when no step was left to train), so
+    that no run ends while its publish thread still holds a due step."""
+    if run.publisher is not None:
+        _publishing(run, run.job.train.max_steps, watchdog, saver,
+                    lambda rows: rows.extend(run.publisher.close()))
+
+
+def _finish_publishing_on_error(run: Run, watchdog: Watchdog, error: JobError) -> None:
+    """After an error that every rank raised together (a rollout step that cannot train, a pack
+    that fails to load, a non-finite step): the write in flight is healthy, so it is finished
+    (every rank; within the watchdog) rather than left as a `.tmp-` directory for the resumed run
+    to redo. A publish that fails now is logged beside `error`, never instead of it."""
+    if run.publisher is None:
+        return
+    try:
+        with watchdog.watch("finishing the publish in flight before stopping on an error"):
+            _write_rows(run, run.publisher.close())
+    except CheckpointError as exc:
+        logger.error("rank %d: stopping on %s; the publish in flight failed too: %s",
+                     comm.rank(), type(error).__name__, "; ".join(exc.problems) or "on another "
+                     "rank")
 
 
 def _publish_pending(run: Run, watchdog: Watchdog, saver: _Saver) -> None:
@@ -476,6 +519,9 @@ def _train_loop(run: Run, stop: StopSignals, watchdog: Watchdog) -> None:
     progress = _progress(run)
     try:
         _run_steps(run, stop, watchdog, progress)
+    except AGREED_ERRORS as exc:
+        _finish_publishing_on_error(run, watchdog, exc)
+        raise
     except BaseException:
         # One rank may fail alone here: no collective, the write in flight is abandoned (a stop
         # has settled it already, in `_stop`); rank 0 still records one it saw complete.
@@ -546,3 +592,4 @@ def _run_steps(run: Run, stop: StopSignals, watchdog: Watchdog, progress: Any) -
                 for k, v in eval_row.items() if k != "step"))
         if train_cfg.save_every and done % train_cfg.save_every == 0:
             saver.save(done)
+    _finish_publishing(run, watchdog, saver)

@@ -307,8 +307,10 @@ class Publisher:
         its `.tmp-` directory. `agreed` False (an error that one rank may have alone): abandon it
         at once, with no collective on this thread. An abandoned write waits for this rank's
         copy off the live model, and at most publish.stop_wait_s for the ranks' publish threads
-        to leave their gather together (training/shards.py); it returns the write's row when it
-        was complete already (known on rank 0 alone, the rank that writes the metrics)."""
+        to leave their gather together (training/shards.py). Returns the write's row when it is
+        complete: on every rank alike, except after an error that was not agreed (`agreed`
+        False: complete is then known on rank 0 alone, the rank that writes the metrics, and the
+        caller must write the row without a collective)."""
         inflight, self._inflight = self._inflight, None
         if inflight is None or inflight.write is None:
             return []
@@ -319,11 +321,7 @@ class Publisher:
         if stop_wait_s is None:
             self._inflight = inflight
             return self._settle(wait=True)
-        problem = inflight.write.settle_within(stop_wait_s)
-        if problem:
-            logger.error("rank %d: the publish of step %d failed while stopping: %s",
-                         comm.rank(), inflight.step, problem)
-        if inflight.write.complete:
+        if inflight.write.settle_within(stop_wait_s):
             return [self._row(inflight)]
         self._abandoned = inflight.write
         if comm.rank() == 0:

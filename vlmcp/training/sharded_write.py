@@ -145,9 +145,26 @@ class ShardedWrite:
                 self._problem = self._describe(exc, self.tmp)
 
     def _launch(self, target: Callable[[], None]) -> None:
-        self._thread = threading.Thread(target=target, daemon=True,
+        self._thread = threading.Thread(target=self._guarded, args=(target,), daemon=True,
                                         name=f"vlmcp-write-{self.out_dir.name}")
         self._thread.start()
+
+    def _guarded(self, target: Callable[[], None]) -> None:
+        """The thread's body: whatever `target` raises is recorded before the thread ends (as
+        this rank's problem while its part is unwritten, else as rank 0's problem in finishing
+        the directory), so a thread that dies never counts as a write that completed."""
+        try:
+            target()
+        except BaseException as exc:  # noqa: BLE001 - a dying thread must leave its reason
+            problem = self._describe(exc, self.tmp)
+            if self._written.is_set():
+                self._final_problem = self._final_problem or problem
+            else:
+                self._problem = self._problem or problem
+        finally:
+            self._staged.set()
+            self._collected.set()
+            self._written.set()
 
     def _stage_and_collect(self, stage: Callable[[], None],
                            collect: Callable[[Callable[[], bool]], dict[str, torch.Tensor] | None]
@@ -181,31 +198,33 @@ class ShardedWrite:
         return True
 
     def _describe(self, exc: BaseException, path: Path) -> str:
+        """The problem line of `exc`, raised writing `path`; never raises itself (a filesystem
+        that failed the write may fail the look at its free space too)."""
         needed = self.plan.bytes_of(self.rank) or None
-        return f"writing the {self.what} to {self.out_dir}: {write_error(exc, path, needed)}"
+        try:
+            why = write_error(exc, path, needed)
+        except Exception:  # noqa: BLE001 - the line must exist whatever the disk does
+            why = f"cannot write {path}: {type(exc).__name__}: {exc}"
+        return f"writing the {self.what} to {self.out_dir}: {why}"
 
     def _write_own(self, share: dict[str, torch.Tensor]) -> None:
         """This rank's shard and then its mark. A rank that writes no shard writes no mark and
         touches nothing: rank 0 waits only for the writers' marks, so the directory may already
         be finished and renamed."""
+        path = self.tmp
         try:
             shard = self.plan.shard_of(self.rank)
-            if shard is None:
+            if shard is None or self._problem is not None:
                 return
-            if self._problem is None:
-                path = self.tmp / self.plan.files[shard]
-                try:
-                    write_shard(share, path)
-                except Exception as exc:  # any failure is agreed, never one rank's alone
-                    self._problem = self._describe(exc, path)
-            if self._problem is None:
-                mark = _mark(self.tmp, self.rank)
-                try:
-                    mark.write_text("")
-                    fsync_path(mark)
-                except OSError as exc:
-                    self._problem = self._describe(exc, mark)
+            path = self.tmp / self.plan.files[shard]
+            write_shard(share, path)
+            path = _mark(self.tmp, self.rank)
+            path.write_text("")
+            fsync_path(path)
+        except Exception as exc:  # any failure is agreed, never one rank's alone
+            self._problem = self._describe(exc, path)
         finally:
+            # after the problem, if any: `_agree` reads a problem wherever it reads this
             self._written.set()
 
     def _run(self) -> None:
@@ -256,9 +275,11 @@ class ShardedWrite:
     def _agree(self) -> tuple[bool, bool]:
         """(any rank failed or stopped short, every rank wrote its part): one small
         all-reduce."""
-        failed = self._written.is_set() and (self._problem is not None or self._incomplete)
-        flags = torch.tensor([float(failed), float(not self._written.is_set())],
-                             dtype=torch.float64)
+        # One read: a thread that fails after it would otherwise read as "not failed, written".
+        # The thread records its problem before it sets `_written`.
+        written = self._written.is_set()
+        failed = written and (self._problem is not None or self._incomplete)
+        flags = torch.tensor([float(failed), float(not written)], dtype=torch.float64)
         comm.all_reduce_max(flags)
         return bool(flags[0]), not bool(flags[1])
 
@@ -290,6 +311,11 @@ class ShardedWrite:
             self._thread.join()
         else:
             self._finish()
+        if not self.complete:
+            self._final_problem = self._final_problem or (
+                f"writing the {self.what} to {self.out_dir}: rank 0's writer ended without "
+                "finishing the directory")
+            remove_quietly(self.tmp)
         return self._final_problem
 
     def _fail(self, problems: list[str]) -> None:
@@ -302,17 +328,22 @@ class ShardedWrite:
             if self.rank == 0:
                 remove_quietly(self.tmp)
 
-    def settle_within(self, wait_s: float) -> str | None:
+    def settle_within(self, wait_s: float) -> bool:
         """Finish the directory if every rank writes its part within `wait_s` seconds, else
         abandon it (call on every rank at the same point: a stop), waiting at most `wait_s` more
-        for this rank's thread to leave its collectives. Returns this rank's problem, if any
-        (logged; nothing is raised, as the run is stopping)."""
+        for this rank's thread to leave its collectives. Returns whether the directory is in
+        place, the same on every rank (one more small all-reduce). A rank's problem is logged
+        there; nothing is raised, as the run is stopping."""
         self._written.wait(wait_s)
         failed, written = self._agree()
         if failed or not written:
             self.abandon(wait_s)
-            return self._problem
-        return self._finish_on_rank0()
+            problem = self._problem
+        else:
+            problem = self._finish_on_rank0()
+        if problem:
+            logger.error("rank %d: %s", self.rank, problem)
+        return comm.rank_flags(self.complete)[0]
 
     def abandon(self, leave_s: float | None = 0.0) -> None:
         """Leave the write unfinished (no collective on this thread): rank 0 never writes the
