@@ -1,5 +1,5 @@
 """`make gpu-check` (= `python scripts/gpu_check.py`, from a checkout): every CUDA check of vlmcp on
-one GPU, one JSON report, within a time budget (default 8 minutes, the install included).
+one GPU, one JSON report, within a time budget (default 9 minutes, the install included).
 
 Steps:
   1. No CUDA device (torch sees none): the report says so and the check exits 2 at once, before
@@ -18,6 +18,9 @@ Steps:
                           training; against the same run on CPU
        deltanet_sp2_gloo  pytest tests/cuda/test_cuda_deltanet_sp.py: the DeltaNet hook at SP 2, two
                           ranks on cuda:0 over gloo, each kernel as above, against the CPU hook
+       publish_staging    pytest tests/cuda/test_cuda_publish.py: a background publish's copy after
+                          a real DeepSpeed step (ZeRO 2, 3) holds that step's weights bitwise, and
+                          its pinned buffers take the host memory the publisher counts (`measured`)
        bench_bf16         vlmcp bench --dtype bfloat16 at --seq-lens, once plain
        bench_bf16_memory  and once with gradient checkpointing, train.tiled_mlp and
                           train.offload_activations
@@ -56,9 +59,10 @@ PACKAGES = ["torch", "triton", "flash-linear-attention", "fla-core", "flash-attn
 NEVER_INSTALLED = ("torch", "triton")
 TAIL_CHARS = 4000
 #: Seconds for the whole check (install included) and each part's own limit.
-BUDGET_S = 480.0
+BUDGET_S = 540.0
 PART_LIMITS_S = {"install": 60, "cuda_kernels": 90, "loss_terms": 60, "deltanet_sp2_gloo": 90,
-                 "bench_bf16": 75, "bench_bf16_memory": 75, "compare_alst": 90}
+                 "publish_staging": 60, "bench_bf16": 75, "bench_bf16_memory": 75,
+                 "compare_alst": 90}
 MEMORY_FLAGS = ["--gradient-checkpointing", "--tiled-mlp", "--offload-activations"]
 
 
@@ -161,12 +165,17 @@ def kernels_of_tests(tests: dict[str, dict[str, str]]) -> dict[str, str]:
 
 
 def pytest_part(test_file: str, env: dict[str, str], timeout_s: float) -> dict[str, Any]:
+    """The `cuda` tests of `test_file`: each one's outcome, the DeltaNet kernels they ran, and
+    what they measured (`measured`: the JSON lines they appended to VLMCP_GPU_CHECK_NOTES)."""
     with tempfile.TemporaryDirectory() as tmp:
-        xml = Path(tmp) / "junit.xml"
+        xml, notes = Path(tmp) / "junit.xml", Path(tmp) / "notes.jsonl"
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda",
                f"--junitxml={xml}", test_file]
-        part = _run(cmd, {**env, "VLMCP_TEST_CUDA": "1", "TRITON_F32_DEFAULT": "ieee"}, timeout_s)
+        part = _run(cmd, {**env, "VLMCP_TEST_CUDA": "1", "TRITON_F32_DEFAULT": "ieee",
+                          "VLMCP_GPU_CHECK_NOTES": str(notes)}, timeout_s)
         part["tests"] = _junit_results(xml)
+        if notes.exists():
+            part["measured"] = [json.loads(line) for line in notes.read_text().splitlines()]
     outcomes = [t["outcome"] for t in part["tests"].values()]
     part["kernels"] = kernels_of_tests(part["tests"])
     part["errors"] = [f"{name}: {t['message']}" for name, t in part["tests"].items()
@@ -265,6 +274,7 @@ def _run_parts(report: dict[str, Any], args: argparse.Namespace, env: dict[str, 
         "cuda_kernels": lambda limit: pytest_part("tests/cuda/test_cuda_kernels.py", env, limit),
         "loss_terms": lambda limit: pytest_part("tests/cuda/test_cuda_loss_terms.py", env, limit),
         "deltanet_sp2_gloo": lambda limit: pytest_part("tests/cuda/test_cuda_deltanet_sp.py", env, limit),
+        "publish_staging": lambda limit: pytest_part("tests/cuda/test_cuda_publish.py", env, limit),
         "bench_bf16": lambda limit: bench_part(
             ["--dtype", "bfloat16", "--seq-lens", args.seq_lens, "--steps", "2", "--warmup", "1",
              "--deltanet-kernel", kernel], out.with_name(out.stem + "-bench.json"), env, limit, lengths),

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers.distributed import run_ranks
 from tests.helpers.launching import tiny_job, write_job
@@ -213,3 +214,14 @@ def test_the_writer_keys_name_what_they_need(tiny_checkpoint, tmp_path):
     assert info.value.problems == [
         "config key 'publish.background' does not apply under LoRA (lora.r > 0): the adapter is "
         "small and rank 0 writes it"]
+
+
+def test_a_pinned_staging_buffer_counts_the_power_of_two_the_host_allocator_holds():
+    from vlmcp.training.shards import buffers_held_bytes, held_bytes
+
+    assert [held_bytes(n, True) for n in (1, 4096, 4097, 2 * 2**30 + 1)] == [
+        1, 4096, 8192, 4 * 2**30]
+    assert [held_bytes(n, False) for n in (0, 4097, 2 * 2**30 + 1)] == [0, 4097, 2 * 2**30 + 1]
+    assert held_bytes(0, True) == 0
+    pageable = {"a": torch.empty(1000, dtype=torch.float32), "b": torch.empty(3, dtype=torch.bfloat16)}
+    assert buffers_held_bytes(pageable) == 4006

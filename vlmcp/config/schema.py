@@ -354,7 +354,8 @@ class PublishSection:
     buffer_mb: float = field(default=32768.0, metadata=_key(
         "per rank, the most host memory (MiB) kept for background publishes: its share, and "
         "under ZeRO-3 its partitions of the tensors other ranks write (allocated at the first "
-        "publish, then reused); past it the publish gathers on the training's thread and a rank "
+        "publish, then reused; pinned on a GPU, each counted as the power of two the host "
+        "allocator rounds it up to); past it the publish gathers on the training's thread and a rank "
         "whose share is larger writes it before training on, as with background false (logged "
         "once)", min=0.0))
     stop_wait_s: float = field(default=10.0, metadata=_key(

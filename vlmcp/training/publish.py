@@ -85,8 +85,8 @@ from vlmcp.training.export import engine_hf_state_dict
 from vlmcp.training.hf_format import (saved_tensors, state_bytes, write_dir_atomically,
                                       write_hf_files, write_model_config, write_on_rank0)
 from vlmcp.training.sharded_write import ShardedWrite
-from vlmcp.training.shards import (SharePlan, StagedShare, bytes_to_stage, gather_share,
-                                   gathers_by_modules, partitioned)
+from vlmcp.training.shards import (SharePlan, StagedShare, buffers_held_bytes, bytes_to_stage,
+                                   gather_share, gathers_by_modules, partitioned)
 from vlmcp.training.lora_export import trained_state_dict, write_adapter_files
 
 logger = logging.getLogger(__name__)
@@ -191,9 +191,10 @@ class Publisher:
 
     @property
     def host_buffer_bytes(self) -> int:
-        """Bytes of the host buffers this rank keeps for background publishes (resident from
-        the first one to the end of the run)."""
-        return sum(buffer.numel() * buffer.element_size() for buffer in self._staging.values())
+        """Host memory the buffers this rank keeps for background publishes really take
+        (resident from the first one to the end of the run; pinned ones rounded up to a power
+        of two, as torch's caching host allocator holds them)."""
+        return buffers_held_bytes(self._staging)
 
     def due(self, done: int) -> bool:
         """Whether the weights after `done` completed steps are published."""

@@ -67,7 +67,9 @@ itself (as in DeepSpeed's consolidation) and must be written before the next opt
     bytes_to_stage(tensors, plan, rank, zero3)
             the host bytes `rank` keeps for that: its share (under ZeRO-3 each of its tensors
             padded to W partitions), and under ZeRO-3 also its partitions of the tensors the
-            other ranks write.
+            other ranks write; each pinned buffer (a GPU source) counted as the power of two
+            torch's caching host allocator rounds it up to (`held_bytes`), so that
+            publish.buffer_mb bounds what is really held.
 
 Stopping together. `group` is the publisher's own gloo group (`comm.new_world_gloo_group`), used
 by its publish thread alone, one publish at a time, so every rank's thread issues the same
@@ -350,10 +352,24 @@ def _parts(tensors: dict[str, torch.Tensor], plan: SharePlan, rank: int,
     return parts
 
 
+def held_bytes(nbytes: int, pinned: bool) -> int:
+    """The host memory a staging buffer of `nbytes` really takes: a pinned one (for a GPU
+    source) is a block of torch's caching host allocator, which rounds every block up to the
+    next power of two (a 2.1 GB embedding takes 4 GiB; `torch.cuda.host_memory_stats` counts the
+    rounded size), a pageable one its bytes."""
+    return 1 << (nbytes - 1).bit_length() if pinned and nbytes > 0 else nbytes
+
+
+def buffers_held_bytes(buffers: dict[str, torch.Tensor]) -> int:
+    """The host memory `buffers` (a publisher's staging buffers) really take (`held_bytes`)."""
+    return sum(held_bytes(b.numel() * b.element_size(), b.is_pinned()) for b in buffers.values())
+
+
 def bytes_to_stage(tensors: dict[str, torch.Tensor], plan: SharePlan, rank: int,
                    zero3: bool) -> int:
-    """The host bytes `rank` keeps for a background publish (see the module docstring)."""
-    return sum(part.buffer_numel * part.source.element_size()
+    """The host memory `rank` keeps for a background publish (see the module docstring), as it
+    is really held: pinned buffers of GPU sources rounded as the allocator rounds them."""
+    return sum(held_bytes(part.buffer_numel * part.source.element_size(), part.source.is_cuda)
                for part in _parts(tensors, plan, rank, zero3))
 
 
