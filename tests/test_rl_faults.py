@@ -13,7 +13,9 @@ on the same output, publish and rollout directories. The rollout steps are writt
    JSON integer too large for a float (an OverflowError in rank 0's index pass): under
    `on_bad_sample: "skip"` it is dropped and counted; step 5's meta.json holds an integer of 5,000
    digits (a ValueError in rank 0's index pass): one error line naming step_5 on every rank, a
-   checkpoint of step 4, no traceback, and no rank waits for the collective watchdog.
+   checkpoint of step 4, no traceback, and no rank waits for the collective watchdog. Step 4's
+   background write, in flight when step 5's index fails, is finished before the run stops (the
+   error is one every rank raised together), whatever the speed of the machine.
 Every step that was trained and is due ends up published, each exactly once.
 """
 

@@ -155,7 +155,7 @@ def save_checkpoint(engine: Any, job: JobConfig, step: int, hf_key_prefixes: dic
         engine.save_checkpoint(str(directory), tag=tmp_tag, save_latest=False,
                                client_state={"step": step, "hf_key_prefixes": hf_key_prefixes},
                                exclude_frozen_parameters=bool(job.lora.r))
-    except (OSError, RuntimeError) as exc:
+    except Exception as exc:  # any failure is agreed: the other ranks wait in the barrier below
         problem = f"saving checkpoint {directory / tag}: {write_error(exc, tmp, needed)}"
         # The others wait in the barrier that closes DeepSpeed's save; join it before agreeing.
         comm.barrier()
