@@ -59,25 +59,19 @@ def _grid_hw(text: str) -> tuple[int, int]:
     return h, w
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The `vlmcp` argument parser with one sub-command per action."""
-    parser = argparse.ArgumentParser(
-        prog="vlmcp",
-        description="Train Qwen3.5 vision-language models on long packed multimodal sequences "
-                    "with DeepSpeed and exact Ulysses sequence parallelism.")
-    # The `deepspeed` launcher passes --local_rank=N before the command; LOCAL_RANK is used.
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
-                        help=argparse.SUPPRESS)
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    formatter = argparse.RawDescriptionHelpFormatter
-
+def _add_train(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`vlmcp train`: the job, and every job key in its epilog."""
     train = commands.add_parser(
         "train", help="train a job (run under torchrun, deepspeed or accelerate for >1 rank)",
         description="Train the job on every rank of the launcher's world. Checks the job on "
                     "every rank first and fails on all ranks together, naming each problem.",
-        epilog=_TRAIN_EPILOG + "\n" + _schema_epilog(), formatter_class=formatter)
+        epilog=_TRAIN_EPILOG + "\n" + _schema_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_job_args(train)
 
+
+def _add_validate(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`vlmcp validate`: the job and the world size it is checked for."""
     validate = commands.add_parser(
         "validate", help="check a job, its model and every data line before launching",
         description="Check the job schema, the checkpoint directory and processor, the "
@@ -90,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="number of ranks the job will run on (default: $WORLD_SIZE, "
                                "else parallel.sp_size)")
 
+
+def _add_inspect(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`vlmcp inspect`: the job, the sample shown and the output form."""
     inspect = commands.add_parser(
         "inspect", help="print one training sample as rendered, with its target tokens marked",
         description="Render one sample of data.train exactly as training tokenizes it (chat "
@@ -109,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="print a JSON report (segments with text, is_target, num_tokens; "
                               "images with grid and token counts) instead")
 
+
+def _add_export(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`vlmcp export`: the job, the checkpoint and where its model goes."""
     export = commands.add_parser(
         "export", help="convert a DeepSpeed checkpoint of a job to a Hugging Face model dir",
         description="Write config.json, safetensors, tokenizer and processor files of a saved "
@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="LoRA jobs: write the HF model with the adapters merged in "
                              "(default: the PEFT adapter directory)")
 
+
+def _add_score(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`vlmcp score`: the job, the output file and what each line holds."""
     score = commands.add_parser(
         "score", help="write the model's logprob of every target token of data.train (JSONL)",
         description="Run the packed, sequence-parallel forward of the job's model (model.path; "
@@ -131,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "order: {\"index\": i, \"logprobs\": [...]}, the logprob of each target "
                     "token in order. Run under a launcher for >1 rank, like train.",
         epilog="  torchrun --nproc_per_node 2 -m vlmcp score JOB.json --out scores.jsonl",
-        formatter_class=formatter)
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_job_args(score)
     score.add_argument("--out", default=None, help="output JSONL (default OUTPUT_DIR/scores.jsonl)")
     score.add_argument("--entropy", action="store_true",
@@ -140,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help='MoE: also write "routed_experts", the experts each token went to in '
                             "every MoE layer (compact form), to replay in training (R2)")
 
+
+def _add_bench(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`vlmcp bench`: every mode's options, group by group."""
     bench = commands.add_parser(
         "bench", help="measure step time, tokens/s and memory of forward+backward",
         description="Time forward+backward of the packed training module at each sequence "
@@ -152,6 +158,18 @@ def build_parser() -> argparse.ArgumentParser:
                     "searches the longest sample that fits --memory-budget-gb. With --videos N "
                     "--frames F each length runs under split and replicated vision and the row "
                     "compares each rank's vision_s (wall) and vision_cpu_s.")
+    _add_bench_model_options(bench)
+    _add_bench_pack_options(bench)
+    _add_bench_step_options(bench)
+    _add_bench_other_measures(bench)
+    _add_bench_max_len_search(bench)
+    _add_bench_training_jobs(bench)
+    _add_bench_engine_mismatch(bench)
+    bench.add_argument("--out", default="runs/bench.json", help="JSON report path")
+
+
+def _add_bench_model_options(bench: argparse.ArgumentParser) -> None:
+    """The model benchmarked: a checkpoint, or the tiny one's shape."""
     bench.add_argument("--model", default=None,
                        help="checkpoint directory (default: a tiny random Qwen3.5 built on the fly)")
     bench.add_argument("--moe", action="store_true", help="tiny MoE model instead of dense")
@@ -162,6 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--intermediate-size", type=int, default=None,
                        help="MLP intermediate size of the tiny model (default 2 x hidden; Qwen3.5-9B's "
                             "proportion is 3 x)")
+
+
+def _add_bench_pack_options(bench: argparse.ArgumentParser) -> None:
+    """What each pack holds: lengths, samples, images, pairs, videos."""
     bench.add_argument("--seq-lens", default="1024,4096", help="comma-separated pack lengths")
     bench.add_argument("--samples-per-pack", type=int, default=4,
                        help="equal-length samples each pack is split into")
@@ -181,6 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--video-grid", type=_grid_hw, default=(16, 16), metavar="HxW",
                        help="patch grid of each video temporal group (default 16x16: 256x256 "
                             "pixels, 64 tokens per group)")
+
+
+def _add_bench_step_options(bench: argparse.ArgumentParser) -> None:
+    """How each step runs: parallelism, kernels, precision, memory savers, timed iterations."""
     bench.add_argument("--sp-size", type=int, default=None,
                        help="sequence-parallel size (default: 1, or the launcher's world size)")
     bench.add_argument("--deltanet-cp", choices=DELTANET_MODES, default=DELTANET_MODES[0])
@@ -209,6 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "train.loss_chunk_mb's default)")
     bench.add_argument("--steps", type=int, default=3, help="timed iterations per length")
     bench.add_argument("--warmup", type=int, default=1, help="untimed iterations per length")
+
+
+def _add_bench_other_measures(bench: argparse.ArgumentParser) -> None:
+    """Measures besides the step's time: the loss alone, saved bytes, beside ALST, the publish."""
     bench.add_argument("--loss-only", action="store_true",
                        help="measure the lm_head + cross-entropy alone: loss_peak_transient_mb")
     bench.add_argument("--saved-bytes", action="store_true",
@@ -231,6 +261,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "the total time and rank 0's peak resident set of each")
     bench.add_argument("--publish-zero", type=int, choices=[0, 1, 2, 3], default=3,
                        help="--publish: the ZeRO stage of the run (default 3)")
+
+
+def _add_bench_max_len_search(bench: argparse.ArgumentParser) -> None:
+    """`--find-max-len`: the longest sample within a memory budget."""
     bench.add_argument("--find-max-len", action="store_true",
                        help="find the longest single sample whose step fits --memory-budget-gb")
     bench.add_argument("--memory-budget-gb", type=float, default=None,
@@ -238,6 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--granularity", type=int, default=1024,
                        help="--find-max-len probes multiples of this many tokens")
     bench.add_argument("--max-probes", type=int, default=12, help="--find-max-len probe limit")
+
+
+def _add_bench_training_jobs(bench: argparse.ArgumentParser) -> None:
+    """`--data-scale` and `--rollout-rss`: short training jobs and their scratch folder."""
     bench.add_argument("--data-scale", default=None, metavar="N1,N2,...",
                        help="instead of a step benchmark: train a short SP job (tiny model, "
                             "--sp-size ranks, default 2, --steps steps) twice on synthetic "
@@ -258,6 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="directory for --data-scale's, --rollout-rss's, --engine-mismatch's and "
                             "--publish's temporary files (default: the system temporary "
                             "directory)")
+
+
+def _add_bench_engine_mismatch(bench: argparse.ArgumentParser) -> None:
+    """`--engine-mismatch`: a vLLM server's logprobs against the trainer's."""
     bench.add_argument("--engine-mismatch", action="store_true",
                        help="instead of a step benchmark: sample image and text prompts from a "
                             "vLLM server (the engine venv, bf16) and compare its logprobs with "
@@ -270,8 +312,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "each served in place")
     bench.add_argument("--temperature", type=float, default=1.0,
                        help="--engine-mismatch: the sampling temperature (default 1)")
-    bench.add_argument("--out", default="runs/bench.json", help="JSON report path")
 
+
+def _add_demo(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`vlmcp demo`: where and how the digits demo runs, and its RL and video variants."""
     demo = commands.add_parser(
         "demo", help="offline digits demo: build assets, train on 2 CPU ranks, evaluate, plot",
         description="Build a digits image-question dataset, a tiny tokenizer and a tiny "
@@ -301,6 +345,25 @@ def build_parser() -> argparse.ArgumentParser:
                            "digit in one of them, noise in the others), 'Which digit appears in "
                            "the video?', trained at SP 2; exits 1 below 80 %% held-out accuracy "
                            "(vlmcp/demo/video.py)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `vlmcp` argument parser with one sub-command per action."""
+    parser = argparse.ArgumentParser(
+        prog="vlmcp",
+        description="Train Qwen3.5 vision-language models on long packed multimodal sequences "
+                    "with DeepSpeed and exact Ulysses sequence parallelism.")
+    # The `deepspeed` launcher passes --local_rank=N before the command; LOCAL_RANK is used.
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
+                        help=argparse.SUPPRESS)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_train(commands)
+    _add_validate(commands)
+    _add_inspect(commands)
+    _add_export(commands)
+    _add_score(commands)
+    _add_bench(commands)
+    _add_demo(commands)
     return parser
 
 
