@@ -25,7 +25,8 @@ from vlmcp.data.policy_versions import target_version_range, token_versions
 from vlmcp.data.processor import load_processor
 from vlmcp.data.rollouts import STABLE, step_dir
 from vlmcp.demo.image import DEMO_MODEL
-from vlmcp.engine.vllm_http import CPU_ARGS, VllmHttpClient, VllmServer, engine_python
+from vlmcp.engine.venv import engine_python
+from vlmcp.engine.vllm_http import CPU_ARGS, VllmHttpClient, VllmServer
 from vlmcp.errors import EngineError
 from vlmcp.model.tiny import VLLM_CPU_HEADS, build_tiny_checkpoint
 from vlmcp.parallel.comm import free_local_port

