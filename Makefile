@@ -29,6 +29,7 @@ UPGRADE_VENV ?= .venv-upgrade
 ENGINE_VENV ?= .venv-engine
 ENGINE_PYTHON ?= $(if $(shell command -v python3.11),python3.11,$(PYTHON))
 ENGINE_INDEX_URL ?=
+# The stamp a finished engine venv holds: the name of vlmcp/engine/venv.py's STAMP.
 ENGINE_STAMP := $(ENGINE_VENV)/.vlmcp-engine-installed
 ENGINE_BUILD = $(PYTHON) scripts/engine_venv.py --venv $(ENGINE_VENV) --python $(ENGINE_PYTHON) \
 	--constraints constraints-engine.txt $(if $(ENGINE_INDEX_URL),--extra-index-url $(ENGINE_INDEX_URL),)
@@ -49,9 +50,13 @@ demo: $(STAMP)
 	$(BIN)/python -m vlmcp demo --out runs/demo
 
 # The engine tests need the engine venv: built here when missing; where it cannot be built, one
-# line says why and the suite runs without them (they skip, naming the venv).
+# line says why and the suite runs without them (they skip, naming the venv). In CI (CI=true or 1,
+# as CI services and .ci/run set it) a failed build fails the run instead: CI never passes
+# without its engine tests.
 test: $(STAMP)
-	@$(ENGINE_BUILD) || echo "make test: no engine venv, so the engine tests skip"
+	@$(ENGINE_BUILD) || case "$$(printf '%s' "$$CI" | tr A-Z a-z)" in \
+		true|1) echo "make test: no engine venv under CI=$$CI, so the run fails"; exit 1;; \
+		*) echo "make test: no engine venv, so the engine tests skip";; esac
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 engine: $(ENGINE_STAMP)

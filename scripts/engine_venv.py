@@ -19,7 +19,8 @@ the two post-install steps that the CPU build needs on a plain PyPI install (doc
    and only when `import torchvision` fails: with a torchvision whose ops load (the CPU build of
    the PyTorch index, or a fixed release) nothing is edited.
 
-Afterwards `import vllm` must work in the venv, then the stamp file is written. Idempotent: a
+Afterwards `import vllm` must work in the venv, then the stamp file (`vlmcp.engine.venv.STAMP`)
+is written, last: only a venv with it counts as an engine venv (`vlmcp.engine.venv`). Idempotent: a
 venv whose stamp names the same constraints is left as it is. The pip output goes to
 `--log`; on failure the script prints one line, `engine venv: not built: ...`, and exits 1.
 """
@@ -33,6 +34,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+# The checkout, for the stamp's name (vlmcp.engine.venv is standard library only: this script
+# runs with a bare python3).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from vlmcp.engine.venv import STAMP  # noqa: E402
+
 #: The decorators of `torchvision/_meta_registrations.py` that lack torchvision's own guard.
 UNGUARDED = ('@torch.library.register_fake("torchvision::nms")',
              '@torch.library.register_fake("torchvision::qnms")')
@@ -40,7 +46,6 @@ UNGUARDED = ('@torch.library.register_fake("torchvision::nms")',
 GUARDED = '@(torch.library.register_fake("torchvision::{op}") if torchvision.extension._has_ops() else (lambda fn: fn))'
 #: What the CUDA builds of PyPI bring that cannot load beside the CPU torch.
 REMOVED = ("torchaudio", "torchcodec")
-STAMP = ".vlmcp-engine-installed"
 
 
 class BuildError(Exception):

@@ -94,6 +94,17 @@ def make_jsonl(tmp_path: Path) -> Callable[..., Path]:
     return make
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test marked NEEDS_ENGINE skips where the engine venv is missing, and fails in CI
+    (`tests/helpers/engine_reference.py`), before its fixtures start anything."""
+    if item.get_closest_marker("needs_engine") is not None:
+        from tests.helpers.engine_reference import in_ci, require_engine
+        from vlmcp.engine.venv import missing_engine, named_engine_python
+
+        require_engine(missing_engine(named_engine_python()), in_ci())
+
+
 @pytest.fixture(autouse=True)
 def _processes_only_in_e2e_tests(request: pytest.FixtureRequest,
                                  monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:

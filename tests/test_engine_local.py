@@ -26,7 +26,8 @@ from tests.helpers.launching import REPO
 from tests.helpers.parity import assert_within_bf16_error, bf16_allowance, rel_err
 from vlmcp.data.processor import load_processor
 from vlmcp.data.rollouts import STABLE
-from vlmcp.engine.vllm_http import CPU_ENV, engine_python
+from vlmcp.engine.venv import engine_python
+from vlmcp.engine.vllm_http import CPU_ENV
 from vlmcp.model.tiny import VLLM_CPU_HEADS, build_tiny_checkpoint
 
 ENGINE = engine_python()

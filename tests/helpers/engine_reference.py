@@ -6,16 +6,21 @@ mask renormalises over the allowed ids. The reference computes exactly that from
 transformers on the same weights: in float64 (`float64_reference`, the truth) and in bf16 (what
 bf16 itself costs on this machine), each completion forwarded alone after its prompt.
 
-`NEEDS_ENGINE` skips a test where the engine venv is missing. The prompts the engine tests send: `image_request` (a digit record as a chat request, the image
-as a data URL, beside vlmcp's own `Prompt` of it), `text_prompt_ids`, and `demo_allowed_ids` (the
-RL demo's sampling mask).
+`NEEDS_ENGINE` marks a test that needs the engine venv (`vlmcp.engine.venv`: one whose build
+finished). Where it is missing, the test skips on a developer's machine and fails in CI
+(`CI=true`, as `.ci/run` sets it), so that CI never passes without its engine tests
+(`require_engine`, which tests/conftest.py applies to every marked test). The prompts the engine
+tests send: `image_request` (a digit record as a chat request, the image as a data URL, beside
+vlmcp's own `Prompt` of it), `text_prompt_ids`, and `demo_allowed_ids` (the RL demo's sampling
+mask).
 """
 
 from __future__ import annotations
 
 import base64
 import copy
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,17 +32,32 @@ from transformers import AutoModelForImageTextToText
 from tests.helpers.parity import float64_reference
 from vlmcp.data.formats import parse_record
 from vlmcp.data.processor import VLProcessor
-from vlmcp.engine.vllm_http import engine_python
 from vlmcp.training.evaluate import generation_prompt
 
 #: The engine tests' sampling: temperature, answers per prompt, tokens per answer.
 TAU = 0.8
 SAMPLES = 4
 NEW_TOKENS = 4
-#: The mark of every test that needs the engine venv (`make engine`, or $VLMCP_ENGINE_PYTHON).
-NEEDS_ENGINE = pytest.mark.skipif(
-    engine_python() is None, reason="no engine venv: `make engine` builds .venv-engine (make test "
-                                    "does it when it can; VLMCP_ENGINE_PYTHON names another)")
+#: The mark of every test that needs the engine venv (`make engine`, or $VLMCP_ENGINE_PYTHON):
+#: tests/conftest.py calls `require_engine` before each such test.
+NEEDS_ENGINE = pytest.mark.needs_engine
+
+
+def in_ci(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether this run is CI's: $CI is "true" or "1" (any case), as CI services and .ci/run set
+    it; the Makefile's `test` target reads it the same way."""
+    return environ.get("CI", "").lower() in ("true", "1")
+
+
+def require_engine(missing: str | None, ci: bool) -> None:
+    """Before a NEEDS_ENGINE test: nothing when the engine venv is there (`missing` is None);
+    else skip the test naming `missing` (why there is none), or fail it under `ci`, where the
+    engine tests must run."""
+    if missing is None:
+        return
+    if ci:
+        pytest.fail(f"the engine tests must run in CI ($CI is set), but {missing}", pytrace=False)
+    pytest.skip(f"{missing} (make test builds it when it can)")
 
 
 @dataclass

@@ -62,7 +62,8 @@ from vlmcp.demo.assets import write_digits_dataset
 from vlmcp.demo.image import torchrun_command
 from vlmcp.demo.orchestrator import DigitPrompt, load_prompts
 from vlmcp.demo.vllm_policy import chat_choices
-from vlmcp.engine.vllm_http import CPU_ARGS, VllmHttpClient, VllmServer, engine_python
+from vlmcp.engine.venv import engine_python, missing_engine, named_engine_python
+from vlmcp.engine.vllm_http import CPU_ARGS, VllmHttpClient, VllmServer
 from vlmcp.errors import EngineError
 from vlmcp.training.publish import published_steps
 
@@ -328,8 +329,8 @@ def run_engine_mismatch(args: argparse.Namespace) -> dict[str, Any]:
     """The `--engine-mismatch` report (see the module docstring)."""
     python = engine_python()
     if python is None:
-        raise ValueError("--engine-mismatch needs the engine venv (make engine; or "
-                         "VLMCP_ENGINE_PYTHON=/path/to/its/python)")
+        raise ValueError(f"--engine-mismatch needs the engine venv: "
+                         f"{missing_engine(named_engine_python())}")
     tau, sp_size = args.temperature, args.sp_size or 1
     engine_log = Path(args.out).with_name(Path(args.out).stem + "-engine.log")
     with scratch_folder(args.scratch, "vlmcp-engine-mismatch-") as scratch:

@@ -32,7 +32,7 @@ from vlmcp.data.processor import load_processor
 from vlmcp.demo.assets import write_digits_dataset
 from vlmcp.demo.image import DEMO_MODEL, demo_job, torchrun_command
 from vlmcp.demo.orchestrator import Orchestrator, Policy, load_prompts
-from vlmcp.engine.vllm_http import engine_python
+from vlmcp.engine.venv import engine_python, missing_engine, named_engine_python
 from vlmcp.errors import EngineError
 from vlmcp.model.tiny import VLLM_CPU_HEADS, build_tiny_checkpoint
 from vlmcp.training.metrics import read_metrics
@@ -129,8 +129,8 @@ def run_rl_demo(out_dir: str | Path = "runs/demo", nproc: int = 2, sp_size: int 
     engine = choose_engine(engine)
     python = engine_python()
     if engine == "vllm" and python is None:
-        print("rl demo: --engine vllm needs the engine venv (make engine; or "
-              "VLMCP_ENGINE_PYTHON=/path/to/its/python)", file=sys.stderr)
+        print(f"rl demo: --engine vllm needs the engine venv: "
+              f"{missing_engine(named_engine_python())}", file=sys.stderr)
         return 1
     out = Path(out_dir).resolve()
     assets, run_dir = out / "assets", out / "rl"

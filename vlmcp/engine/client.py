@@ -9,8 +9,9 @@ engine was started on). Every client does the same around the engine-specific re
 2. `published.check_same_architecture`: its config.json is the served model's (else EngineError
    naming the differing keys).
 3. The engine loads the directory in place (`_reload`), then the client re-applies what a reload
-   drops: the prefix cache (KV computed with the old weights) and the encoder cache (image
-   features of the old vision tower) are reset, the engine's weight-version label is set to N.
+   drops: the prefix cache (KV computed with the old weights; a reset the engine refuses is an
+   EngineError, since its old KV would stay reusable) and the encoder cache (image features of
+   the old vision tower) are reset, the engine's weight-version label is set to N.
    For an MoE policy the experts' CPU prepack is redone after the reload
    (`vllm_worker.repack_cpu_moe_experts`: vLLM 0.32's in-place reload skips it, which left CPU
    MoE logprobs up to 5.3 nats off; with it the reload equals a fresh engine), logged. An MoE

