@@ -24,6 +24,7 @@ from vlmcp.model.deltanet_kernel import installed_fla_problem
 
 pytestmark = [
     pytest.mark.cuda,
+    pytest.mark.e2e,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and VLMCP_TEST_CUDA=1 (make gpu-check)"),
 ]
 

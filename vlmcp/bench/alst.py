@@ -166,8 +166,8 @@ def _alst_steps(task: CompareTask, device: torch.device):
 
     def step() -> float:
         batch = next(stream)
-        if mpu is None:
-            loss = engine(**batch, use_cache=False).loss
+        if mpu is None:  # the adapter below moves its shards to the device; here nothing does
+            loss = engine(**{k: v.to(device) for k, v in batch.items()}, use_cache=False).loss
         else:
             shift_labels = batch["shift_labels"]
             logits = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"],

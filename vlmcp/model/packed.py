@@ -152,8 +152,11 @@ class PackedVLM(nn.Module):
             vision = replicated_copy(vision)
             hf_model.model.visual = vision
             object.__setattr__(self, "frozen_visual", vision)
-        #: The kernel the DeltaNet layers run on this run's device ("fla" or "torch").
-        self.deltanet_kernel = resolve_kernel(deltanet_kernel, compute_device())
+        #: The kernel the DeltaNet layers run on this run's device ("fla" or "torch"; a model
+        #: without DeltaNet layers runs none, so no fla version gate can refuse it).
+        has_deltanet = "linear_attention" in (getattr(text_config, "layer_types", None) or ())
+        self.deltanet_kernel = resolve_kernel(deltanet_kernel if has_deltanet else "torch",
+                                              compute_device())
         self.deltanet_layers = install_deltanet_hooks(self.language_model, deltanet_cp, deltanet_kernel)
         self.recomputed = install_recompute(self.language_model)
         self.router_loss = RouterAuxLoss(self.language_model, text_config) if router_aux_loss else None
