@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.launching import REPO, assert_ok, run_vlmcp, tiny_job, train_losses, write_job
-from vlmcp.training.hf_format import INDEX_NAME
+from vlmcp.training.weights.hf_format import INDEX_NAME
 
 pytestmark = pytest.mark.e2e
 

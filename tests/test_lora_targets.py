@@ -15,7 +15,7 @@ from vlmcp.errors import ConfigError
 from vlmcp.model.lora import (apply_lora, lora_config, lora_problems, resolve_lora_modules,
                               resolve_lora_parameters)
 from vlmcp.model.tiny import tiny_qwen3_5_config
-from vlmcp.training.lora_export import export_lora, save_adapter, trained_state_dict
+from vlmcp.training.weights.lora_export import export_lora, save_adapter, trained_state_dict
 
 
 def _job(**lora):

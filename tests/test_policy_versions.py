@@ -13,7 +13,7 @@ from vlmcp.config import job_from_dict
 from vlmcp.data.policy_versions import target_version_range, token_versions
 from vlmcp.data.rollouts import META, STABLE, step_dir
 from vlmcp.errors import DataError, RolloutError
-from vlmcp.training.rollout_steps import RolloutSteps
+from vlmcp.training.steps.rollout_steps import RolloutSteps
 
 
 def test_spans_and_per_token_lists_give_the_same_versions_and_the_oldest_target_counts():

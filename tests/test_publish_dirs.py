@@ -23,8 +23,8 @@ from vlmcp.config import job_from_dict
 from vlmcp.data.rollouts import PUBLISHED_BY, STABLE, step_files
 from vlmcp.errors import CheckpointError, ConfigError, DataError
 from vlmcp.training import atomic
-from vlmcp.training.hf_format import write_dir_atomically, write_on_rank0
-from vlmcp.training.publish import SET_ASIDE, Publisher, published_steps
+from vlmcp.training.weights.hf_format import write_dir_atomically, write_on_rank0
+from vlmcp.training.weights.publish import SET_ASIDE, Publisher, published_steps
 
 
 def _rl_job(checkpoint, tmp_path, **sections) -> dict:
@@ -217,7 +217,7 @@ def test_the_writer_keys_name_what_they_need(tiny_checkpoint, tmp_path):
 
 
 def test_a_pinned_staging_buffer_counts_the_power_of_two_the_host_allocator_holds():
-    from vlmcp.training.shards import buffers_held_bytes, held_bytes
+    from vlmcp.training.weights.shards import buffers_held_bytes, held_bytes
 
     assert [held_bytes(n, True) for n in (1, 4096, 4097, 2 * 2**30 + 1)] == [
         1, 4096, 8192, 4 * 2**30]

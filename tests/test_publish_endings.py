@@ -43,7 +43,7 @@ LINE = {"input_ids": IDS, "labels": LABELS, "advantages": [None, None, 1.0, 1.0,
 def _slow_shard_writes(failing: str | None) -> None:
     """Every shard write of this process first waits HELD_S seconds (a slow disk); with
     `failing`, the write into that directory fails instead (a disk error)."""
-    from vlmcp.training import sharded_write
+    from vlmcp.training.weights import sharded_write
 
     real = sharded_write.write_shard
 

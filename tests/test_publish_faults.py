@@ -18,7 +18,7 @@ from tests.helpers.distributed import run_ranks
 from tests.helpers.launching import REPO, run_vlmcp, tiny_job, write_job
 from vlmcp.data.rollouts import STABLE
 from vlmcp.training.checkpoint import newest_complete
-from vlmcp.training.hf_format import INDEX_NAME, read_hf_weights
+from vlmcp.training.weights.hf_format import INDEX_NAME, read_hf_weights
 
 pytestmark = pytest.mark.e2e
 
@@ -66,7 +66,7 @@ def _train_with_rank1s_copy_failing(job: dict) -> list[str] | None:
     from vlmcp.config import job_from_dict
     from vlmcp.errors import CheckpointError
     from vlmcp.parallel import comm
-    from vlmcp.training import shards
+    from vlmcp.training.weights import shards
     from vlmcp.training.loop import train
 
     if comm.rank() == 1:

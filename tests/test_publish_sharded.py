@@ -42,7 +42,7 @@ from tests.helpers.distributed import run_ranks
 from tests.helpers.launching import tiny_job
 from vlmcp.data.rollouts import STABLE
 from vlmcp.model.tiny import build_tiny_checkpoint
-from vlmcp.training.hf_format import INDEX_NAME, WEIGHTS_NAME, read_hf_weights
+from vlmcp.training.weights.hf_format import INDEX_NAME, WEIGHTS_NAME, read_hf_weights
 
 pytestmark = pytest.mark.e2e
 
@@ -61,7 +61,7 @@ def _tied_checkpoint(out: Path) -> Path:
 
 def _held_writes(gate: threading.Event) -> None:
     """Shard writes wait for `gate` (a slow disk, in this process only)."""
-    from vlmcp.training import sharded_write
+    from vlmcp.training.weights import sharded_write
 
     real = sharded_write.write_shard
 
@@ -73,9 +73,9 @@ def _held_writes(gate: threading.Event) -> None:
 
 
 def _holdable_copies() -> list:
-    """The publish threads' copies off the live model (training/shards.py) first call hold[0]
-    when it is set (a slow copy, in this process only); returns hold."""
-    from vlmcp.training import shards
+    """The publish threads' copies off the live model (training/weights/shards.py) first call
+    hold[0] when it is set (a slow copy, in this process only); returns hold."""
+    from vlmcp.training.weights import shards
 
     hold: list = [None]
     real = shards.StagedShare.stage
@@ -109,11 +109,11 @@ def _publish_ways(checkpoint: str, train_file: str, out: str, zero: int) -> dict
     ZeRO-3, and a publish after it."""
     from vlmcp.config import job_from_dict
     from vlmcp.parallel import comm
-    from vlmcp.training import shards
-    from vlmcp.training.export import engine_hf_state_dict, save_final
-    from vlmcp.training.hf_format import save_hf
+    from vlmcp.training.weights import shards
+    from vlmcp.training.weights.export import engine_hf_state_dict, save_final
+    from vlmcp.training.weights.hf_format import save_hf
     from vlmcp.training.loop import start_run, train_step
-    from vlmcp.training.publish import Publisher
+    from vlmcp.training.weights.publish import Publisher
 
     out = Path(out)
     job = job_from_dict(tiny_job(Path(checkpoint), Path(train_file), out / "run",

@@ -50,9 +50,9 @@ from vlmcp.data.processor import load_processor
 from vlmcp.data.rollouts import STABLE, step_dir
 from vlmcp.model.tiny import build_tiny_checkpoint
 from vlmcp.training.checkpoint import newest_complete
-from vlmcp.training.hf_format import INDEX_NAME, read_hf_weights
 from vlmcp.training.metrics import read_metrics
 from vlmcp.training.signals import STOP_MARKER
+from vlmcp.training.weights.hf_format import INDEX_NAME, read_hf_weights
 
 pytestmark = pytest.mark.e2e
 

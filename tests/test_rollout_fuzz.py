@@ -34,7 +34,7 @@ from vlmcp.config import job_from_dict
 from vlmcp.data.rollouts import step_dir
 from vlmcp.training.checkpoint import newest_complete
 from vlmcp.training.metrics import read_metrics
-from vlmcp.training.rollout_steps import RolloutSteps
+from vlmcp.training.steps.rollout_steps import RolloutSteps
 
 pytestmark = pytest.mark.e2e
 

@@ -23,7 +23,7 @@ from vlmcp.errors import DataError, RolloutError
 from vlmcp.model.loss_terms import Loss
 from vlmcp.parallel.groups import SequenceParallel
 from vlmcp.training.objective_step import index_counts, pack_counts, weight_arrays
-from vlmcp.training.rollout_steps import RolloutSteps
+from vlmcp.training.steps.rollout_steps import RolloutSteps
 
 IDS = [1, 10, 11, 12, 13, 2]
 LABELS = [-100, -100, 11, 12, 13, 2]

@@ -29,9 +29,9 @@ from vlmcp.data.rollouts import PUBLISHED_BY, STABLE, is_complete, read_meta, st
 from vlmcp.errors import ConfigError, DataError
 from vlmcp.model.loss_terms import Loss
 from vlmcp.model.mismatch import mismatch_count, mismatch_sums
-from vlmcp.training.publish import published_steps
-from vlmcp.training.rollout_steps import RolloutSteps, WaitOutcome
+from vlmcp.training.steps.rollout_steps import RolloutSteps, WaitOutcome
 from vlmcp.training.watchdog import Watchdog
+from vlmcp.training.weights.publish import published_steps
 
 IDS = [1, 10, 11, 12, 13, 2]
 LABELS = [-100, -100, 11, 12, 13, 2]

@@ -23,9 +23,9 @@ from safetensors.torch import load_file
 
 from tests.helpers.distributed import run_ranks
 from vlmcp.parallel import comm
-from vlmcp.training.hf_format import WEIGHTS_NAME, shard_names
-from vlmcp.training.sharded_write import ShardedWrite
-from vlmcp.training.shards import SharePlan
+from vlmcp.training.weights.hf_format import WEIGHTS_NAME, shard_names
+from vlmcp.training.weights.sharded_write import ShardedWrite
+from vlmcp.training.weights.shards import SharePlan
 
 pytestmark = pytest.mark.e2e
 
@@ -82,7 +82,7 @@ class _FailsBetweenTheLooks(threading.Event):
 
 def _rank1_fails_between_the_looks(out_dir: str) -> tuple[list[bool], list[str]]:
     from vlmcp.errors import CheckpointError
-    from vlmcp.training import sharded_write
+    from vlmcp.training.weights import sharded_write
 
     out = Path(out_dir) / "step_1"
     write = ShardedWrite.begin(out, _two_writers(), what="published weights",

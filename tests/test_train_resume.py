@@ -20,8 +20,8 @@ from vlmcp.data.index import build_index
 from vlmcp.data.pack import PackedDataset
 from vlmcp.data.stream import SampleReader
 from vlmcp.model.loss_terms import Loss
-from vlmcp.training.hf_format import read_hf_weights
-from vlmcp.training.step_packs import StepPacks
+from vlmcp.training.steps.step_packs import StepPacks
+from vlmcp.training.weights.hf_format import read_hf_weights
 
 
 def _job(checkpoint, digits, out, **train):

@@ -477,7 +477,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _cmd_export(args: argparse.Namespace) -> int:
     job = load_job(args.job, args.overrides)
-    from vlmcp.training.export import export_checkpoint
+    from vlmcp.training.weights.export import export_checkpoint
 
     try:
         print(export_checkpoint(job, tag=args.tag, out_dir=args.out, merge=args.merge))

@@ -1,5 +1,5 @@
-"""The background publish's copy off a GPU model (training/shards.py `StagedShare`), under the real
-DeepSpeed engine on cuda:0 (one rank over gloo), ZeRO 2 and 3:
+"""The background publish's copy off a GPU model (training/weights/shards.py `StagedShare`), under
+the real DeepSpeed engine on cuda:0 (one rank over gloo), ZeRO 2 and 3:
 
 - the fence: the copy, captured right after `engine.step()` and made on a side stream that waits
   for an event on the training thread's current stream, holds exactly that step's weights
@@ -86,7 +86,8 @@ def _weights_now(named: dict[str, torch.Tensor], zero3: bool) -> dict[str, torch
 def _copies_after_steps(stage: int) -> dict:
     import deepspeed
 
-    from vlmcp.training.shards import SharePlan, StagedShare, buffers_held_bytes, bytes_to_stage
+    from vlmcp.training.weights.shards import (SharePlan, StagedShare, buffers_held_bytes,
+                                               bytes_to_stage)
 
     model = _model().cuda()
     engine, *_ = deepspeed.initialize(

@@ -65,7 +65,7 @@ from vlmcp.demo.vllm_policy import chat_choices
 from vlmcp.engine.venv import engine_python, missing_engine, named_engine_python
 from vlmcp.engine.vllm_http import CPU_ARGS, VllmHttpClient, VllmServer
 from vlmcp.errors import EngineError
-from vlmcp.training.publish import published_steps
+from vlmcp.training.weights.publish import published_steps
 
 logger = logging.getLogger(__name__)
 

@@ -84,7 +84,7 @@ class PublishTask:
     def run(self, device: torch.device) -> dict[str, Any]:
         from vlmcp.config import job_from_dict
         from vlmcp.training.loop import start_run, train_step
-        from vlmcp.training.publish import Publisher
+        from vlmcp.training.weights.publish import Publisher
 
         job = job_from_dict(self.job)
         run = start_run(job)

@@ -17,7 +17,7 @@ may then say so in `policy_versions`, in either form:
 A version is the optimizer step of the weights (0: `model.path`, k: WEIGHTS/step_k), as
 meta.json's `policy_step`. Every target token (label != -100) of a line that has the field must
 have a version. The step's staleness is then counted from the OLDEST version of any token of the
-step (PrimeRL's `max_off_policy_steps`), not from meta.json (`vlmcp.training.rollout_steps`).
+step (PrimeRL's `max_off_policy_steps`), not from meta.json (`vlmcp.training.steps.rollout_steps`).
 The length index pass reads them with each record (`vlmcp.data.index.build_index(versions=True)`),
 so a malformed one is that sample's problem, as any other (`rollouts.on_bad_sample`).
 

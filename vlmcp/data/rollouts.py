@@ -19,7 +19,7 @@ vlmcp never writes, renames or deletes anything under ROLLOUTS.
 generated with (0: `model.path`; N: the weights published after step N). The policy lag of step
 N is `(N - 1) - policy_step`: how many optimizer steps the trainer's weights at the start of step
 N are ahead of the generating ones (0: on-policy). A negative lag (policy_step >= N) names weights
-that do not exist yet when step N trains; the trainer refuses it (training/rollout_steps.py).
+that do not exist yet when step N trains; the trainer refuses it (training/steps/rollout_steps.py).
 
 This module reads the layout; it imports no torch and talks to no other rank.
 """
@@ -40,7 +40,7 @@ META = "meta.json"
 #: What a step's data files end with.
 DATA_SUFFIXES = (".jsonl", ".json")
 #: The writer a published weights step names in its STABLE (`{"written_by": ...}`, written by
-#: vlmcp.training.publish); a rollout step's STABLE is its producer's and never says this.
+#: vlmcp.training.weights.publish); a rollout step's STABLE is its producer's and never says this.
 PUBLISHED_BY = "vlmcp publish"
 
 

@@ -40,8 +40,8 @@ from vlmcp.data.formats import parse_record
 from vlmcp.data.processor import VLProcessor
 from vlmcp.data.rollouts import META, STABLE, step_dir
 from vlmcp.training.evaluate import generation_prompt
-from vlmcp.training.hf_format import read_hf_weights
-from vlmcp.training.publish import published_steps
+from vlmcp.training.weights.hf_format import read_hf_weights
+from vlmcp.training.weights.publish import published_steps
 
 #: Answers are a digit and <|im_end|>.
 MAX_NEW_TOKENS = 2

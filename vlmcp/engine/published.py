@@ -1,8 +1,8 @@
 """A published step as an engine client sees it: WEIGHTS/step_N, complete, and of which model.
 
-The publishing side is `vlmcp.training.publish` (docs/rl-loop.md): WEIGHTS/step_N appears whole
-(written under a temporary name, STABLE last, renamed), and steps older than `publish.keep` are
-removed again. A client therefore checks, before it asks an engine to load a step, that the
+The publishing side is `vlmcp.training.weights.publish` (docs/rl-loop.md): WEIGHTS/step_N appears
+whole (written under a temporary name, STABLE last, renamed), and steps older than `publish.keep`
+are removed again. A client therefore checks, before it asks an engine to load a step, that the
 directory still exists and holds its STABLE marker (its content is not read: only its presence
 counts), and that its config.json describes the model the engine serves, since an engine can
 reload only weights of the architecture and shapes it was started with. The weights themselves

@@ -1,8 +1,8 @@
 """`vlmcp train`: one job, every rank, from process-group start to the exported model.
 
 Per optimizer step, each rank runs `train.grad_accum` packed micro-batches of data.train
-(training/step_packs.py), or as many as rollout step N packs into (`rollouts.dir`,
-training/rollout_steps.py, whose wait for the step lies outside the watchdog); every rank of a
+(training/steps/step_packs.py), or as many as rollout step N packs into (`rollouts.dir`,
+training/steps/rollout_steps.py, whose wait for the step lies outside the watchdog); every rank of a
 sequence-parallel group gets the same pack and shards it internally. The step's loss is the sum
 of target-token cross-entropy over all micro-batches and ranks / the number of those targets (or
 the `loss` section's objective and normaliser, training/objective_step.py); each micro-batch's
@@ -16,9 +16,9 @@ every micro-batch that each could load it, so a pack that fails on one rank stop
 
 After each step, the ranks first agree on a stop signal (training/signals.py): a stopped run
 checkpoints and exits before anything optional. Then, with `publish.dir`, the weights are
-published after every `publish.every`-th step (training/publish.py), a background write checked
-at every step boundary and waited for after the step loop, whichever publish started it (so a
-resumed run with no step left still finishes the publish of its start step); on a stop it gets
+published after every `publish.every`-th step (training/weights/publish.py), a background write
+checked at every step boundary and waited for after the step loop, whichever publish started it (so
+a resumed run with no step left still finishes the publish of its start step); on a stop it gets
 at most publish.stop_wait_s, after the stop checkpoint; after an error every rank raised
 together (`AGREED_ERRORS`) it is finished, after the checkpoint, rather than abandoned. The next
 optimizer step first waits until a background publish's copy of the weights is complete
@@ -69,24 +69,24 @@ from vlmcp.parallel.groups import SequenceParallel
 from vlmcp.training.checkpoint import checkpoint_dir, load_latest, save_checkpoint
 from vlmcp.training.ds.config import zero_stage
 from vlmcp.training.evaluate import eval_loss, generation_accuracy
-from vlmcp.training.export import save_final
-from vlmcp.training.hf_format import hf_key_prefixes
-from vlmcp.training.lora_export import save_final_adapter
 from vlmcp.training.metrics import MetricsWriter
 from vlmcp.training.nonfinite import NonFiniteGuard
 from vlmcp.training.objective_step import (INITIAL_REFERENCE, objective_metrics, objective_of,
                                            step_counts)
 from vlmcp.training.optim import can_veto
 from vlmcp.training.preflight import Preflight
-from vlmcp.training.publish import Publisher, published_steps
-from vlmcp.training.rollout_steps import RolloutSteps
 from vlmcp.training.score import score_initial_reference
 from vlmcp.training.setup import build_engine, seed_everything, start_checked
 from vlmcp.training.signals import (StopRequested, StopSignals, clear_stop_marker, stop_row,
                                     write_stop_marker)
-from vlmcp.training.step_packs import StepBatches, StepPacks
+from vlmcp.training.steps.rollout_steps import RolloutSteps
+from vlmcp.training.steps.step_packs import StepBatches, StepPacks
 from vlmcp.training.utilisation import RunUtilisation
 from vlmcp.training.watchdog import Watchdog
+from vlmcp.training.weights.export import save_final
+from vlmcp.training.weights.hf_format import hf_key_prefixes
+from vlmcp.training.weights.lora_export import save_final_adapter
+from vlmcp.training.weights.publish import Publisher, published_steps
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ reference sums when dpo or ipo has them from nowhere else; a `loss.reference_log
 must match data.train.
 
 A rollout job (`rollouts.dir`) has no data.train to index: each rollout step is indexed and
-checked when training reaches it (`vlmcp.training.rollout_steps`); here only the rollout and
+checked when training reaches it (`vlmcp.training.steps.rollout_steps`); here only the rollout and
 publish directories are checked.
 """
 
@@ -57,8 +57,8 @@ from vlmcp.training.checkpoint import checkpoint_dir, checkpoint_tags, latest_ta
 from vlmcp.training.ds.blocks import offloads_optimizer
 from vlmcp.training.ds.config import fill_deepspeed_config, load_deepspeed_config, zero_stage
 from vlmcp.training.objective_step import objective_problems, token_array_names
-from vlmcp.training.publish import step_dirs
 from vlmcp.training.reference import reference_problems
+from vlmcp.training.weights.publish import step_dirs
 
 
 logger = logging.getLogger(__name__)
@@ -202,7 +202,7 @@ def _check_publish_dir(job: JobConfig, report: Preflight) -> None:
     """publish.dir of a training run: a fresh run refuses one that holds steps (an earlier run's
     published weights, or another's step directories), as it refuses an earlier run's output_dir;
     a resume refuses step directories vlmcp's publish did not write (it sets aside its own
-    steps beyond the checkpoint itself, training/publish.py). Warns on publish.keep 1."""
+    steps beyond the checkpoint itself, training/weights/publish.py). Warns on publish.keep 1."""
     root = Path(job.publish.dir).absolute()
     steps = step_dirs(root)
     foreign = sorted(n for n, path in steps.items() if not written_by_publish(path))

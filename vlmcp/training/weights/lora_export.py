@@ -21,8 +21,9 @@ from vlmcp.config import JobConfig
 from vlmcp.model.load import load_model
 from vlmcp.model.lora import apply_lora
 from vlmcp.parallel import comm
-from vlmcp.training.hf_format import (copy_processor_files, hf_key_prefixes, save_hf, state_bytes,
-                                      to_hf_keys, write_dir_atomically, write_on_rank0)
+from vlmcp.training.weights.hf_format import (copy_processor_files, hf_key_prefixes, save_hf,
+                                              state_bytes, to_hf_keys, write_dir_atomically,
+                                              write_on_rank0)
 
 logger = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ buffers spares the allocation and first-touch page faults of a fresh copy every 
 this CPU cost about as much as the copy). Without it a CPU tensor may be the live parameter
 itself (as in DeepSpeed's consolidation) and must be written before the next optimizer step.
 
-## A background publish (training/publish.py with publish.background)
+## A background publish (training/weights/publish.py with publish.background)
 
     StagedShare.capture(tensors, plan, rank, zero3, buffers)
             the training's thread, right after optimizer step N (no copy): detached views of the
@@ -124,7 +124,7 @@ import torch
 from transformers import PreTrainedModel
 
 from vlmcp.parallel import comm
-from vlmcp.training.hf_format import saved_tensors, shard_names
+from vlmcp.training.weights.hf_format import saved_tensors, shard_names
 
 
 def _full_shape(tensor: torch.Tensor) -> tuple[int, ...]:

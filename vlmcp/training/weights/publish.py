@@ -15,23 +15,23 @@
         .set-aside/run-<time>/step_9/   set aside by a resume from an earlier checkpoint
 
 After every `publish.every`-th step, every rank calls `Publisher.publish`. With publish.sharded
-(the default) each rank takes its share of whole tensors (training/shards.py: under ZeRO-3 every
-rank joins each gather and keeps its own tensors) and writes it into its own shard of
+(the default) each rank takes its share of whole tensors (training/weights/shards.py: under ZeRO-3
+every rank joins each gather and keeps its own tensors) and writes it into its own shard of
 WEIGHTS/.tmp-step_N/; rank 0 writes the config and processor files, and once every shard is on
-the disk the index, STABLE last, and renames the directory to step_N (training/sharded_write.py;
-a rename within one filesystem is atomic). With publish.sharded false, rank 0 gathers the whole
-model and writes it with save_pretrained (`hf_format.write_dir_atomically`); under LoRA rank 0
-writes the adapter that way. So a reader that finds step_N finds all of it; one that also checks
-for STABLE is safe where renames are not atomic. Files are flushed to the disk before STABLE,
-and the directory before and after the rename.
+the disk the index, STABLE last, and renames the directory to step_N
+(training/weights/sharded_write.py; a rename within one filesystem is atomic). With publish.sharded
+false, rank 0 gathers the whole model and writes it with save_pretrained
+(`hf_format.write_dir_atomically`); under LoRA rank 0 writes the adapter that way. So a reader that
+finds step_N finds all of it; one that also checks for STABLE is safe where renames are not atomic.
+Files are flushed to the disk before STABLE, and the directory before and after the rename.
 
 With publish.background (the default, with sharded), `publish` starts this rank's publish thread
 and returns. The thread copies this rank's own data off the live model into host buffers it
 keeps (under ZeRO-3 its partitions of every parameter, 1/W of the model; under ZeRO 0-2 its
 share), then under ZeRO-3 gathers each parameter to its writer from those copies over the
-publisher's own gloo group, made at construction, and writes (training/shards.py). The weights
-stay step N's until the next optimizer step, and `fence`, which the trainer calls right before
-that step, waits until this rank's copy is complete (logged; `publish_fence_wait_s` in the
+publisher's own gloo group, made at construction, and writes (training/weights/shards.py). The
+weights stay step N's until the next optimizer step, and `fence`, which the trainer calls right
+before that step, waits until this rank's copy is complete (logged; `publish_fence_wait_s` in the
 publish's row). Parameters DeepSpeed cannot gather to one owner are gathered on the training's
 thread, as without background, and only written by the thread; so is every share when a rank's
 host copy exceeds publish.buffer_mb (under ZeRO-3 any rank's), and a rank whose share itself
@@ -81,13 +81,14 @@ from vlmcp.errors import CheckpointError
 from vlmcp.parallel import comm
 from vlmcp.parallel.agree import fail_together
 from vlmcp.training.atomic import dir_size, remove_quietly, write_text_atomic
-from vlmcp.training.export import engine_hf_state_dict
-from vlmcp.training.hf_format import (saved_tensors, state_bytes, write_dir_atomically,
-                                      write_hf_files, write_model_config, write_on_rank0)
-from vlmcp.training.sharded_write import ShardedWrite
-from vlmcp.training.shards import (SharePlan, StagedShare, buffers_held_bytes, bytes_to_stage,
-                                   gather_share, gathers_by_modules, partitioned)
-from vlmcp.training.lora_export import trained_state_dict, write_adapter_files
+from vlmcp.training.weights.export import engine_hf_state_dict
+from vlmcp.training.weights.hf_format import (saved_tensors, state_bytes, write_dir_atomically,
+                                              write_hf_files, write_model_config, write_on_rank0)
+from vlmcp.training.weights.sharded_write import ShardedWrite
+from vlmcp.training.weights.shards import (SharePlan, StagedShare, buffers_held_bytes,
+                                           bytes_to_stage, gather_share, gathers_by_modules,
+                                           partitioned)
+from vlmcp.training.weights.lora_export import trained_state_dict, write_adapter_files
 
 logger = logging.getLogger(__name__)
 
@@ -153,8 +154,8 @@ class Publisher:
         self._staging: dict[str, torch.Tensor] = {}
         #: {rank: host bytes it stages} (every rank under ZeRO-3, this one otherwise), once.
         self._stage_bytes: dict[int, int] | None = None
-        #: The publish thread's own group for the ZeRO-3 gather (training/shards.py), made on
-        #: every rank here, at the same point of the run; None at world 1 or without background.
+        #: The publish thread's own group for the ZeRO-3 gather (training/weights/shards.py), made
+        #: on every rank here, at the same point of the run; None at world 1 or without background.
         self._group = (comm.new_world_gloo_group(job.train.collective_timeout_s)
                        if self.background else None)
         self._inflight: _InFlight | None = None
@@ -280,7 +281,7 @@ class Publisher:
     def fence(self) -> None:
         """Call on every rank right before an optimizer step that may change the parameters
         (training/loop.py: the accumulation boundary's `engine.step()`): waits until this rank's
-        copy of the publish in flight is off the live model (training/shards.py), logs the
+        copy of the publish in flight is off the live model (training/weights/shards.py), logs the
         wait and counts it in the publish's row (`publish_fence_wait_s`, and in `publish_s`).
         It needs no other rank, so it never hangs; a copy that failed returns at once and fails
         the run at the next `check`."""
@@ -308,8 +309,8 @@ class Publisher:
         its `.tmp-` directory. `agreed` False (an error that one rank may have alone): abandon it
         at once, with no collective on this thread. An abandoned write waits for this rank's
         copy off the live model, and at most publish.stop_wait_s for the ranks' publish threads
-        to leave their gather together (training/shards.py). Returns the write's row when it is
-        complete: on every rank alike, except after an error that was not agreed (`agreed`
+        to leave their gather together (training/weights/shards.py). Returns the write's row when it
+        is complete: on every rank alike, except after an error that was not agreed (`agreed`
         False: complete is then known on rank 0 alone, the rank that writes the metrics, and the
         caller must write the row without a collective)."""
         inflight, self._inflight = self._inflight, None

@@ -7,8 +7,8 @@ the base checkpoint) and a LoRA adapter directory are both written under a tempo
 their place and renamed into it when complete (`write_dir_atomically`), on rank 0
 (`write_on_rank0`), so no reader ever sees a half-written one.
 
-HF's sharded layout, which the rank-parallel writer (training/sharded_write.py) fills one shard
-per rank, and which `from_pretrained`, vLLM and SGLang read:
+HF's sharded layout, which the rank-parallel writer (training/weights/sharded_write.py) fills one
+shard per rank, and which `from_pretrained`, vLLM and SGLang read:
 
     config.json  generation_config.json            `write_model_config` (as save_pretrained)
     model-00001-of-00002.safetensors               `write_shard`: whole tensors, metadata

@@ -9,7 +9,7 @@ The micro-batches are loaded by `vlmcp.data.stream.load_packs` (DataLoader worke
 ahead in this rank's pack order). Steps asked for in order continue one loader; a step out of
 order (the first step of a resumed run) starts a loader at that step's first pack. A step's
 `grad_accum` packs are loaded before it runs (its counts are taken from them); a rollout step
-(training/rollout_steps.py) streams its packs instead, its counts taken from the length index.
+(training/steps/rollout_steps.py) streams its packs instead, its counts taken from the length index.
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ from vlmcp.parallel.agree import attempt, fail_together
 from vlmcp.parallel.groups import SequenceParallel
 from vlmcp.training.objective_step import (index_counts, objective_of, objective_problems,
                                            token_array_names, untrainable, weight_arrays)
-from vlmcp.training.step_packs import StepBatches
+from vlmcp.training.steps.step_packs import StepBatches
 from vlmcp.training.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)

@@ -4,8 +4,8 @@ DeepSpeed checkpoint (`vlmcp export`).
 
 The training module (`PackedVLM`) registers only the trainable parts of the HF model (the text
 model and lm_head, plus the vision tower when it trains); its state-dict keys are mapped back to
-the HF model's names by module identity (`vlmcp.training.hf_format`). A frozen vision tower is not
-in DeepSpeed's state: the live export takes it from the model, `vlmcp export` from the base
+the HF model's names by module identity (`vlmcp.training.weights.hf_format`). A frozen vision tower
+is not in DeepSpeed's state: the live export takes it from the model, `vlmcp export` from the base
 checkpoint at `model.path`.
 """
 
@@ -22,10 +22,11 @@ from vlmcp.config import JobConfig
 from vlmcp.model.load import load_model
 from vlmcp.parallel import comm
 from vlmcp.training.checkpoint import checkpoint_dir, newest_complete
-from vlmcp.training.hf_format import hf_key_prefixes, save_hf, to_hf_keys, write_model_config
-from vlmcp.training.lora_export import export_lora
-from vlmcp.training.sharded_write import ShardedWrite
-from vlmcp.training.shards import SharePlan, gather_share
+from vlmcp.training.weights.hf_format import (hf_key_prefixes, save_hf, to_hf_keys,
+                                              write_model_config)
+from vlmcp.training.weights.lora_export import export_lora
+from vlmcp.training.weights.sharded_write import ShardedWrite
+from vlmcp.training.weights.shards import SharePlan, gather_share
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ def engine_hf_state_dict(engine, module: nn.Module, hf_model: nn.Module) -> dict
 def save_final(engine, hf_model: PreTrainedModel, source_dir: str | Path,
                out_dir: str | Path) -> Path:
     """Write the trained model to `out_dir` in HF format, every rank its share of whole tensors
-    into its own shard (training/sharded_write.py, training/shards.py; one
+    into its own shard (training/weights/sharded_write.py, training/weights/shards.py; one
     model.safetensors at world 1); call on every rank.
 
     Every rank raises CheckpointError when any rank could not write (nothing half-written stays,
@@ -103,7 +104,7 @@ def export_checkpoint(job: JobConfig, tag: str | None = None,
     Parameters the checkpoint does not hold (a frozen vision tower) come from `model.path`.
     Writes to `out_dir`, default OUTPUT_DIR/export-<tag>. A LoRA job (`lora.r` > 0) writes its
     PEFT adapter directory, or with `merge` the HF model with the adapters merged in
-    (training.lora_export).
+    (training.weights.lora_export).
     """
     if merge and not job.lora.r:
         raise ValueError("--merge applies to LoRA jobs (lora.r > 0); this job trains full weights")

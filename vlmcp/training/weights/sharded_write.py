@@ -4,7 +4,7 @@ final export), with the index and the marker last.
     PARENT/.tmp-NAME/                        rank 0 empties and creates it; all ranks agree
         config.json, generation_config.json  rank 0, on the calling thread (`extra`)
         tokenizer and processor files
-        model-0000K-of-0000N.safetensors     each writing rank its own share (training/shards.py),
+        model-0000K-of-0000N.safetensors     a writing rank's share (training/weights/shards.py),
         .rank-R.written                      flushed to the disk, then its mark, flushed (a rank
                                              without a share writes neither)
     then rank 0, once the mark of every writing rank is there, or once the ranks agreed that all
@@ -16,9 +16,9 @@ final export), with the index and the marker last.
 
 A rank writes its share on the calling thread, or (`background`) on a thread of its own; on rank 0
 that thread also finishes the directory once every mark is there. With `start_staged` the thread
-first makes the share itself (training/shards.py: the copy off the live model, `staged` once it
-ended, which `wait_staged` waits for; then under ZeRO-3 the gather over the publisher's own group,
-the only collectives the thread takes part in, which the ranks' threads leave together). The
+first makes the share itself (training/weights/shards.py: the copy off the live model, `staged` once
+it ended, which `wait_staged` waits for; then under ZeRO-3 the gather over the publisher's own
+group, the only collectives the thread takes part in, which the ranks' threads leave together). The
 ranks agree on the outcome on the main thread (`settle`), at a point every rank reaches. A
 failure on any rank (a copy, a write, rank 0's finish) raises CheckpointError on every rank there
 and removes the temporary directory. `abandon` leaves an unfinished write behind as the `.tmp-`
@@ -41,8 +41,8 @@ from vlmcp.parallel import comm
 from vlmcp.parallel.agree import fail_together
 from vlmcp.training.atomic import (fsync_path, fsync_tree, remove_quietly, replace_dir,
                                    write_error)
-from vlmcp.training.hf_format import INDEX_NAME, index_text, write_shard
-from vlmcp.training.shards import SharePlan
+from vlmcp.training.weights.hf_format import INDEX_NAME, index_text, write_shard
+from vlmcp.training.weights.shards import SharePlan
 
 logger = logging.getLogger(__name__)
 
