@@ -127,7 +127,7 @@ def _one_step(engine, module: PackedVLM, objective: Loss, micro_batches: list, c
     mlp.forward = _counted(forward, calls)
     tower_calls = []
     hook = _record_tower_calls(module.vision, tower_calls)
-    counts = step_counts(module, pack_counts(objective, micro_batches), objective)
+    counts = step_counts(pack_counts(objective, micro_batches if sp.rank == 0 else []), objective)
     loss_total, router_total = torch.zeros(()), torch.zeros(())
     stat_total = torch.zeros(len(objective.stat_specs()), dtype=torch.float64)
     offloaded = {"passed_hooks": 0}

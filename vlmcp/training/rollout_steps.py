@@ -258,7 +258,8 @@ class RolloutSteps:
         dp_size, dp_rank = self.sp.dp_size, self.sp.dp_rank
         slots = [k * dp_size + dp_rank for k in range(max(1, math.ceil(len(packs) / dp_size)))]
         mine = [packs[i % len(packs)] for i in slots]
-        counted = [sample for i, pack in zip(slots, mine) if i < len(packs) for sample in pack]
+        counted = [sample for i, pack in zip(slots, mine) if i < len(packs) for sample in pack] \
+            if self.sp.rank == 0 else []
         reader = SampleReader(index, self.processor, data.max_seq_len, data.truncate)
         return StepBatches([1.0 if i < len(packs) else 0.0 for i in slots], len(packs),
                            index_counts(self.objective, index, counted),
