@@ -159,14 +159,21 @@ def test_one_sgd_step_under_torchrun_matches_plain_transformers(
     _assert_row_counts_the_step_flops(out, checkpoint, samples, step_packs, freeze_vision)
 
 
-@pytest.mark.parametrize("zero_stage,freeze_vision", [(2, True), (3, False)])
+@pytest.mark.parametrize("zero_stage,freeze_vision,short_slot,moe_router",
+                         [(2, True, False, False), (3, False, False, False), (2, True, True, True)])
 def test_one_sgd_step_at_per_micro_batch_sp_degree_matches_plain_transformers(
-        zero_stage, freeze_vision, lively_checkpoint, digits_jsonl, tmp_path):
+        zero_stage, freeze_vision, short_slot, moe_router, lively_checkpoint, lively_moe_checkpoint,
+        digits_jsonl, tmp_path):
     """parallel.sp_dynamic at SP 2, world 2: the step's short packs (images, a text-only one) run
     whole, one per rank, its long two-image pack spread over both ranks; the weights take the
-    reference step, and the row counts every pack once at its degree."""
+    reference step, and the row counts every pack once at its degree. With `short_slot` one
+    degree-1 slot holds a single pack (rank 1 repeats it at weight 0), on the MoE model with the
+    router load-balancing loss (a mean over the step's packs)."""
+    checkpoint = lively_moe_checkpoint if moe_router else lively_checkpoint
     data = _mixed_jsonl(digits_jsonl, tmp_path / "mixed.jsonl")
-    samples = load_samples(data, load_processor(lively_checkpoint), max_seq_len=10_000)
+    if short_slot:
+        data.write_text("".join(data.read_text().splitlines(keepends=True)[1:]))
+    samples = load_samples(data, load_processor(checkpoint), max_seq_len=10_000)
     lengths = [len(s) for s in samples]
     max_seq_len = 2 * (max(lengths) - 1)  # the longest sample alone exceeds one rank's budget
     dataset = PackedDataset(lengths, max_seq_len, sp_size=2, sp_dynamic=True)
@@ -174,12 +181,12 @@ def test_one_sgd_step_at_per_micro_batch_sp_degree_matches_plain_transformers(
     step_packs = [list(pack) for slot in slots for pack in slot.packs]
     assert sorted(i for pack in step_packs for i in pack) == list(range(len(samples)))
     assert {slot.degree for slot in slots} == {None, 1}
-    assert all(len(slot.packs) == 2 for slot in slots if slot.degree == 1)
+    assert [len(slot.packs) for slot in slots if slot.degree == 1].count(1) == int(short_slot)
 
     out = tmp_path / "out"
     job = write_job(tmp_path / "job.json", tiny_job(
-        lively_checkpoint, data, out,
-        model={"freeze_vision": freeze_vision},
+        checkpoint, data, out,
+        model={"freeze_vision": freeze_vision, "router_aux_loss": moe_router},
         data={"max_seq_len": max_seq_len},
         parallel={"sp_size": 2, "sp_dynamic": True},
         optimizer={"type": "sgd", "lr": LR, "momentum": 0.0, "weight_decay": 0.0},
@@ -187,11 +194,10 @@ def test_one_sgd_step_at_per_micro_batch_sp_degree_matches_plain_transformers(
         train={"max_steps": 1, "grad_accum": len(slots), "grad_clip": 0.0}))
     assert_ok(run_vlmcp(["train", str(job)], launcher="torchrun", nproc=WORLD))
 
-    before = Qwen3_5ForConditionalGeneration.from_pretrained(str(lively_checkpoint),
-                                                             dtype=torch.float32).state_dict()
-    after = Qwen3_5ForConditionalGeneration.from_pretrained(str(out / "final"),
-                                                            dtype=torch.float32).state_dict()
-    reference, truth = _reference_updates(lively_checkpoint, samples)
+    cls = Qwen3_5MoeForConditionalGeneration if moe_router else Qwen3_5ForConditionalGeneration
+    before = cls.from_pretrained(str(checkpoint), dtype=torch.float32).state_dict()
+    after = cls.from_pretrained(str(out / "final"), dtype=torch.float32).state_dict()
+    reference, truth = _reference_updates(checkpoint, samples, step_packs if moe_router else None)
     for key, w0 in before.items():
         update = after[key] - w0
         if freeze_vision and key.startswith("model.visual."):
@@ -201,7 +207,7 @@ def test_one_sgd_step_at_per_micro_batch_sp_degree_matches_plain_transformers(
         error = float((update - exact).norm())
         allowed = fp32_allowance(ref, exact, at_least=1e-5) * float(exact.norm()) + ROUNDING * float(w0.norm())
         assert error <= allowed, f"{key}: |update - ref| = {error:.3e} > {allowed:.3e}"
-    _assert_row_counts_the_step_flops(out, lively_checkpoint, samples, step_packs, freeze_vision)
+    _assert_row_counts_the_step_flops(out, checkpoint, samples, step_packs, freeze_vision)
     (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
               if "loss" in json.loads(line)]
     spread = [pack for slot in slots if slot.degree is None for pack in slot.packs]
