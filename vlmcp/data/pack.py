@@ -231,7 +231,9 @@ class PackedDataset:
     Works from sample lengths alone (the length index); only sample indices are kept per epoch.
     Loading the packs' samples is `vlmcp.data.stream`'s job. lengths holds the files of a mixture
     concatenated in file order: file_sizes[f] samples of file f, drawn weights[f] times per epoch
-    (`vlmcp.data.mixture`; default one file, weight 1).
+    (`vlmcp.data.mixture`; default one file, weight 1). sp_size and sp_rank place the rank in
+    its SP group: with `sp_dynamic` (and sp_size > 1) its micro-batches follow the degree plan
+    of the module docstring, and `rank_packs` gives this SP rank's pack of each slot.
     """
 
     def __init__(
