@@ -180,15 +180,10 @@ def cross_key_problems(job: JobConfig) -> list[str]:
 
 
 def _sp_dynamic_checks(job: JobConfig) -> list[str]:
-    """parallel.sp_dynamic needs an SP group to choose a degree in, and data.train's packer."""
-    if not job.parallel.sp_dynamic:
-        return []
-    if job.parallel.sp_size == 1:
+    """parallel.sp_dynamic needs an SP group to choose a degree in."""
+    if job.parallel.sp_dynamic and job.parallel.sp_size == 1:
         return ["config key 'parallel.sp_dynamic' is true but 'parallel.sp_size' is 1: every "
                 "pack already runs whole on one rank"]
-    if job.rollouts.dir:
-        return ["config key 'parallel.sp_dynamic' applies to data.train only: rollout steps "
-                "('rollouts.dir') keep every pack spread over the SP group"]
     return []
 
 

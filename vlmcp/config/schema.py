@@ -130,7 +130,7 @@ class ParallelSection:
     sp_dynamic: bool = field(default=False, metadata=_key(
         "a degree per micro-batch: packs that fit one rank's share of data.max_seq_len "
         "(ceil(max_seq_len / sp_size) tokens) run whole, one pack per rank of the SP group, the "
-        "others spread over the group as without it (data.train only)"))
+        "others spread over the group as without it (data.train and rollout steps)"))
 
 
 @dataclass
