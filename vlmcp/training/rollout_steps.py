@@ -26,7 +26,9 @@ The layout and the completion rule are `vlmcp.data.rollouts`'s. Per optimizer st
    r). Every rank runs M = ceil(packs / dp_size) micro-batches; a DP rank short of packs repeats
    one with weight 0, so that all ranks run the same collectives. The step's gradient is the sum
    over exactly the step's samples, normalised by their global count (token or sequence), however
-   many micro-batches that takes: the loop marks the accumulation boundary itself.
+   many micro-batches that takes: the loop marks the accumulation boundary itself. With
+   `parallel.sp_dynamic` the slots of `vlmcp.data.pack`'s degree plan are dealt instead (short
+   packs whole, one per SP rank; a slot short of packs repeats one at weight 0).
 4. streams only this rank's packs (`vlmcp.data.stream`: records read back from their byte spans,
    images decoded, in DataLoader workers): each is loaded when the step reaches it, at most
    `data.prefetch_factor` per worker ahead, and dropped after its backward, so a rank holds a
