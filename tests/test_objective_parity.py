@@ -4,7 +4,8 @@ with each sample forwarded alone: the step loss, every gradient and the
 metrics of weighted_ce, policy_gradient (token, sequence and constant normalisation), ppo_clip
 (k3 penalty; dual clip), the mismatch corrections tis and mis at token and sequence level, dppo,
 gspo, cispo, opd (both forms), a three-term loss, and dpo, ipo and simpo on preference pairs
-(one LoRA dpo case at SP 2); the train-inference mismatch metrics of every token case (its data
+(one LoRA dpo case at SP 2), and again at SP 2 with a degree per micro-batch (one micro-batch
+spread over the SP group, one whole on each rank: `parallel.sp_dynamic`); the train-inference mismatch metrics of every token case (its data
 carries inference_logprobs); one more case whose samples B and C (not the others) carry per-token
 `temperatures` that vary inside each sample and `inference_logprobs`: its loss, gradients,
 entropy and mismatch metrics (over B and C only) are those of plain transformers'
@@ -69,10 +70,17 @@ PAIRS = {"P": (9, [(1, 4, 4)], 6, 6), "Q": (5, [], 5, 7), "R": (8, [(1, 2, 4)], 
 LAYOUTS = {1: (2, 1, 2, [[["C", "B"], ["A"]], [["D"], ["E"]]], [[["P"], ["Q"]], [["R"], ["S"]]]),
            2: (2, 2, 2, [[["C", "B"], ["A", "D", "E"]]], [[["P"], ["Q", "R", "S"]]]),
            4: (4, 4, 1, [[["C", "B", "A", "D", "E"]]], [[["P", "Q", "R", "S"]]])}
+#: SP 2 with a degree per micro-batch (parallel.sp_dynamic): the layouts are per rank of the one
+#: SP group, the first micro-batch spread over both ranks ([C, B]; pair P, its halves on
+#: different ranks), the second whole on each rank (degree 1: [A, D] and [E]; [Q, R] and [S]).
+DYNAMIC = "2-dynamic"
+LAYOUTS[DYNAMIC] = (2, 2, 2, [[["C", "B"], ["A", "D"]], [["C", "B"], ["E"]]],
+                    [[["P"], ["Q", "R"]], [["P"], ["S"]]])
+DYNAMIC_DEGREES = [None, 1]
 #: ZeRO stage per SP size; at SP 4 the partitioned lm_head runs 4-row loss chunks (the ranks hold
 #: different target counts and must still make the same module calls).
-STAGES = {1: 0, 2: 2, 4: 3}
-CHUNK_MB = {1: DEFAULT_LOSS_CHUNK_MB, 2: DEFAULT_LOSS_CHUNK_MB,
+STAGES = {1: 0, 2: 2, 4: 3, DYNAMIC: 2}
+CHUNK_MB = {1: DEFAULT_LOSS_CHUNK_MB, 2: DEFAULT_LOSS_CHUNK_MB, DYNAMIC: DEFAULT_LOSS_CHUNK_MB,
             4: 4 * 512 * CHECKPOINTED_CE_BYTES_PER_LOGIT / 2**20}
 LORA = dict(r=4, alpha=8.0, target_modules=["in_proj_qkv", "out_proj", "q_proj", "o_proj",
                                              "gate_proj", "down_proj"])
@@ -251,30 +259,44 @@ def _pair_packs(layout, model, pairs, reference):
              for names in rank_micro] for rank_micro in layout]
 
 
+def _with_degrees(packs):
+    """`packs` (per rank, per micro-batch) with `DYNAMIC_DEGREES` set on each rank's
+    micro-batches."""
+    for rank_packs in packs:
+        for batch, degree in zip(rank_packs, DYNAMIC_DEGREES, strict=True):
+            batch.sp_degree = degree
+    return packs
+
+
 @functools.cache
-def _results(sp: int, tmp_root):
+def _results(sp, tmp_root):
     model, checkpoint, raw, arrays, pairs, reference, objectives = _setup(tmp_root)
-    world, _, accum, layout, pair_layout = LAYOUTS[sp]
+    world, sp_size, accum, layout, pair_layout = LAYOUTS[sp]
     tempered = _tempered_arrays(tmp_root)
     packs = _token_packs(layout, model, raw, arrays)
     tempered_packs = _token_packs(layout, model, raw, tempered)
     pair_packs = _pair_packs(pair_layout, model, pairs, reference)
+    if sp == DYNAMIC:
+        packs, tempered_packs, pair_packs = map(_with_degrees, (packs, tempered_packs, pair_packs))
     order = [n for rank_micro in layout for names in rank_micro for n in names]
     pair_order = [n for rank_micro in pair_layout for names in rank_micro for n in names]
     runs = {name: (Loss(tuple(terms)), tempered_packs if name == TEMPERED else packs)
             for name, terms in objectives.items()}
     runs.update({name: (Loss((term,)), pair_packs) for name, term in PAIR_OBJECTIVES.items()})
+    base = dict(checkpoint=str(checkpoint), stage=STAGES[sp], mode="state", grad_accum=accum,
+                loss_chunk_mb=CHUNK_MB[sp], score_max_len=54)
+    if sp == DYNAMIC:
+        cases = {"objectives": dict(base, runs=runs, per_rank=True)}
+        return order, pair_order, run_ranks(engine_step, world, sp_size, cases)
     score_rows = {name: [[_as_sample(raw[n], model, case_arrays[n], f"{n}.jsonl:1")]
                          for n in order]
                   for name, case_arrays in (("weighted_ce", arrays), (TEMPERED, tempered))}
     score_rows["dpo"] = _pair_rows(pair_order, model, pairs, reference)
-    base = dict(checkpoint=str(checkpoint), stage=STAGES[sp], mode="state", grad_accum=accum,
-                loss_chunk_mb=CHUNK_MB[sp], score_max_len=54)
     cases = {"objectives": dict(base, runs=runs, scores=score_rows)}
     if sp == 2:
         cases["lora"] = dict(base, lora=LORA, runs={"dpo": (Loss((PAIR_OBJECTIVES["dpo"],)),
                                                             pair_packs)})
-    return order, pair_order, run_ranks(engine_step, world, sp, cases)
+    return order, pair_order, run_ranks(engine_step, world, sp_size, cases)
 
 
 @pytest.fixture(scope="module")
@@ -352,7 +374,7 @@ def _abs_err(a, b) -> float:
 
 
 @pytest.mark.parametrize("name", list(_objectives(0.0)))
-@pytest.mark.parametrize("sp", [1, 2, 4])
+@pytest.mark.parametrize("sp", [1, 2, 4, DYNAMIC])
 def test_token_objective_step_equals_plain_transformers_per_sample(sp, name, tmp_root):
     refs = _token_references(name, tmp_root)
     for side in COVERAGE.get(name, ()):
@@ -368,7 +390,7 @@ def test_token_objective_step_equals_plain_transformers_per_sample(sp, name, tmp
 
 
 @pytest.mark.parametrize("name", list(PAIR_OBJECTIVES))
-@pytest.mark.parametrize("sp", [1, 2, 4])
+@pytest.mark.parametrize("sp", [1, 2, 4, DYNAMIC])
 def test_pair_objective_step_equals_plain_transformers_per_half(sp, name, tmp_root):
     refs = _pair_references(name, False, tmp_root)
     _, _, per_rank = _results(sp, tmp_root)

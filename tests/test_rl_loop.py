@@ -370,3 +370,40 @@ def test_a_rollout_step_over_dp_2_is_one_exact_sgd_step_and_an_over_stale_step_i
     (row,) = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
     assert row["rollout_samples"] == 7 and row["targets"] == sum(
         int((torch.tensor(s.labels[1:]) != IGNORE_INDEX).sum()) for s in samples)
+
+
+def test_a_rollout_step_at_per_micro_batch_sp_degree_is_one_exact_sgd_step(digits_jsonl, tmp_path):
+    """parallel.sp_dynamic at SP 2: the step's 7 short samples run whole, one pack per rank (the
+    last slot's second rank repeats its pack at weight 0); the published weights take the
+    reference step and the row counts every pack once, at degree 1."""
+    checkpoint = make_lively(build_tiny_checkpoint(tmp_path / "lively", seed=0))
+    rollouts, weights, out = tmp_path / "rollouts", tmp_path / "weights", tmp_path / "out"
+    producer = _producer(tmp_path, checkpoint, digits_jsonl, rollouts, weights,
+                         [(range(0, 7), 0, 0.0, None)])
+    _finish(producer, tmp_path / "producer.log")
+    samples = load_samples(step_dir(rollouts, 1) / DATA_FILE, load_processor(checkpoint),
+                           max_seq_len=10_000)
+    length = len(samples[0])
+    assert {len(s) for s in samples} == {length}  # budget = length: one sample per pack
+    lr = 1000.0
+    job = write_job(tmp_path / "job.json", _rl_job(
+        checkpoint, out, rollouts, weights, train={"max_steps": 1, "grad_clip": 0.0},
+        data={"max_seq_len": 2 * length}, parallel={"sp_size": 2, "sp_dynamic": True},
+        deepspeed={"zero_optimization": {"stage": 0}},
+        optimizer={"type": "sgd", "lr": lr, "momentum": 0.0, "weight_decay": 0.0}))
+    assert_ok(run_vlmcp(["train", str(job)], launcher="torchrun", nproc=2, timeout=400))
+
+    reference = _sgd_reference_update(checkpoint, samples, lr)
+    before = load_file(checkpoint / "model.safetensors")
+    after = read_hf_weights(weights / "step_1")
+    rounding = 4 * torch.finfo(torch.float32).eps
+    for key, w0 in before.items():
+        if key.startswith("model.visual."):
+            assert torch.equal(after[key], w0), key
+            continue
+        error = float((after[key] - w0 - reference[key]).norm())
+        allowed = TOL * float(reference[key].norm()) + rounding * float(w0.norm())
+        assert error <= allowed, f"{key}: |update - ref| = {error:.3e} > {allowed:.3e}"
+    (row,) = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    assert row["sp_degree_packs"] == {"1": 7, "2": 0}
+    assert row["sp_degree_tokens"] == {"1": 7 * length, "2": 0} and row["tokens"] == 7 * length

@@ -159,6 +159,65 @@ def test_one_sgd_step_under_torchrun_matches_plain_transformers(
     _assert_row_counts_the_step_flops(out, checkpoint, samples, step_packs, freeze_vision)
 
 
+@pytest.mark.parametrize("zero_stage,freeze_vision,short_slot,moe_router",
+                         [(2, True, False, False), (3, False, False, False), (2, True, True, True)])
+def test_one_sgd_step_at_per_micro_batch_sp_degree_matches_plain_transformers(
+        zero_stage, freeze_vision, short_slot, moe_router, lively_checkpoint, lively_moe_checkpoint,
+        digits_jsonl, tmp_path):
+    """parallel.sp_dynamic at SP 2, world 2: the step's short packs (images, a text-only one) run
+    whole, one per rank, its long two-image pack spread over both ranks; the weights take the
+    reference step, and the row counts every pack once at its degree. With `short_slot` one
+    degree-1 slot holds a single pack (rank 1 repeats it at weight 0), on the MoE model with the
+    router load-balancing loss (a mean over the step's packs)."""
+    checkpoint = lively_moe_checkpoint if moe_router else lively_checkpoint
+    data = _mixed_jsonl(digits_jsonl, tmp_path / "mixed.jsonl")
+    if short_slot:
+        data.write_text("".join(data.read_text().splitlines(keepends=True)[1:]))
+    samples = load_samples(data, load_processor(checkpoint), max_seq_len=10_000)
+    lengths = [len(s) for s in samples]
+    max_seq_len = 2 * (max(lengths) - 1)  # the longest sample alone exceeds one rank's budget
+    dataset = PackedDataset(lengths, max_seq_len, sp_size=2, sp_dynamic=True)
+    slots = dataset.slots(0)
+    step_packs = [list(pack) for slot in slots for pack in slot.packs]
+    assert sorted(i for pack in step_packs for i in pack) == list(range(len(samples)))
+    assert {slot.degree for slot in slots} == {None, 1}
+    assert [len(slot.packs) for slot in slots if slot.degree == 1].count(1) == int(short_slot)
+
+    out = tmp_path / "out"
+    job = write_job(tmp_path / "job.json", tiny_job(
+        checkpoint, data, out,
+        model={"freeze_vision": freeze_vision, "router_aux_loss": moe_router},
+        data={"max_seq_len": max_seq_len},
+        parallel={"sp_size": 2, "sp_dynamic": True},
+        optimizer={"type": "sgd", "lr": LR, "momentum": 0.0, "weight_decay": 0.0},
+        deepspeed={"zero_optimization": {"stage": zero_stage}},
+        train={"max_steps": 1, "grad_accum": len(slots), "grad_clip": 0.0}))
+    assert_ok(run_vlmcp(["train", str(job)], launcher="torchrun", nproc=WORLD))
+
+    cls = Qwen3_5MoeForConditionalGeneration if moe_router else Qwen3_5ForConditionalGeneration
+    before = cls.from_pretrained(str(checkpoint), dtype=torch.float32).state_dict()
+    after = cls.from_pretrained(str(out / "final"), dtype=torch.float32).state_dict()
+    reference, truth = _reference_updates(checkpoint, samples, step_packs if moe_router else None)
+    for key, w0 in before.items():
+        update = after[key] - w0
+        if freeze_vision and key.startswith("model.visual."):
+            assert torch.equal(update, torch.zeros_like(update)), f"frozen {key} moved"
+            continue
+        ref, exact = reference[key], truth[key]
+        error = float((update - exact).norm())
+        allowed = fp32_allowance(ref, exact, at_least=1e-5) * float(exact.norm()) + ROUNDING * float(w0.norm())
+        assert error <= allowed, f"{key}: |update - ref| = {error:.3e} > {allowed:.3e}"
+    _assert_row_counts_the_step_flops(out, checkpoint, samples, step_packs, freeze_vision)
+    (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+              if "loss" in json.loads(line)]
+    spread = [pack for slot in slots if slot.degree is None for pack in slot.packs]
+    whole = [pack for slot in slots if slot.degree == 1 for pack in slot.packs]
+    assert row["sp_degree_packs"] == {"1": len(whole), "2": len(spread)}
+    assert row["sp_degree_tokens"] == {"1": sum(lengths[i] for pack in whole for i in pack),
+                                       "2": sum(lengths[i] for pack in spread for i in pack)}
+    assert row["tokens"] == sum(lengths)
+
+
 def _assert_row_counts_the_step_flops(out, checkpoint, samples, step_packs, freeze_vision):
     """The training row's model FLOPs are the formula's over every pack of the step (each DP
     group's packs once), its tflops_per_s per device, and its mfu against a measured CPU peak."""

@@ -75,7 +75,9 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
     A case with "runs" ({run name: (objective, packs)}) instead runs one step per run on the one
     engine it builds (SGD at lr 0 leaves the weights as they were) and returns a result per
     "case/run" name: many objectives for the price of one engine; "scores" ({run name: rows})
-    scores after those runs."""
+    scores after those runs. With "per_rank", packs are listed per global rank instead of per DP
+    rank (packs of `sp_degree` 1 differ between the ranks of an SP group); each pack's counts
+    come from the rank its plan calls rank 0."""
     sp = SequenceParallel.initialize(sp_size)
     results = {}
     for name, case in cases.items():
@@ -106,7 +108,8 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
         runs = case.get("runs") or {None: (module.objective, case["packs"])}
         for run, (objective, packs) in runs.items():
             rows = case.get("score") if run is None else case.get("scores", {}).get(run)
-            result = _one_step(engine, module, Loss.of(objective), packs[sp.dp_rank], case, rows,
+            mine = packs[comm.rank() if case.get("per_rank") else sp.dp_rank]
+            result = _one_step(engine, module, Loss.of(objective), mine, case, rows,
                                sp)
             results[name if run is None else f"{name}/{run}"] = result
         del engine, module, model
@@ -127,7 +130,8 @@ def _one_step(engine, module: PackedVLM, objective: Loss, micro_batches: list, c
     mlp.forward = _counted(forward, calls)
     tower_calls = []
     hook = _record_tower_calls(module.vision, tower_calls)
-    counts = step_counts(module, pack_counts(objective, micro_batches), objective)
+    owned = [batch for batch in micro_batches if module.plan(batch).rank == 0]
+    counts = step_counts(pack_counts(objective, owned), objective)
     loss_total, router_total = torch.zeros(()), torch.zeros(())
     stat_total = torch.zeros(len(objective.stat_specs()), dtype=torch.float64)
     offloaded = {"passed_hooks": 0}

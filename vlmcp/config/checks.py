@@ -168,6 +168,7 @@ def cross_key_problems(job: JobConfig) -> list[str]:
     if job.eval.generate and not job.train.eval_every:
         problems.append("config key 'eval.generate' is true but 'train.eval_every' is 0, so no "
                         "evaluation runs")
+    problems.extend(_sp_dynamic_checks(job))
     problems.extend(_lora_checks(job.lora, job.model))
     problems.extend(_memory_feature_checks(job))
     problems.extend(_video_checks(job.data.video))
@@ -176,6 +177,14 @@ def cross_key_problems(job: JobConfig) -> list[str]:
     problems.extend(_publish_writer_checks(job))
     problems.extend(_overlapping_dirs(job))
     return problems
+
+
+def _sp_dynamic_checks(job: JobConfig) -> list[str]:
+    """parallel.sp_dynamic needs an SP group to choose a degree in."""
+    if job.parallel.sp_dynamic and job.parallel.sp_size == 1:
+        return ["config key 'parallel.sp_dynamic' is true but 'parallel.sp_size' is 1: every "
+                "pack already runs whole on one rank"]
+    return []
 
 
 def _publish_writer_checks(job: JobConfig) -> list[str]:

@@ -127,6 +127,10 @@ class ParallelSection:
         "encodes a patch-balanced share of the images, features are routed to the ranks holding "
         "their placeholders) or replicated (every rank embeds the whole pack and encodes every "
         "image)", choices=list(VISION_MODES)))
+    sp_dynamic: bool = field(default=False, metadata=_key(
+        "a degree per micro-batch: packs that fit one rank's share of data.max_seq_len "
+        "(ceil(max_seq_len / sp_size) tokens) run whole, one pack per rank of the SP group, the "
+        "others spread over the group as without it (data.train and rollout steps)"))
 
 
 @dataclass

@@ -75,6 +75,10 @@ class PackedBatch:
     routes:            [S, L_moe, K] uint8/uint16 MoE routes of the tokens, unshifted (row t: the
                        experts token t goes to in each MoE layer), NO_ROUTE rows where a sample
                        has none (`vlmcp.data.routes`); None when no sample of the pack has routes.
+    sp_degree:         how many ranks of the SP group the pack is spread over: None, the group's
+                       size P (one pack over the group, each rank a shard); 1, whole on this rank
+                       while the group's other ranks run packs of their own
+                       (`parallel.sp_dynamic`, `vlmcp.data.pack.Slot`).
     """
 
     input_ids: torch.Tensor
@@ -92,6 +96,7 @@ class PackedBatch:
     pixel_values_videos: torch.Tensor | None = None
     video_grid_thw: torch.Tensor | None = None
     routes: torch.Tensor | None = None
+    sp_degree: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -4,20 +4,38 @@ Packing is first-fit in sample order: each sample goes into the first pack (in c
 with room left, else opens a new pack; samples keep their order inside a pack and packs are
 emitted in creation order. Every pack holds at most max_seq_len tokens and only whole samples.
 
-Distribution over data parallelism: an epoch's packs P_0..P_{n-1} are dealt round-robin, step s
-of rank r getting P_{(s * dp_size + r) mod n}. Every rank runs ceil(n / dp_size) steps (rounded up
+Distribution over data parallelism: an epoch's micro-batch slots P_0..P_{n-1} (each pack spread
+over the SP group, or with `sp_dynamic` the degree plan below) are dealt
+round-robin, step s of DP rank r getting P_{(s * dp_size + r) mod n}. Every rank runs ceil(n / dp_size) steps (rounded up
 to a multiple of `multiple_of`, e.g. the gradient-accumulation steps), so when n does not divide
 evenly the last steps wrap around to the first packs of the same epoch. With shuffle, the sample
 order of epoch e is a permutation seeded by (seed, e), identical on every rank, so every rank
 computes the same packs and step count; the pack count (and so the step count) can differ between
 epochs, see `PackedDataset.num_micro_batches`. A mixture of files draws each file's samples by its
 weight every epoch (`vlmcp.data.mixture`), in file order or, with shuffle, in that permutation.
+
+A degree per micro-batch (`parallel.sp_dynamic`): which packs run spread over the SP group and
+which run whole, one pack per rank.
+
+P = `parallel.sp_size`, L = `data.max_seq_len`, B = ceil(L / P): the tokens one rank holds of a
+pack of L spread over P ranks, the per-rank budget of docs/memory.md. A micro-batch slot of an SP
+group is either one pack over the P ranks (degree P; rank r holds its r-th shard), or up to P
+packs of at most B tokens each, whole on one rank (degree 1; rank r runs packs[r], a rank past the
+slot's last pack repeats packs[0] at weight 0). So a degree-1 pack never holds more tokens than a
+rank holds of a degree-P pack of L.
+
+Samples longer than B are packed first-fit into packs of at most L (degree P), the others
+first-fit into packs of at most B, grouped P at a time in creation order (degree 1). Slots are
+ordered by their first sample's place in the packing order, so long and short work interleave
+as the samples do. The plan is a pure function of the lengths in order: every rank computes the
+same slots, and a resumed run the same plan.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -64,6 +82,56 @@ def first_fit(lengths: Sequence[int], max_seq_len: int) -> list[list[int]]:
             packs.append([])
         packs[b].append(i)
     return packs
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One micro-batch of an SP group, as sample indices.
+
+    packs:  the slot's packs: one (degree None, spread over the group), or 1..P (degree 1).
+    degree: None: packs[0] spread over the SP group's P ranks; 1: packs[r] whole on SP rank r.
+    """
+
+    packs: tuple[tuple[int, ...], ...]
+    degree: int | None = None
+
+    def pack_of(self, sp_rank: int) -> tuple[list[int], float]:
+        """(the pack SP rank `sp_rank` runs, its weight): 0.0 for a repeat of packs[0] that only
+        keeps the rank in step with the others (a degree-1 slot with fewer packs than ranks)."""
+        if self.degree is None:
+            return list(self.packs[0]), 1.0
+        if sp_rank < len(self.packs):
+            return list(self.packs[sp_rank]), 1.0
+        return list(self.packs[0]), 0.0
+
+    def owns(self, sp_rank: int) -> bool:
+        """Whether SP rank `sp_rank` counts its pack (tokens, targets, ...) for the step: each
+        pack once, from the rank that holds its first token."""
+        return sp_rank == 0 or (self.degree == 1 and sp_rank < len(self.packs))
+
+
+def rank_budget(max_seq_len: int, sp_size: int) -> int:
+    """B = ceil(L / P): the most tokens of a degree-1 pack."""
+    return math.ceil(max_seq_len / sp_size)
+
+
+def fixed_slots(packs: Sequence[Sequence[int]]) -> list[Slot]:
+    """Every pack spread over the SP group (the fixed degree)."""
+    return [Slot((tuple(pack),)) for pack in packs]
+
+
+def dynamic_slots(lengths: Sequence[int], max_seq_len: int, sp_size: int) -> list[Slot]:
+    """The slots of samples of `lengths` (in packing order; indices into it), as the module
+    docstring describes."""
+    budget = rank_budget(max_seq_len, sp_size)
+    long = [i for i, n in enumerate(lengths) if n > budget]
+    short = [i for i, n in enumerate(lengths) if n <= budget]
+    keyed = [(long[pack[0]], Slot((tuple(long[j] for j in pack),)))
+             for pack in first_fit([lengths[i] for i in long], max_seq_len)]
+    packs = [tuple(short[j] for j in pack) for pack in first_fit([lengths[i] for i in short], budget)]
+    keyed += [(packs[k][0], Slot(tuple(packs[k:k + sp_size]), degree=1))
+              for k in range(0, len(packs), sp_size)]
+    return [slot for _, slot in sorted(keyed, key=lambda item: item[0])]
 
 
 def shifted_targets(labels: Sequence[int]) -> list[int]:
@@ -163,7 +231,9 @@ class PackedDataset:
     Works from sample lengths alone (the length index); only sample indices are kept per epoch.
     Loading the packs' samples is `vlmcp.data.stream`'s job. lengths holds the files of a mixture
     concatenated in file order: file_sizes[f] samples of file f, drawn weights[f] times per epoch
-    (`vlmcp.data.mixture`; default one file, weight 1).
+    (`vlmcp.data.mixture`; default one file, weight 1). sp_size and sp_rank place the rank in
+    its SP group: with `sp_dynamic` (and sp_size > 1) its micro-batches follow the degree plan
+    of the module docstring, and `rank_packs` gives this SP rank's pack of each slot.
     """
 
     def __init__(
@@ -177,6 +247,9 @@ class PackedDataset:
         multiple_of: int = 1,
         file_sizes: Sequence[int] | None = None,
         weights: Sequence[float] | None = None,
+        sp_size: int = 1,
+        sp_rank: int = 0,
+        sp_dynamic: bool = False,
     ) -> None:
         if not len(lengths):
             raise ValueError("no samples to pack")
@@ -194,7 +267,13 @@ class PackedDataset:
         self.shuffle = shuffle
         self.seed = seed
         self.multiple_of = multiple_of
+        if not 0 <= sp_rank < sp_size:
+            raise ValueError(f"sp_rank {sp_rank} outside [0, {sp_size})")
+        self.sp_size = sp_size
+        self.sp_rank = sp_rank
+        self.sp_dynamic = sp_dynamic and sp_size > 1
         self._plan: tuple[int, list[list[int]]] | None = None
+        self._slots: tuple[int, list[Slot]] | None = None
 
     def order(self, epoch: int) -> list[int]:
         """Sample indices in the order they are packed in `epoch` (`vlmcp.data.mixture`)."""
@@ -210,13 +289,34 @@ class PackedDataset:
             self._plan = (epoch, [[order[i] for i in pack] for pack in packs])
         return self._plan[1]
 
+    def slots(self, epoch: int) -> list[Slot]:
+        """Every micro-batch slot of `epoch` (all DP groups): each pack of `packs` spread over the
+        SP group, or with `sp_dynamic` the degree plan below."""
+        if self._slots is None or self._slots[0] != epoch:
+            if self.sp_dynamic:
+                order = self.order(epoch)
+                slots = [Slot(tuple(tuple(order[i] for i in pack) for pack in slot.packs), slot.degree)
+                         for slot in dynamic_slots([self.lengths[i] for i in order],
+                                                   self.max_seq_len, self.sp_size)]
+            else:
+                slots = fixed_slots(self.packs(epoch))
+            self._slots = (epoch, slots)
+        return self._slots[1]
+
     def num_micro_batches(self, epoch: int = 0) -> int:
         """Micro-batches every rank runs in `epoch` (the same on all ranks)."""
-        steps = math.ceil(len(self.packs(epoch)) / self.dp_size)
+        steps = math.ceil(len(self.slots(epoch)) / self.dp_size)
         return math.ceil(steps / self.multiple_of) * self.multiple_of
 
+    def slot_at(self, epoch: int, step: int, dp_rank: int) -> Slot:
+        """The slot DP rank `dp_rank` runs at micro-batch `step` of `epoch`, wrapping around."""
+        slots = self.slots(epoch)
+        return slots[(step * self.dp_size + dp_rank) % len(slots)]
+
+    def rank_slots(self, epoch: int) -> list[Slot]:
+        """This rank's slots of `epoch`, in step order, wrapping around when short."""
+        return [self.slot_at(epoch, step, self.dp_rank) for step in range(self.num_micro_batches(epoch))]
+
     def rank_packs(self, epoch: int) -> list[list[int]]:
-        """This rank's packs of `epoch`, in step order, wrapping around when short."""
-        packs = self.packs(epoch)
-        return [packs[(step * self.dp_size + self.dp_rank) % len(packs)]
-                for step in range(self.num_micro_batches(epoch))]
+        """This rank's packs of `epoch`, in step order (its pack of each of `rank_slots`)."""
+        return [slot.pack_of(self.sp_rank)[0] for slot in self.rank_slots(epoch)]

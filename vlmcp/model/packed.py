@@ -214,10 +214,17 @@ class PackedVLM(nn.Module):
         return self.frozen_visual
 
     def plan(self, batch: PackedBatch) -> ShardPlan:
-        """This rank's shard of `batch` (built once per micro-batch, handed to every layer)."""
-        return ShardPlan.build(
-            batch.seq_lens, self.sp.size, self.sp.rank, self.sp.group, min_local_len=max(self.conv_halo, 1)
-        )
+        """This rank's shard of `batch` (built once per micro-batch, handed to every layer): over
+        the SP group, or, for a pack of `sp_degree` 1, the whole pack on this rank, a plan
+        without peers."""
+        min_local_len = max(self.conv_halo, 1)
+        if batch.sp_degree is None or batch.sp_degree == self.sp.size:
+            return ShardPlan.build(batch.seq_lens, self.sp.size, self.sp.rank, self.sp.group,
+                                   min_local_len=min_local_len)
+        if batch.sp_degree != 1:
+            raise ValueError(f"a pack of SP degree {batch.sp_degree}: the SP group has "
+                             f"{self.sp.size} ranks (degrees 1 and {self.sp.size} run)")
+        return ShardPlan.build(batch.seq_lens, min_local_len=min_local_len)
 
     def forward(self, batch: PackedBatch, stats: bool = False,
                 objective: LossTerm | Loss | None = None, scores: bool = False,
@@ -280,7 +287,7 @@ class PackedVLM(nn.Module):
         real = plan.shard(torch.ones(len(batch.input_ids), device=device), dim=0, pad_value=0.0)
         with self.router_loss.capture(real) as router_stats:
             hidden = self.decode(hidden, positions, plan)
-        return hidden[0], router_stats.share(self.sp.group)
+        return hidden[0], router_stats.share(plan.group)
 
     def _scored(self, batch: PackedBatch, plan: ShardPlan, hidden: torch.Tensor,
                 targets: torch.Tensor) -> TokenLogprobs:

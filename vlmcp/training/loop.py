@@ -137,7 +137,8 @@ def _step_packs(job: JobConfig, preflight: Preflight, sp: SequenceParallel,
                             dp_size=sp.dp_size, shuffle=job.data.shuffle, seed=job.train.seed,
                             multiple_of=job.train.grad_accum,
                             file_sizes=preflight.train_file_sizes,
-                            weights=preflight.train_weights)
+                            weights=preflight.train_weights, sp_size=sp.size, sp_rank=sp.rank,
+                            sp_dynamic=job.parallel.sp_dynamic)
     reader = SampleReader(index, preflight.processor, job.data.max_seq_len, job.data.truncate,
                           cache_path=str(preflight.train_index_result.path),
                           reference_logps=reference)
@@ -233,6 +234,10 @@ def _grad_norm(module: torch.nn.Module) -> float:
     return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
 
 
+#: Entries of a training step's summed row values before the objective's metric sums.
+_STATS = 9
+
+
 def train_step(run: Run, step: int) -> dict[str, Any]:
     """Run optimizer step `step` (0-based); returns its metrics row."""
     started = time.perf_counter()
@@ -242,14 +247,15 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         return {"step": step + 1, "skipped_rollout": fetched.skip, **fetched.row}
     lr = engine.get_lr()[0]
     objective = run.module.objective
-    counts = step_counts(run.module, fetched.counts, objective)
+    counts = step_counts(fetched.counts, objective)
     # DeepSpeed divides each backward by its accumulation steps and averages over DP: the router
     # term of a micro-batch, scaled so, adds up to the mean over the step's micro-batches.
     router_scale = sp.dp_size * grad_accum / max(fetched.micro_batches, 1)
-    # [shard loss sum, pack tokens (once per SP group), 1 where the optimizer step was not
-    # applied, this rank's shares of the router aux losses, the packs' model FLOPs (once per SP
-    # group), then the objective's metric sums (Loss.stat_specs)]
-    sums = torch.zeros(5 + len(objective.stat_specs()), dtype=torch.float64)
+    # [shard loss sum, pack tokens (once per pack), 1 where the optimizer step was not applied,
+    # this rank's shares of the router aux losses, the packs' model FLOPs (once per pack), packs
+    # and tokens of SP degree 1, packs and tokens spread over the SP group, then the objective's
+    # metric sums (Loss.stat_specs)]
+    sums = torch.zeros(_STATS + len(objective.stat_specs()), dtype=torch.float64)
     grad_norm = None
     skipped_before = engine.skipped_steps
     last = len(fetched.weights) - 1
@@ -259,7 +265,7 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         with run.module.micro_batch(batch, weight):
             loss_sum, _, router_share, stat_sums = engine(
                 batch, stats=True, denominators=counts.shard_denominators)
-            sums[5:] += stat_sums * weight
+            sums[_STATS:] += stat_sums * weight
             engine.backward(scale_for_deepspeed(loss_sum * weight, counts.denominator,
                                                 dp_size=sp.dp_size, grad_accum=grad_accum)
                             + router_objective(router_share, run.module.router_aux_coef)
@@ -275,9 +281,12 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         sums[0] += float(loss_sum.detach()) * weight
         if router_share is not None:
             sums[3] += float(router_share.detach()) * weight
-        if sp.rank == 0:
+        if run.module.plan(batch).rank == 0:  # the pack counts once, on the rank of its first token
             sums[1] += batch.num_tokens * weight
             sums[4] += run.utilisation.pack_flops(batch) * weight
+            spread = 7 if batch.sp_degree is None or batch.sp_degree == sp.size else 5
+            sums[spread] += weight
+            sums[spread + 1] += batch.num_tokens * weight
         del batch  # the pack's pixels go before the next pack loads
     sums[2] = float(engine.skipped_steps > skipped_before)
     comm.all_reduce_sum(sums)
@@ -294,9 +303,12 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         "tokens_per_s": float(sums[1]) / elapsed,
         "step_time_s": elapsed,
         **fetched.row,
-        **objective_metrics(sums[5:], counts, objective),
+        **objective_metrics(sums[_STATS:], counts, objective),
         **run.utilisation.row(float(sums[4]), elapsed),
     }
+    if run.job.parallel.sp_dynamic:
+        row["sp_degree_packs"] = {"1": int(sums[5]), str(sp.size): int(sums[7])}
+        row["sp_degree_tokens"] = {"1": int(sums[6]), str(sp.size): int(sums[8])}
     if run.module.router_loss is not None:
         row["router_aux_loss"] = float(sums[3]) / max(fetched.micro_batches, 1)
     row.update(run.module.replay_metrics())

@@ -174,16 +174,15 @@ def index_counts(objective: Loss, index: LengthIndex, rows: Sequence[int]) -> di
     return counts
 
 
-def step_counts(module: Any, local: dict[str, float], objective: Loss) -> StepCounts:
+def step_counts(local: dict[str, float], objective: Loss) -> StepCounts:
     """Global counts of one optimizer step (one all-reduce over the world; call on every rank)
-    from this rank's `local` counts of its micro-batches of weight 1 (`pack_counts` or
-    `index_counts`). `module` is the `PackedVLM`: each SP group's packs count once, from its
-    rank 0."""
+    from this rank's `local` counts of the packs of weight 1 it owns (`pack_counts` or
+    `index_counts`): each pack is owned by one rank, a pack spread over an SP group by its SP
+    rank 0, a pack of SP degree 1 by the rank that runs it (`StepBatches.counts`)."""
     keys = objective.count_keys()
-    local = torch.tensor([local[key] if module.sp.rank == 0 else 0.0 for key in keys],
-                         dtype=torch.float64)
-    comm.all_reduce_sum(local)
-    counts = dict(zip(keys, local.tolist()))
+    total = torch.tensor([local[key] for key in keys], dtype=torch.float64)
+    comm.all_reduce_sum(total)
+    counts = dict(zip(keys, total.tolist()))
     return StepCounts(counts, objective.denominators(counts))
 
 

@@ -26,7 +26,9 @@ The layout and the completion rule are `vlmcp.data.rollouts`'s. Per optimizer st
    r). Every rank runs M = ceil(packs / dp_size) micro-batches; a DP rank short of packs repeats
    one with weight 0, so that all ranks run the same collectives. The step's gradient is the sum
    over exactly the step's samples, normalised by their global count (token or sequence), however
-   many micro-batches that takes: the loop marks the accumulation boundary itself.
+   many micro-batches that takes: the loop marks the accumulation boundary itself. With
+   `parallel.sp_dynamic` the slots of `vlmcp.data.pack`'s degree plan are dealt instead (short
+   packs whole, one per SP rank; a slot short of packs repeats one at weight 0).
 4. streams only this rank's packs (`vlmcp.data.stream`: records read back from their byte spans,
    images decoded, in DataLoader workers): each is loaded when the step reaches it, at most
    `data.prefetch_factor` per worker ahead, and dropped after its backward, so a rank holds a
@@ -40,7 +42,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,8 +51,9 @@ import numpy as np
 import torch
 
 from vlmcp.config import JobConfig
+from vlmcp.data.batch import PackedBatch
 from vlmcp.data.index import LengthIndex, build_index
-from vlmcp.data.pack import first_fit
+from vlmcp.data.pack import dynamic_slots, first_fit, fixed_slots
 from vlmcp.data.policy_versions import StepVersions, step_versions
 from vlmcp.data.processor import VLProcessor
 from vlmcp.data.rollouts import META, RolloutMeta, is_complete, read_meta, step_dir, step_files
@@ -252,19 +255,43 @@ class RolloutSteps:
     def _stream(self, index: LengthIndex, row: dict[str, Any]) -> StepBatches:
         """This rank's share of the step's packs, streamed, with its counts and sample names from
         the index; repeats of another rank's pack (to keep the micro-batch count equal on every
-        rank) get weight 0."""
+        rank) get weight 0. With `parallel.sp_dynamic` the packs follow the degree plan of
+        `vlmcp.data.pack` (short packs whole, one per SP rank)."""
         data = self.job.data
-        packs = first_fit(index.tokens.tolist(), data.max_seq_len)
-        dp_size, dp_rank = self.sp.dp_size, self.sp.dp_rank
-        slots = [k * dp_size + dp_rank for k in range(max(1, math.ceil(len(packs) / dp_size)))]
-        mine = [packs[i % len(packs)] for i in slots]
-        counted = [sample for i, pack in zip(slots, mine) if i < len(packs) for sample in pack]
+        lengths = index.tokens.tolist()
+        dynamic = self.job.parallel.sp_dynamic and self.sp.size > 1
+        slots = dynamic_slots(lengths, data.max_seq_len, self.sp.size) if dynamic \
+            else fixed_slots(first_fit(lengths, data.max_seq_len))
+        dp_size, dp_rank, sp_rank = self.sp.dp_size, self.sp.dp_rank, self.sp.rank
+        chosen = [k * dp_size + dp_rank for k in range(max(1, math.ceil(len(slots) / dp_size)))]
+        mine, weights, counted = [], [], []
+        for i in chosen:
+            slot = slots[i % len(slots)]
+            pack, weight = slot.pack_of(sp_rank)
+            weight = weight if i < len(slots) else 0.0
+            mine.append(pack)
+            weights.append(weight)
+            if weight and slot.owns(sp_rank):
+                counted += pack
         reader = SampleReader(index, self.processor, data.max_seq_len, data.truncate)
-        return StepBatches([1.0 if i < len(packs) else 0.0 for i in slots], len(packs),
+        batches = load_packs(reader, mine, data.num_workers, data.prefetch_factor)
+        if dynamic:
+            batches = _with_degrees(batches, [slots[i % len(slots)].degree for i in chosen])
+        return StepBatches(weights, sum(len(slot.packs) for slot in slots),
                            index_counts(self.objective, index, counted),
                            [[index.source(i) for i in pack] for pack in mine], row,
-                           batches=load_packs(reader, mine, data.num_workers,
-                                              data.prefetch_factor))
+                           batches=batches)
+
+
+def _with_degrees(batches: Iterator[PackedBatch], degrees: list[int | None]
+                  ) -> Iterator[PackedBatch]:
+    """`batches` in order, each with its SP degree set; closing it closes `batches`."""
+    try:
+        for batch, degree in zip(batches, degrees):
+            batch.sp_degree = degree
+            yield batch
+    finally:
+        batches.close()
 
 
 def _lag_row(number: int, meta: RolloutMeta, index: LengthIndex) -> dict[str, Any]:

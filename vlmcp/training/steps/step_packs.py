@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vlmcp.data.batch import PackedBatch
-from vlmcp.data.pack import PackedDataset
+from vlmcp.data.pack import PackedDataset, Slot
 from vlmcp.data.stream import SampleReader, load_packs
 from vlmcp.model.loss_terms import Loss
 from vlmcp.training.objective_step import pack_counts
@@ -32,10 +32,12 @@ class StepBatches:
     weights:     [M] 1.0 for a micro-batch of the step, 0.0 for one that only repeats another
                  rank's pack so that every rank runs the same collectives (its loss is not
                  counted); M is the same on every rank.
-    micro_batches: the step's micro-batches of weight 1 over all DP groups (each SP group counts
-                 its pack once): what the mean of per-micro-batch quantities divides by.
-    counts:      this rank's `Loss.count_keys` over its micro-batches of weight 1, known before
-                 any is loaded (`objective_step.step_counts` sums them over the world).
+    micro_batches: the step's packs of weight 1 over the world (a pack spread over an SP group
+                 counts once): what the mean of per-pack quantities divides by.
+    counts:      `Loss.count_keys` over the packs of weight 1 this rank owns (each pack is owned
+                 by one rank: a spread pack by SP rank 0, a pack of SP degree 1 by the rank that
+                 runs it), known before any is loaded (`objective_step.step_counts` sums them
+                 over the world).
     sample_ids:  [M] the "file:line" of each micro-batch's samples, for error lines.
     row:         metrics row entries of the step's data ("epoch"; a rollout step's lag, ...).
     skip:        why the step trains nothing (a rollout step skipped as stale, ...), else None.
@@ -109,6 +111,9 @@ class StepPacks:
             packs = self.dataset.rank_packs(epoch)[inner * self.grad_accum:]
             self._stream = load_packs(self.reader, packs, self.num_workers, self.prefetch_factor)
         chosen = [next(self._stream) for _ in range(self.grad_accum)]
+        if self.dataset.sp_dynamic:
+            for batch, slot in zip(chosen, self._slots(epoch, inner, self.dataset.dp_rank)):
+                batch.sp_degree = slot.degree
         if inner + 1 == self.steps_in_epoch(epoch):
             self.close()
         else:
@@ -116,18 +121,31 @@ class StepPacks:
         return chosen
 
     def step_batches(self, step: int) -> StepBatches:
-        """`batches(step)` as the training step runs them (every one of weight 1); asked again
+        """`batches(step)` as the training step runs them (weight 0: a repeat that keeps this rank
+        in step with its SP group, `vlmcp.data.pack.Slot`); asked again
         for the same step, the same `StepBatches` (its micro-batches handed out once)."""
         if self._last is not None and self._last[0] == step:
             return self._last[1]
         self._last = None
         batches = self.batches(step)
-        fetched = StepBatches([1.0] * len(batches), self.dataset.dp_size * self.grad_accum,
-                              pack_counts(self.objective, batches),
+        epoch, inner = self.locate(step)
+        sp_rank = self.dataset.sp_rank
+        mine = self._slots(epoch, inner, self.dataset.dp_rank)
+        weights = [slot.pack_of(sp_rank)[1] for slot in mine]
+        owned = [batch for batch, slot, weight in zip(batches, mine, weights)
+                 if weight and slot.owns(sp_rank)]
+        packs = sum(len(slot.packs) for dp_rank in range(self.dataset.dp_size)
+                    for slot in self._slots(epoch, inner, dp_rank))
+        fetched = StepBatches(weights, packs, pack_counts(self.objective, owned),
                               [batch.sample_ids for batch in batches],
-                              {"epoch": self.locate(step)[0]}, batches=_handed_out(batches))
+                              {"epoch": epoch}, batches=_handed_out(batches))
         self._last = (step, fetched)
         return fetched
+
+    def _slots(self, epoch: int, inner: int, dp_rank: int) -> list[Slot]:
+        """The slots DP rank `dp_rank` runs in step `inner` of `epoch`."""
+        first = inner * self.grad_accum
+        return [self.dataset.slot_at(epoch, k, dp_rank) for k in range(first, first + self.grad_accum)]
 
     def close(self) -> None:
         """Stop the loader (and its workers) of the current epoch, if any."""
