@@ -4,7 +4,6 @@ malformed ones name their line, and a rollout step's staleness counts from its o
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 
@@ -13,6 +12,7 @@ from vlmcp.config import job_from_dict
 from vlmcp.data.policy_versions import target_version_range, token_versions
 from vlmcp.data.rollouts import META, STABLE, step_dir
 from vlmcp.errors import DataError, RolloutError
+from vlmcp.parallel.groups import SequenceParallel
 from vlmcp.training.steps.rollout_steps import RolloutSteps
 
 
@@ -64,8 +64,8 @@ def _steps(checkpoint, processor, tmp_path, data=None, **rollouts):
                    loss={"type": "policy_gradient"},
                    rollouts={"dir": str(tmp_path / "rollouts"), **rollouts})
     del raw["data"]["train"]
-    # One process: DP rank 0 of 1 (the rollout index and packs need no process group).
-    return RolloutSteps(job_from_dict(raw), processor, SimpleNamespace(dp_size=1, dp_rank=0))
+    # One process: SP and DP rank 0 of 1 (the rollout index and packs need no process group).
+    return RolloutSteps(job_from_dict(raw), processor, SequenceParallel.single())
 
 
 def test_staleness_counts_from_the_oldest_token_version_and_the_row_gives_min_and_max_lag(
