@@ -261,6 +261,23 @@ def _add_bench_other_measures(bench: argparse.ArgumentParser) -> None:
                             "the total time and rank 0's peak resident set of each")
     bench.add_argument("--publish-zero", type=int, choices=[0, 1, 2, 3], default=3,
                        help="--publish: the ZeRO stage of the run (default 3)")
+    bench.add_argument("--length-mix", action="store_true",
+                       help="instead of a step benchmark: train whole RL steps of mixed lengths "
+                            "(seeded log-normal replies, a few at the limit, images) on --sp-size "
+                            "ranks (default 2) with a fixed SP degree and with a degree per "
+                            "micro-batch (parallel.sp_dynamic), --repeats interleaved fresh runs "
+                            "of --warmup + --steps steps each, and report tokens/s and mfu of both")
+    bench.add_argument("--mix-samples", type=int, default=None,
+                       help="--length-mix: samples per step (default 64)")
+    bench.add_argument("--mix-median", type=int, default=None,
+                       help="--length-mix: median reply length in tokens (default 256)")
+    bench.add_argument("--mix-long", type=int, default=None,
+                       help="--length-mix: samples per step at the limit (default 1)")
+    bench.add_argument("--mix-max-len", type=int, default=None,
+                       help="--length-mix: data.max_seq_len, the limit (default 4096)")
+    bench.add_argument("--mix-profile", action="store_true",
+                       help="--length-mix: one more run each way under torch.profiler, reporting "
+                            "each rank's seconds in each kind of collective")
 
 
 def _add_bench_max_len_search(bench: argparse.ArgumentParser) -> None:

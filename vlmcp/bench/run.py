@@ -1,6 +1,7 @@
 """`vlmcp bench`: step time, tokens/s and memory of the packed training module, per pack length.
 
-Five modes, each writing one JSON report:
+Five modes here, each writing one JSON report (and the end-to-end modes of their own modules:
+`--data-scale`, `--rollout-rss`, `--publish`, `--length-mix`, `--engine-mismatch`):
 - step (default): forward+backward of `PackedVLM` on a synthetic pack of each length (optionally
   with `--images` images of mixed sizes and `--videos` videos of `--frames` frames); no optimizer
   step. With `--pairs` the packs hold preference pairs whose halves show the same prompt images,
@@ -61,6 +62,7 @@ import torch
 from torch import nn
 
 from vlmcp.bench.inputs import recorded_routes, synthetic_pack, synthetic_pairs, synthetic_routes
+from vlmcp.bench.length_mix import MIX_FLAGS, run_length_mix
 from vlmcp.bench.procs import Memory, MemoryLimitExceeded, run_fresh
 from vlmcp.bench.saved_bytes import SavedBytesTask
 from vlmcp.data.batch import PackedBatch
@@ -583,6 +585,10 @@ _IGNORED_BY_MODE = {
                         "loss_chunk_mb", "loss_only", "saved_bytes", "compare_alst",
                         "find_max_len", "memory_budget_gb", "data_scale", "rollout_rss",
                         "routes", "publish"),
+    "length_mix": ("model", "moe", "images", "videos", "vision", "pairs", "deltanet_kernel",
+                   "gradient_checkpointing", "tiled_mlp", "offload_activations", "loss_chunk_mb",
+                   "loss_only", "find_max_len", "saved_bytes", "compare_alst", "data_scale",
+                   "rollout_rss", "engine_mismatch", "routes", "publish"),
     "publish": ("model", "moe", "images", "videos", "vision", "pairs", "deltanet_cp",
                 "deltanet_kernel", "gradient_checkpointing", "tiled_mlp", "offload_activations",
                 "loss_chunk_mb", "loss_only", "find_max_len", "saved_bytes", "compare_alst",
@@ -653,6 +659,9 @@ def _resolve_args(args: argparse.Namespace, device: torch.device) -> None:
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark described by the `vlmcp bench` arguments; rank 0 writes the JSON."""
+    mix_flags = [_flag(name) for name in MIX_FLAGS if getattr(args, name) not in (None, False)]
+    if mix_flags and not args.length_mix:
+        raise ValueError(f"{', '.join(mix_flags)}: flags of --length-mix")
     if args.engine_mismatch or args.weights or args.temperature != 1.0:
         from vlmcp.bench.engine_mismatch import run_engine_mismatch
 
@@ -669,6 +678,11 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         from vlmcp.bench.rollout_rss import run_rollout_rss
 
         return _write_report(args, run_rollout_rss(args))
+    if args.length_mix:
+        problems = [p for p in _ignored_flags(args) if p.startswith("--length-mix ")]
+        if problems:
+            raise ValueError("; ".join(problems))
+        return _write_report(args, run_length_mix(args))
     if args.publish:
         from vlmcp.bench.publish import run_publish_bench
 
