@@ -18,6 +18,12 @@ Memory features (train.tiled_mlp, train.offload_activations; P = 1, 2, 4; ZeRO 2
 together; LoRA on the MLP projections; gradient checkpointing) are further cases of the same
 launches.
 
+The degree per micro-batch (parallel.sp_dynamic; P = 4, ZeRO-3, trainable split tower): a step of
+one pack spread over the four ranks (a video's placeholders across a shard edge) and one whole
+pack per rank, each rank's different (a video, an image, text only, an image and a video), equals
+plain transformers per sample; the same samples with every micro-batch spread (the feature off)
+equal it too, and the two runs' gradients agree with each other to fp32 rounding.
+
 Each world size runs all its cases in one set of processes."""
 
 from __future__ import annotations
@@ -30,8 +36,9 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from tests.helpers.distributed import run_ranks
-from tests.helpers.parity import (assert_within_fp32_error, build_model, float64_reference, make_sample,
-                                  pack, reference_loss_and_grads, rel_err, seed_adapter_weights)
+from tests.helpers.parity import (assert_agree_to_fp32_rounding, assert_within_fp32_error, build_model,
+                                  float64_reference, make_sample, pack, reference_loss_and_grads, rel_err,
+                                  seed_adapter_weights)
 from tests.helpers.router_reference import add_grads, reference_router_aux_and_grads
 from tests.helpers.sp_cases import engine_step
 from vlmcp.model.loss import DEFAULT_LOSS_CHUNK_MB
@@ -55,6 +62,13 @@ ROUTED_EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 # timestamp tokens, start, h*w/4 placeholders, end (8 tokens for a 4x4 group).
 # Under split vision, images go largest first to the least-loaded rank; the comments say where
 # image rows travel (shard length in brackets).
+# A case with `per_rank` and `degrees` (one per micro-batch) runs `parallel.sp_dynamic`'s
+# degree per micro-batch: its layout lists packs per GLOBAL rank; a micro-batch of degree None is
+# one pack spread over the SP group (the same samples in each rank's list, made once), one of
+# degree 1 a whole pack on each rank (each rank's own samples, `batch.sp_degree = 1`). The step's
+# samples are the spread packs once and every rank's degree-1 pack. With `feature_off`, the same
+# engine then also runs that step with every micro-batch spread (the feature off): the degree-1
+# micro-batch's packs joined, in rank order, into one pack over the SP group.
 CASES = {
     # [24] one 16-row image on placeholders 15..30, encoded by rank 0, straddles the edge
     "p2_image_placeholders_cross_shard_edge_zero0": dict(
@@ -267,6 +281,21 @@ CASES = {
         train_vision=True,
         packs=[[[(11, [(1, 2, 2)]), (80, [], [(6, 4, 4)])]]],
     ),
+    # parallel.sp_dynamic at SP 4: a degree-4 micro-batch [13] whose video's second temporal
+    # group has its placeholders on 23..26, across the edge at 26; then a degree-1 micro-batch,
+    # a different whole pack on each rank: rank 0 a two-group video and a text-only sample,
+    # rank 1 an image, rank 2 text only (the dummy image), rank 3 an image and a video in one
+    # sample. Trainable split tower: each rank encodes its own degree-1 pack's units.
+    "p4_sp_dynamic_degree_four_and_degree_one_packs_video_image_text_trainable_split_zero3": dict(
+        world=4, sp=4, model={"num_key_value_heads": 2}, stage=3, mode="state", accum=2,
+        train_vision=True, per_rank=True, degrees=[None, 1], feature_off=True,
+        packs=[[[(9, []), (40, [], [(3, 4, 4)])], whole] for whole in (
+            [(12, []), (26, [], [(2, 4, 4)])],
+            [(20, [(1, 4, 4)])],
+            [(14, []), (9, [])],
+            [(22, [(1, 2, 4)], [(2, 2, 2)])],
+        )],
+    ),
     # replicated vision with videos under data parallelism and accumulation, trainable tower
     "p2_dp2_grad_accum2_video_replicated_trainable_zero2": dict(
         world=4, sp=2, model={}, stage=2, mode="state", accum=2, train_vision=True,
@@ -333,21 +362,60 @@ def _units(grids) -> list[tuple[int, int, int]]:
     return [(1, h, w) for t, h, w in grids for _ in range(t)]
 
 
+def _degree(spec: dict, micro: int) -> int | None:
+    """The SP degree of a case's micro-batch `micro`: None (spread over the SP group) or 1."""
+    return spec["degrees"][micro] if spec.get("per_rank") else None
+
+
+def _group_layouts(spec: dict, group: int) -> list[list[tuple]]:
+    """The sample layouts of every distinct pack that SP group `group` (a DP rank) runs in the
+    step: a per-rank case's spread packs once, then each rank's degree-1 packs."""
+    if not spec.get("per_rank"):
+        return spec["packs"][group]
+    ranks = spec["packs"][group * spec["sp"] : (group + 1) * spec["sp"]]
+    spread = [micro for i, micro in enumerate(ranks[0]) if _degree(spec, i) is None]
+    return spread + [micro for rank in ranks for i, micro in enumerate(rank) if _degree(spec, i) == 1]
+
+
 def _materialise(name: str, tmp_root):
+    """(model, checkpoint, packs per rank (a per-rank case's per global rank) per micro-batch, every
+    distinct micro-batch's samples, and with `feature_off` the packs of the step with every
+    micro-batch spread, else None)."""
     spec = CASES[name]
     overrides = dict(spec["model"])
     model = build_model(**overrides)
     checkpoint = tmp_root / name
     model.save_pretrained(checkpoint)
     gen = torch.Generator().manual_seed(len(name))
-    samples = [
-        [[make_sample(gen, model.config, length, grids, videos=videos) for length, grids, videos in map(_with_videos, micro)]
-         for micro in rank_packs]
-        for rank_packs in spec["packs"]
-    ]
+    spread = {}
+    samples = []
+    for rank_packs in spec["packs"]:
+        rank_samples = []
+        for i, micro in enumerate(rank_packs):
+            if spec.get("per_rank") and _degree(spec, i) is None and i in spread:
+                rank_samples.append(spread[i])
+                continue
+            made = [make_sample(gen, model.config, length, grids, videos=videos)
+                    for length, grids, videos in map(_with_videos, micro)]
+            if spec.get("per_rank") and _degree(spec, i) is None:
+                spread[i] = made
+            rank_samples.append(made)
+        samples.append(rank_samples)
     packs = [[pack(micro, model) for micro in rank_packs] for rank_packs in samples]
-    micro_batches = [micro for rank_packs in samples for micro in rank_packs]
-    return model, checkpoint, packs, micro_batches
+    if not spec.get("per_rank"):
+        micro_batches = [micro for rank_packs in samples for micro in rank_packs]
+        return model, checkpoint, packs, micro_batches, None
+    for rank_packs in packs:
+        for i, batch in enumerate(rank_packs):
+            batch.sp_degree = _degree(spec, i)
+    micro_batches = list(spread.values()) + [rank_samples[i] for rank_samples in samples
+                                             for i in range(len(rank_samples)) if _degree(spec, i) == 1]
+    spread_step = None
+    if spec.get("feature_off"):
+        joined = [spread[i] if _degree(spec, i) is None else [s for rank in samples for s in rank[i]]
+                  for i in range(len(spec["degrees"]))]
+        spread_step = [[pack(micro, model) for micro in joined]] * spec["world"]
+    return model, checkpoint, packs, micro_batches, spread_step
 
 
 @functools.cache
@@ -356,7 +424,7 @@ def _results(world: int, sp: int, tmp_root) -> dict:
     for name, spec in CASES.items():
         if (spec["world"], spec["sp"]) != (world, sp):
             continue
-        model, checkpoint, packs, micro_batches = _materialise(name, tmp_root)
+        model, checkpoint, packs, micro_batches, spread_step = _materialise(name, tmp_root)
         reference_model = _peft_model(model, spec) if spec.get("lora") else model
         truth = None if spec.get("bf16") else _reference(reference_model, spec, micro_batches, exact=True)
         references[name] = (_reference(reference_model, spec, micro_batches, exact=False), truth)
@@ -367,9 +435,17 @@ def _results(world: int, sp: int, tmp_root) -> dict:
                            lora=_lora_section(spec) if spec.get("lora") else None,
                            router_aux=spec.get("router_aux", False), partition_all=spec.get("partition_all", False),
                            tiled_mlp=spec.get("tiled_mlp", False),
-                           offload_activations=spec.get("offload_activations", False))
+                           offload_activations=spec.get("offload_activations", False),
+                           per_rank=spec.get("per_rank", False))
+        if spread_step is not None:
+            # the step as given (the run None: results under the case's name), then with every
+            # micro-batch spread (results under "name/FEATURE_OFF"), on the one engine (lr 0)
+            cases[name]["runs"] = {None: (None, packs), FEATURE_OFF: (None, spread_step)}
     per_rank = run_ranks(engine_step, world, sp, cases)
-    return {name: (references[name], [r[name] for r in per_rank]) for name in cases}
+    results = {name: (references[name], [r[name] for r in per_rank]) for name in cases}
+    results.update({f"{name}/{FEATURE_OFF}": (references[name], [r[f"{name}/{FEATURE_OFF}"] for r in per_rank])
+                    for name in cases if CASES[name].get("feature_off")})
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -377,14 +453,55 @@ def tmp_root(tmp_path_factory):
     return tmp_path_factory.mktemp("sp_parity")
 
 
-FP32_CASES = [name for name, spec in CASES.items() if not spec.get("bf16")]
+#: The run name of a `feature_off` case's step with every micro-batch spread.
+FEATURE_OFF = "feature_off"
+FP32_CASES = [name for name, spec in CASES.items() if not spec.get("bf16") and not spec.get("per_rank")]
+DYNAMIC_CASES = [name for name, spec in CASES.items() if spec.get("per_rank")]
 
 
 @pytest.mark.parametrize("name", FP32_CASES)
 def test_sp_step_equals_plain_transformers_per_sample(name, tmp_root):
+    _assert_step_equals_plain_transformers_per_sample(name, name, tmp_root)
+
+
+@pytest.mark.parametrize("name", DYNAMIC_CASES)
+def test_sp_dynamic_step_with_degree_one_and_degree_four_packs_with_video_equals_plain_transformers_per_sample(
+        name, tmp_root):
+    """parallel.sp_dynamic at SP 4, ZeRO-3: a step of one pack spread over the four ranks (a
+    video's placeholders across a shard edge) and four whole packs, one per rank (videos, images,
+    text only), gives the loss and every gradient (the trainable tower's too) of plain
+    transformers forwarding each sample alone, within fp32's error of float64."""
+    _assert_step_equals_plain_transformers_per_sample(name, name, tmp_root)
+
+
+@pytest.mark.parametrize("name", [name for name in DYNAMIC_CASES if CASES[name].get("feature_off")])
+def test_sp_dynamic_off_every_pack_spread_gives_the_same_step_to_fp32_rounding(name, tmp_root):
+    """The same samples with the feature off (every micro-batch spread over the SP group) equal
+    the float64 truth as well, and the two runs' loss and gradients agree with each other to fp32
+    rounding: within twice `fp32_allowance` (FP32_ERROR_MULTIPLE times plain transformers' own
+    fp32 distance from float64, plus FP32_ERROR_FLOOR) of one another, without the 1e-5 floor
+    (`assert_agree_to_fp32_rounding`)."""
+    spec = CASES[name]
+    off = f"{name}/{FEATURE_OFF}"
+    _assert_step_equals_plain_transformers_per_sample(name, off, tmp_root)
+    results = _results(spec["world"], spec["sp"], tmp_root)
+    ((ref_loss, ref_grads, _), (truth_loss, truth_grads, _)), dynamic = results[name]
+    _, spread = results[off]
+    for on, every_spread in zip(dynamic, spread, strict=True):
+        assert_agree_to_fp32_rounding(on["loss"], every_spread["loss"], ref_loss, truth_loss, name="loss")
+        assert on["grads"].keys() == every_spread["grads"].keys()
+        for pname, grad in on["grads"].items():
+            assert_agree_to_fp32_rounding(grad, every_spread["grads"][pname], ref_grads[pname],
+                                          truth_grads[pname], name=pname)
+
+
+def _assert_step_equals_plain_transformers_per_sample(name: str, key: str, tmp_root) -> None:
+    """Case `name`'s run `key` (its name, or "name/FEATURE_OFF"): on every rank the loss (and the
+    router aux loss) and every trainable gradient within fp32's error of the float64 reference
+    (at least TOL), the layer-0 MLP run once per micro-batch (twice with checkpointing)."""
     spec = CASES[name]
     ((ref_loss, ref_grads, ref_router_aux), (truth_loss, truth_grads, truth_router_aux)), per_rank = \
-        _results(spec["world"], spec["sp"], tmp_root)[name]
+        _results(spec["world"], spec["sp"], tmp_root)[key]
     for result in per_rank:
         assert_within_fp32_error(result["loss"], ref_loss, truth_loss, at_least=TOL, name="loss")
         if ref_router_aux is not None:
@@ -429,10 +546,10 @@ def test_split_vision_encodes_each_unit_once_per_sp_group_replicated_on_every_ra
     _, per_rank = _results(spec["world"], spec["sp"], tmp_root)[name]
     p = spec["sp"]
     copies = p if spec.get("vision") == "replicated" else 1
-    for dp_rank, rank_packs in enumerate(spec["packs"]):
+    for dp_rank in range(spec["world"] // p):
         group = per_rank[dp_rank * p : (dp_rank + 1) * p]
-        units = _units(grid for micro in rank_packs for _, grids, videos in map(_with_videos, micro)
-                       for grid in [*grids, *videos])
+        units = _units(grid for micro in _group_layouts(spec, dp_rank)
+                       for _, grids, videos in map(_with_videos, micro) for grid in [*grids, *videos])
         encoded = _units(grid for r in group for grids, blank in r["tower_calls"] if not blank for grid in grids)
         assert sorted(encoded) == sorted(units * copies)
         for result in group:

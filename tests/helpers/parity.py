@@ -208,6 +208,23 @@ def assert_within_fp32_error(got: Any, ref32: Any, ref64: Any, *, at_least: floa
                               f"(the fp32 reference is {rel_err(ref32, ref64):.3e} from float64)")
 
 
+def assert_agree_to_fp32_rounding(a: Any, b: Any, ref32: Any, ref64: Any, *,
+                                  multiple: float = FP32_ERROR_MULTIPLE, name: str = "") -> None:
+    """Two fp32 results `a` and `b` of one quantity that should be equal in exact arithmetic
+    (e.g. one step with a feature on and off: different shardings, different summation orders)
+    agree to fp32 rounding: |a - b| <= 2 * fp32_allowance(ref32, ref64) * |ref64|, the sum of
+    what `assert_within_fp32_error` allows each of them from the float64 truth `ref64` when the
+    test's own tolerance (`at_least`) is left out, so the bound is fp32's measured error for this
+    quantity here (`ref32`: plain fp32 of it) and never a looser stated floor. Use it next to
+    `assert_within_fp32_error` on each side, never instead of it."""
+    a, b, ref32, ref64 = (torch.as_tensor(x, dtype=torch.float64) for x in (a, b, ref32, ref64))
+    distance = float((a - b).norm() / ref64.norm().clamp_min(1e-30))
+    allowed = 2 * fp32_allowance(ref32, ref64, multiple=multiple)
+    assert distance <= allowed, (f"{name}: the two results are {distance:.3e} apart (relative to "
+                                 f"float64) > allowance {allowed:.3e} (the fp32 reference is "
+                                 f"{rel_err(ref32, ref64):.3e} from float64)")
+
+
 #: bf16's machine epsilon (2^-7).
 BF16_EPS = torch.finfo(torch.bfloat16).eps
 #: How many times plain transformers' own bf16 distance from float64 an engine's bf16 result may be.
