@@ -26,7 +26,7 @@ from peft import LoraConfig, get_peft_model
 
 from tests.helpers.distributed import run_ranks
 from tests.helpers.objective_reference import reference_step, target_logprobs
-from tests.helpers.parity import (assert_agree_to_fp32_rounding, assert_within_fp32_error, build_model,
+from tests.helpers.parity import (assert_steps_agree_to_fp32_rounding, assert_within_fp32_error, build_model,
                                   float64_reference, make_sample, pack, reference_loss_and_grads,
                                   seed_adapter_weights)
 from tests.helpers.replay_reference import compact_form, force_routes, random_routes
@@ -252,12 +252,7 @@ def test_sp_dynamic_off_every_pack_spread_replays_the_same_step_to_fp32_rounding
     results = _results(spec["world"], spec["sp"], tmp_root)
     ((ref_loss, ref_grads), (truth_loss, truth_grads)), _, dynamic = results[name]
     *_, spread = results[off]
-    for on, every_spread in zip(dynamic, spread, strict=True):
-        assert_agree_to_fp32_rounding(on["loss"], every_spread["loss"], ref_loss, truth_loss, name="loss")
-        assert on["grads"].keys() == every_spread["grads"].keys()
-        for pname, grad in on["grads"].items():
-            assert_agree_to_fp32_rounding(grad, every_spread["grads"][pname], ref_grads[pname],
-                                          truth_grads[pname], name=pname)
+    assert_steps_agree_to_fp32_rounding(dynamic, spread, (ref_loss, ref_grads), (truth_loss, truth_grads))
 
 
 def _assert_replay_step_equals_forced_routes_per_sample(name: str, key: str, tmp_root) -> None:

@@ -225,6 +225,20 @@ def assert_agree_to_fp32_rounding(a: Any, b: Any, ref32: Any, ref64: Any, *,
                                  f"{rel_err(ref32, ref64):.3e} from float64)")
 
 
+def assert_steps_agree_to_fp32_rounding(on: list[dict], off: list[dict], ref32: tuple, ref64: tuple
+                                        ) -> None:
+    """Per rank, two runs of one step (`on`, `off`: each rank's {"loss", "grads": {name: tensor}})
+    agree to fp32 rounding (`assert_agree_to_fp32_rounding`) in the loss and in every gradient;
+    `ref32` and `ref64` are (loss, grads by name) of plain transformers in fp32 and float64."""
+    (ref_loss, ref_grads), (truth_loss, truth_grads) = ref32, ref64
+    for a, b in zip(on, off, strict=True):
+        assert_agree_to_fp32_rounding(a["loss"], b["loss"], ref_loss, truth_loss, name="loss")
+        assert a["grads"].keys() == b["grads"].keys()
+        for name, grad in a["grads"].items():
+            assert_agree_to_fp32_rounding(grad, b["grads"][name], ref_grads[name], truth_grads[name],
+                                          name=name)
+
+
 #: bf16's machine epsilon (2^-7).
 BF16_EPS = torch.finfo(torch.bfloat16).eps
 #: How many times plain transformers' own bf16 distance from float64 an engine's bf16 result may be.
