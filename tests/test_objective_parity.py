@@ -4,14 +4,16 @@ with each sample forwarded alone: the step loss, every gradient and the
 metrics of weighted_ce, policy_gradient (token, sequence and constant normalisation), ppo_clip
 (k3 penalty; dual clip), the mismatch corrections tis and mis at token and sequence level, dppo,
 gspo, cispo, opd (both forms), a three-term loss, and dpo, ipo and simpo on preference pairs
-(one LoRA dpo case at SP 2), and again at SP 2 with a degree per micro-batch (one micro-batch
-spread over the SP group, one whole on each rank: `parallel.sp_dynamic`); the train-inference mismatch metrics of every token case (its data
-carries inference_logprobs); one more case whose samples B and C (not the others) carry per-token
-`temperatures` that vary inside each sample and `inference_logprobs`: its loss, gradients,
-entropy and mismatch metrics (over B and C only) are those of plain transformers'
-log_softmax(logits / tau), with the other samples at tau 1 (at SP 4 they share a pack with B and
-C, which fills their arrays in); and `score_samples`' per-sample logprobs (also at per-token
-temperatures), entropies and pair sums. The reference
+(one LoRA dpo case at SP 2), and again with a degree per micro-batch (`parallel.sp_dynamic`) at
+SP 2 (ZeRO-2) and at SP 4 (world 4, ZeRO-3, the 4-row loss chunks): one micro-batch spread over
+the SP group, one whole on each rank (at SP 4 the pairs run their whole packs first, and a rank
+past the three pairs repeats one at weight 0, as the training loop does); the train-inference
+mismatch metrics of every token case (its data carries inference_logprobs); one more case whose
+samples B and C (not the others) carry per-token `temperatures` that vary inside each sample
+and `inference_logprobs`: its loss, gradients, entropy and mismatch metrics (over B and C only)
+are those of plain transformers' log_softmax(logits / tau), with the other samples at tau 1 (at
+SP 4 they share a pack with B and C, which fills their arrays in); and `score_samples`'
+per-sample logprobs (also at per-token temperatures), entropies and pair sums. The reference
 (tests/helpers/objective_reference.py) builds each objective from its definition on plain
 transformers' log-softmax; it never calls vlmcp's objective code. Bounds are fair: a value that
 is not within rel 1e-5 of plain transformers in fp32 (two fp32 kernels round differently: the
@@ -22,8 +24,9 @@ really clipped, dropped, clamped or masked on each of them.
 The hybrid model's token packs put an image's placeholders across a shard edge at SP 2 and 4,
 and at SP 4 sample B spans three ranks; sample C holds an image and a two-group video (so every
 objective trains on video too). Pair P's halves lie on different SP ranks at SP 2 (its prompt
-image is encoded once, by rank 0, and serves both). Each SP size runs all its objectives in one
-set of processes, on one engine (tests/helpers/sp_cases.engine_step "runs")."""
+image is encoded once, by rank 0, and serves both). Each SP size (and each dynamic layout) runs
+all its objectives in one set of processes, on one engine (tests/helpers/sp_cases.engine_step
+"runs")."""
 
 from __future__ import annotations
 
@@ -70,18 +73,35 @@ PAIRS = {"P": (9, [(1, 4, 4)], 6, 6), "Q": (5, [], 5, 7), "R": (8, [(1, 2, 4)], 
 LAYOUTS = {1: (2, 1, 2, [[["C", "B"], ["A"]], [["D"], ["E"]]], [[["P"], ["Q"]], [["R"], ["S"]]]),
            2: (2, 2, 2, [[["C", "B"], ["A", "D", "E"]]], [[["P"], ["Q", "R", "S"]]]),
            4: (4, 4, 1, [[["C", "B", "A", "D", "E"]]], [[["P", "Q", "R", "S"]]])}
-#: SP 2 with a degree per micro-batch (parallel.sp_dynamic): the layouts are per rank of the one
-#: SP group, the first micro-batch spread over both ranks ([C, B]; pair P, its halves on
-#: different ranks), the second whole on each rank (degree 1: [A, D] and [E]; [Q, R] and [S]).
+#: A degree per micro-batch (parallel.sp_dynamic): the layouts are per global rank (one SP group),
+#: a spread micro-batch listed alike on every rank, a degree-1 one a different whole pack per rank.
+#: SP 2: the first micro-batch spread over both ranks ([C, B]; pair P, its halves on different
+#: ranks), the second whole on each rank (degree 1: [A, D] and [E]; [Q, R] and [S]).
 DYNAMIC = "2-dynamic"
 LAYOUTS[DYNAMIC] = (2, 2, 2, [[["C", "B"], ["A", "D"]], [["C", "B"], ["E"]]],
                     [[["P"], ["Q", "R"]], [["P"], ["S"]]])
-DYNAMIC_DEGREES = [None, 1]
+#: SP 4 (world 4, ZeRO-3): the tokens' first micro-batch is B spread over the four ranks (shards
+#: of 10; its image's placeholders 4..19 across the shard edge at 10), the second [C] (image and
+#: video), [A], [D] and [E] whole, one per rank; the pairs run whole first ([Q], [R] with its
+#: image, [S], and rank 3 repeating [Q] at weight 0: four pairs leave no fourth one beside the
+#: spread pair), then P spread over the four ranks (shards of 8: its chosen half on ranks 0-1,
+#: its rejected half on ranks 1-3; rank 0's shard is prompt only, without a target, and must
+#: still join the pair sums' backward: vlmcp.model.sample_sums).
+DYNAMIC_4 = "4-dynamic"
+LAYOUTS[DYNAMIC_4] = (4, 4, 2, [[["B"], [name]] for name in ("C", "A", "D", "E")],
+                      [[[name], ["P"]] for name in ("Q", "R", "S", "Q")])
+#: Per dynamic layout: the degree of each micro-batch of the token packs and of the pair packs
+#: (None: spread over the SP group; 1: whole on one rank).
+DYNAMIC_DEGREES = {DYNAMIC: ([None, 1], [None, 1]), DYNAMIC_4: ([None, 1], [1, None])}
+#: Per dynamic layout: the (global rank, micro-batch) of the pair packs that repeat another rank's
+#: degree-1 pack at weight 0 (vlmcp.data.pack.Slot.pack_of).
+PAIR_REPEATS = {DYNAMIC: (), DYNAMIC_4: ((3, 0),)}
 #: ZeRO stage per SP size; at SP 4 the partitioned lm_head runs 4-row loss chunks (the ranks hold
 #: different target counts and must still make the same module calls).
-STAGES = {1: 0, 2: 2, 4: 3, DYNAMIC: 2}
+STAGES = {1: 0, 2: 2, 4: 3, DYNAMIC: 2, DYNAMIC_4: 3}
 CHUNK_MB = {1: DEFAULT_LOSS_CHUNK_MB, 2: DEFAULT_LOSS_CHUNK_MB, DYNAMIC: DEFAULT_LOSS_CHUNK_MB,
             4: 4 * 512 * CHECKPOINTED_CE_BYTES_PER_LOGIT / 2**20}
+CHUNK_MB[DYNAMIC_4] = CHUNK_MB[4]
 LORA = dict(r=4, alpha=8.0, target_modules=["in_proj_qkv", "out_proj", "q_proj", "o_proj",
                                              "gate_proj", "down_proj"])
 
@@ -259,13 +279,30 @@ def _pair_packs(layout, model, pairs, reference):
              for names in rank_micro] for rank_micro in layout]
 
 
-def _with_degrees(packs):
-    """`packs` (per rank, per micro-batch) with `DYNAMIC_DEGREES` set on each rank's
-    micro-batches."""
+def _with_degrees(packs, degrees, repeats=()):
+    """`packs` (per rank, per micro-batch) with `degrees` (per micro-batch) set on each rank's
+    micro-batches, and the packs at `repeats` ((rank, micro-batch)) as (pack, 0.0): repeats at
+    weight 0 (tests/helpers/sp_cases.engine_step)."""
     for rank_packs in packs:
-        for batch, degree in zip(rank_packs, DYNAMIC_DEGREES, strict=True):
+        for batch, degree in zip(rank_packs, degrees, strict=True):
             batch.sp_degree = degree
+    for rank, micro in repeats:
+        packs[rank][micro] = (packs[rank][micro], 0.0)
     return packs
+
+
+def _once_per_step(layout, degrees, repeats=()):
+    """The names of a per-rank `layout`'s step, each pack counted once: a spread micro-batch's
+    (listed alike on every rank) once, each degree-1 pack of weight 1 once."""
+    names = []
+    for micro, degree in enumerate(degrees):
+        if degree is None:
+            assert all(rank_micro[micro] == layout[0][micro] for rank_micro in layout)
+            names += layout[0][micro]
+        else:
+            names += [n for rank, rank_micro in enumerate(layout)
+                      if (rank, micro) not in repeats for n in rank_micro[micro]]
+    return names
 
 
 @functools.cache
@@ -276,8 +313,13 @@ def _results(sp, tmp_root):
     packs = _token_packs(layout, model, raw, arrays)
     tempered_packs = _token_packs(layout, model, raw, tempered)
     pair_packs = _pair_packs(pair_layout, model, pairs, reference)
-    if sp == DYNAMIC:
-        packs, tempered_packs, pair_packs = map(_with_degrees, (packs, tempered_packs, pair_packs))
+    if sp in DYNAMIC_DEGREES:
+        degrees, pair_degrees = DYNAMIC_DEGREES[sp]
+        # every sample and every pair once in the step
+        assert sorted(_once_per_step(layout, degrees)) == sorted(SAMPLES)
+        assert sorted(_once_per_step(pair_layout, pair_degrees, PAIR_REPEATS[sp])) == sorted(PAIRS)
+        packs, tempered_packs = (_with_degrees(p, degrees) for p in (packs, tempered_packs))
+        pair_packs = _with_degrees(pair_packs, pair_degrees, PAIR_REPEATS[sp])
     order = [n for rank_micro in layout for names in rank_micro for n in names]
     pair_order = [n for rank_micro in pair_layout for names in rank_micro for n in names]
     runs = {name: (Loss(tuple(terms)), tempered_packs if name == TEMPERED else packs)
@@ -285,7 +327,7 @@ def _results(sp, tmp_root):
     runs.update({name: (Loss((term,)), pair_packs) for name, term in PAIR_OBJECTIVES.items()})
     base = dict(checkpoint=str(checkpoint), stage=STAGES[sp], mode="state", grad_accum=accum,
                 loss_chunk_mb=CHUNK_MB[sp], score_max_len=54)
-    if sp == DYNAMIC:
+    if sp in DYNAMIC_DEGREES:
         cases = {"objectives": dict(base, runs=runs, per_rank=True)}
         return order, pair_order, run_ranks(engine_step, world, sp_size, cases)
     score_rows = {name: [[_as_sample(raw[n], model, case_arrays[n], f"{n}.jsonl:1")]
@@ -374,7 +416,7 @@ def _abs_err(a, b) -> float:
 
 
 @pytest.mark.parametrize("name", list(_objectives(0.0)))
-@pytest.mark.parametrize("sp", [1, 2, 4, DYNAMIC])
+@pytest.mark.parametrize("sp", [1, 2, 4, DYNAMIC, DYNAMIC_4])
 def test_token_objective_step_equals_plain_transformers_per_sample(sp, name, tmp_root):
     refs = _token_references(name, tmp_root)
     for side in COVERAGE.get(name, ()):
@@ -390,7 +432,7 @@ def test_token_objective_step_equals_plain_transformers_per_sample(sp, name, tmp
 
 
 @pytest.mark.parametrize("name", list(PAIR_OBJECTIVES))
-@pytest.mark.parametrize("sp", [1, 2, 4, DYNAMIC])
+@pytest.mark.parametrize("sp", [1, 2, 4, DYNAMIC, DYNAMIC_4])
 def test_pair_objective_step_equals_plain_transformers_per_half(sp, name, tmp_root):
     refs = _pair_references(name, False, tmp_root)
     _, _, per_rank = _results(sp, tmp_root)

@@ -77,7 +77,10 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
     "case/run" name: many objectives for the price of one engine; "scores" ({run name: rows})
     scores after those runs. With "per_rank", packs are listed per global rank instead of per DP
     rank (packs of `sp_degree` 1 differ between the ranks of an SP group); each pack's counts
-    come from the rank its plan calls rank 0."""
+    come from the rank its plan calls rank 0. A pack listed as (batch, 0.0) is a repeat at weight
+    0, as the training loop runs one (vlmcp.data.pack.Slot.pack_of: a rank past a degree-1
+    slot's last pack): it keeps the rank's collectives in step and counts, adds and trains
+    nothing."""
     sp = SequenceParallel.initialize(sp_size)
     results = {}
     for name, case in cases.items():
@@ -130,21 +133,22 @@ def _one_step(engine, module: PackedVLM, objective: Loss, micro_batches: list, c
     mlp.forward = _counted(forward, calls)
     tower_calls = []
     hook = _record_tower_calls(module.vision, tower_calls)
-    owned = [batch for batch in micro_batches if module.plan(batch).rank == 0]
+    weighted = [entry if isinstance(entry, tuple) else (entry, 1.0) for entry in micro_batches]
+    owned = [batch for batch, weight in weighted if weight and module.plan(batch).rank == 0]
     counts = step_counts(pack_counts(objective, owned), objective)
     loss_total, router_total = torch.zeros(()), torch.zeros(())
     stat_total = torch.zeros(len(objective.stat_specs()), dtype=torch.float64)
     offloaded = {"passed_hooks": 0}
-    for batch in micro_batches:
-        with module.micro_batch(batch):
+    for batch, weight in weighted:
+        with module.micro_batch(batch, weight):
             loss_sum, _, router_share, stats = engine(batch, stats=True, objective=objective,
                                                       denominators=counts.shard_denominators)
-            loss_total += loss_sum.detach()
-            stat_total += stats
+            loss_total += loss_sum.detach() * weight
+            stat_total += stats * weight
             if router_share is not None:
-                router_total += router_share.detach()
-            engine.backward(scale_for_deepspeed(loss_sum, counts.denominator, sp.dp_size, case["grad_accum"])
-                            + router_objective(router_share, module.router_aux_coef))
+                router_total += router_share.detach() * weight
+            engine.backward(scale_for_deepspeed(loss_sum * weight, counts.denominator, sp.dp_size, case["grad_accum"])
+                            + router_objective(router_share, module.router_aux_coef) * weight)
         if module.activation_offload is not None:
             offload_stats = module.activation_offload.stats
             # a marked input reaches the offload engine only through the pack hook; on CPU the
