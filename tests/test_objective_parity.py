@@ -13,7 +13,8 @@ samples B and C (not the others) carry per-token `temperatures` that vary inside
 and `inference_logprobs`: its loss, gradients, entropy and mismatch metrics (over B and C only)
 are those of plain transformers' log_softmax(logits / tau), with the other samples at tau 1 (at
 SP 4 they share a pack with B and C, which fills their arrays in); and `score_samples`'
-per-sample logprobs (also at per-token temperatures), entropies and pair sums. The reference
+per-sample logprobs (also at per-token temperatures), entropies and pair sums, on training's
+degree plan too in the dynamic layouts (short rows whole on one rank beside a spread one). The reference
 (tests/helpers/objective_reference.py) builds each objective from its definition on plain
 transformers' log-softmax; it never calls vlmcp's objective code. Bounds are fair: a value that
 is not within rel 1e-5 of plain transformers in fp32 (two fp32 kernels round differently: the
@@ -45,7 +46,7 @@ from tests.helpers.sp_cases import engine_step
 from vlmcp.config import LossTerm
 from vlmcp.data.batch import IGNORE_INDEX, REF_LOGP
 from vlmcp.data.formats import Sample
-from vlmcp.data.pack import build_batch
+from vlmcp.data.pack import build_batch, dynamic_slots
 from vlmcp.model.loss import CHECKPOINTED_CE_BYTES_PER_LOGIT, DEFAULT_LOSS_CHUNK_MB
 from vlmcp.model.loss_terms import Loss
 
@@ -102,6 +103,8 @@ STAGES = {1: 0, 2: 2, 4: 3, DYNAMIC: 2, DYNAMIC_4: 3}
 CHUNK_MB = {1: DEFAULT_LOSS_CHUNK_MB, 2: DEFAULT_LOSS_CHUNK_MB, DYNAMIC: DEFAULT_LOSS_CHUNK_MB,
             4: 4 * 512 * CHECKPOINTED_CE_BYTES_PER_LOGIT / 2**20}
 CHUNK_MB[DYNAMIC_4] = CHUNK_MB[4]
+#: The pack length `score_samples` packs the scored rows into after the step.
+SCORE_MAX_LEN = 54
 LORA = dict(r=4, alpha=8.0, target_modules=["in_proj_qkv", "out_proj", "q_proj", "o_proj",
                                              "gate_proj", "down_proj"])
 
@@ -322,18 +325,23 @@ def _results(sp, tmp_root):
         pair_packs = _with_degrees(pair_packs, pair_degrees, PAIR_REPEATS[sp])
     order = [n for rank_micro in layout for names in rank_micro for n in names]
     pair_order = [n for rank_micro in pair_layout for names in rank_micro for n in names]
+    if sp in DYNAMIC_DEGREES:
+        # the rows scored after the step: each sample (pair) once, in the step's order
+        order = _once_per_step(layout, DYNAMIC_DEGREES[sp][0])
+        pair_order = _once_per_step(pair_layout, DYNAMIC_DEGREES[sp][1], PAIR_REPEATS[sp])
     runs = {name: (Loss(tuple(terms)), tempered_packs if name == TEMPERED else packs)
             for name, terms in objectives.items()}
     runs.update({name: (Loss((term,)), pair_packs) for name, term in PAIR_OBJECTIVES.items()})
     base = dict(checkpoint=str(checkpoint), stage=STAGES[sp], mode="state", grad_accum=accum,
-                loss_chunk_mb=CHUNK_MB[sp], score_max_len=54)
-    if sp in DYNAMIC_DEGREES:
-        cases = {"objectives": dict(base, runs=runs, per_rank=True)}
-        return order, pair_order, run_ranks(engine_step, world, sp_size, cases)
+                loss_chunk_mb=CHUNK_MB[sp], score_max_len=SCORE_MAX_LEN)
     score_rows = {name: [[_as_sample(raw[n], model, case_arrays[n], f"{n}.jsonl:1")]
                          for n in order]
                   for name, case_arrays in (("weighted_ce", arrays), (TEMPERED, tempered))}
     score_rows["dpo"] = _pair_rows(pair_order, model, pairs, reference)
+    if sp in DYNAMIC_DEGREES:
+        cases = {"objectives": dict(base, runs=runs, per_rank=True, scores=score_rows,
+                                    score_dynamic=True)}
+        return order, pair_order, run_ranks(engine_step, world, sp_size, cases)
     cases = {"objectives": dict(base, runs=runs, scores=score_rows)}
     if sp == 2:
         cases["lora"] = dict(base, lora=LORA, runs={"dpo": (Loss((PAIR_OBJECTIVES["dpo"],)),
@@ -480,10 +488,14 @@ def test_pair_halves_on_different_sp_ranks_share_one_image_encoding(tmp_root):
     assert sorted(encoded) == [[(1, 2, 4)], [(1, 2, 4)], [(1, 4, 4)], [(1, 4, 4)]]
 
 
-@pytest.mark.parametrize("sp", [1, 2, 4])
+@pytest.mark.parametrize("sp", [1, 2, 4, DYNAMIC, DYNAMIC_4])
 def test_score_logprobs_and_pair_sums_equal_plain_transformers(sp, tmp_root):
     model, _, raw, _, pairs, _, _ = _setup(tmp_root)
     order, pair_order, per_rank = _results(sp, tmp_root)
+    if sp in DYNAMIC_DEGREES:
+        # scored on training's degree plan: short packs whole on one rank beside a spread one
+        slots = dynamic_slots([len(raw[n].input_ids) for n in order], SCORE_MAX_LEN, LAYOUTS[sp][1])
+        assert {slot.degree for slot in slots} == {None, 1}
     records = per_rank[0]["objectives/weighted_ce"]["scores"]
     assert [r["index"] for r in records] == list(range(len(order)))
     assert all(not r["objectives/weighted_ce"]["scores"] for r in per_rank[1:])
@@ -504,7 +516,7 @@ def test_score_logprobs_and_pair_sums_equal_plain_transformers(sp, tmp_root):
                 assert abs(record[key]["logprob_sum"] - total) <= TOL * abs(total)
 
 
-@pytest.mark.parametrize("sp", [1, 2, 4])
+@pytest.mark.parametrize("sp", [1, 2, 4, DYNAMIC, DYNAMIC_4])
 def test_score_logprobs_at_per_token_temperatures_equal_plain_transformers(sp, tmp_root):
     model, _, raw, *_ = _setup(tmp_root)
     tempered = _tempered_arrays(tmp_root)

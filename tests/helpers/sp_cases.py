@@ -62,7 +62,7 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
     """For each case {checkpoint, stage, mode, grad_accum, vision, packs: list per DP rank of lists
     of PackedBatch, optionally lora: LoraSection keys, objective (a LossTerm or model.loss_terms.Loss) and
     score (rows of Samples, one or a pair's two, to run `score_samples` on after the step, with
-    score_max_len), partition_all (ZeRO-3 partitions every parameter, however small), tiled_mlp
+    score_max_len; with score_dynamic, on training's degree plan), partition_all (ZeRO-3 partitions every parameter, however small), tiled_mlp
     and offload_activations (train.* switches); each micro-batch runs inside
     `module.micro_batch(batch)` (its routes replayed on a MoE model)}: one DeepSpeed
     step; returns the step loss, the metrics (training/objective_step.objective_metrics), every trainable
@@ -167,7 +167,8 @@ def _one_step(engine, module: PackedVLM, objective: Loss, micro_batches: list, c
         scores = score_samples(engine, [sum(len(s) for s in row) for row in rows],
                                lambda pack: build_batch([s for i in pack for s in rows[i]]),
                                case["score_max_len"], sp, entropy=True,
-                               chosen_lengths=[len(row[0]) if len(row) == 2 else 0 for row in rows])
+                               chosen_lengths=[len(row[0]) if len(row) == 2 else 0 for row in rows],
+                               dynamic=case.get("score_dynamic", False))
     mlp.forward = forward
     hook.remove()
     return {

@@ -16,8 +16,10 @@ one row per token): the R2 routes of the scored policy, which a data file or rol
 to replay them in training.
 
 The forward is training's: packed (first-fit, `data.max_seq_len`), SP-sharded, through the
-DeepSpeed engine (ZeRO-3 gathers as in training) under no_grad. The packs are dealt round-robin
-over the DP groups, as in evaluation (a group short of packs repeats one and drops its result).
+DeepSpeed engine (ZeRO-3 gathers as in training) under no_grad; under `parallel.sp_dynamic`
+training's degree plan: packs that fit one rank's budget run whole, one per SP rank. The slots
+are dealt round-robin over the DP groups, as in evaluation (a group short of slots repeats one and
+drops its result).
 After each round every rank's shard of values goes to every rank (one all-gather of [3, width]
 per round, `comm.all_gather_world`); global rank 0 cuts the shards of each group back into
 samples and alone writes the file, sorted by sample index.
@@ -40,7 +42,7 @@ import torch
 
 from vlmcp.config import JobConfig
 from vlmcp.data.batch import IGNORE_INDEX, PackedBatch
-from vlmcp.data.pack import first_fit
+from vlmcp.data.pack import dynamic_slots, first_fit, fixed_slots
 from vlmcp.data.routes import encode_routes
 from vlmcp.data.stream import SampleReader
 from vlmcp.errors import CheckpointError, ConfigError, PreflightError
@@ -56,8 +58,8 @@ logger = logging.getLogger(__name__)
 @torch.no_grad()
 def score_samples(engine: Any, lengths: Sequence[int], load: Callable[[list[int]], PackedBatch],
                   max_seq_len: int, sp: SequenceParallel, entropy: bool = False,
-                  chosen_lengths: Sequence[int] | None = None, routes: bool = False
-                  ) -> list[dict[str, Any]]:
+                  chosen_lengths: Sequence[int] | None = None, routes: bool = False,
+                  dynamic: bool = False) -> list[dict[str, Any]]:
     """Every row's record (see the module docstring), sorted by index, on global rank 0; an
     empty list on the other ranks. Every rank must call it (collectives each round).
 
@@ -66,12 +68,18 @@ def score_samples(engine: Any, lengths: Sequence[int], load: Callable[[list[int]
     load(pack): the `PackedBatch` of the rows `pack` (only the packs of this rank's DP group are
     loaded); routes: also each sample's routes (a MoE model; one more all-gather per round). A
     pack that fails to load on any rank, whatever it raised, raises PreflightError on every rank.
+    dynamic (`parallel.sp_dynamic`, an SP group of 2 or more): the packs follow training's degree
+    plan (`dynamic_slots`): a slot of short packs runs one whole pack on each SP rank (a rank
+    short of packs repeats one and drops its result), a long pack is spread as before.
     """
-    packs = first_fit(list(lengths), max_seq_len)
+    slots = (dynamic_slots(list(lengths), max_seq_len, sp.size) if dynamic and sp.size > 1
+             else fixed_slots(first_fit(list(lengths), max_seq_len)))
     records: dict[int, dict[str, Any]] = {}
-    for round_ in range(max(1, math.ceil(len(packs) / sp.dp_size))):
-        index = round_ * sp.dp_size + sp.dp_rank
-        batch = run_together(lambda: load(packs[index % len(packs)]), PreflightError, "scoring")
+    for round_ in range(max(1, math.ceil(len(slots) / sp.dp_size))):
+        slot = slots[(round_ * sp.dp_size + sp.dp_rank) % len(slots)]
+        pack, _ = slot.pack_of(sp.rank)
+        batch = run_together(lambda: load(pack), PreflightError, "scoring")
+        batch.sp_degree = slot.degree
         logprobs, entropies, *recorded = engine(batch, scores=True, routes=routes)
         targets = engine.module.plan(batch).shard(batch.targets, dim=0, pad_value=IGNORE_INDEX)
         width = torch.tensor([logprobs.numel()], dtype=torch.float64)
@@ -86,14 +94,22 @@ def score_samples(engine: Any, lengths: Sequence[int], load: Callable[[list[int]
         gathered_routes = _gather_routes(recorded[0], width) if routes else None
         if comm.rank() == 0:
             for group in range(sp.dp_size):
-                pack = round_ * sp.dp_size + group
-                if pack < len(packs):
-                    ranks = slice(group * sp.size, (group + 1) * sp.size)
+                if round_ * sp.dp_size + group >= len(slots):
+                    continue
+                group_slot = slots[round_ * sp.dp_size + group]
+                # (the ranks holding a pack, that pack): all of the group's for a spread pack,
+                # each rank its own for degree-1 packs
+                held = ([(range(group * sp.size, (group + 1) * sp.size), group_slot.packs[0])]
+                        if group_slot.degree is None else
+                        [(range(group * sp.size + r, group * sp.size + r + 1), pack_rows)
+                         for r, pack_rows in enumerate(group_slot.packs)])
+                for ranks, pack_rows in held:
+                    rows = slice(ranks.start, ranks.stop)
                     records.update(_pack_records(
-                        gathered[ranks], [(i, int(lengths[i]),
-                                           int(chosen_lengths[i]) if chosen_lengths is not None
-                                           else 0) for i in packs[pack]], entropy,
-                        None if gathered_routes is None else gathered_routes[ranks]))
+                        gathered[rows], [(i, int(lengths[i]),
+                                          int(chosen_lengths[i]) if chosen_lengths is not None
+                                          else 0) for i in pack_rows], entropy,
+                        None if gathered_routes is None else gathered_routes[rows]))
     return [records[i] for i in sorted(records)]
 
 
@@ -173,7 +189,8 @@ def score(job: JobConfig, out: str | None = None, entropy: bool = False,
                           job.data.truncate)
     index = preflight.train_index
     records = score_samples(engine, index.tokens.tolist(), reader.pack, job.data.max_seq_len, sp,
-                            entropy, index.chosen_tokens.tolist(), routes)
+                            entropy, index.chosen_tokens.tolist(), routes,
+                            dynamic=job.parallel.sp_dynamic)
     path = Path(out) if out else Path(job.output_dir) / "scores.jsonl"
     run_together(lambda: write_scores(records, path) if comm.rank() == 0 else None,
                  CheckpointError, f"writing {path}")
@@ -190,7 +207,8 @@ def score_initial_reference(engine: Any, reader: SampleReader, job: JobConfig,
     index = reader.index
     engine.eval()
     records = score_samples(engine, index.tokens.tolist(), reader.pack, job.data.max_seq_len, sp,
-                            chosen_lengths=index.chosen_tokens.tolist())
+                            chosen_lengths=index.chosen_tokens.tolist(),
+                            dynamic=job.parallel.sp_dynamic)
     engine.train()
     problems = []
     if comm.rank() == 0:
