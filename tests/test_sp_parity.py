@@ -296,6 +296,19 @@ CASES = {
             [(22, [(1, 2, 4)], [(2, 2, 2)])],
         )],
     ),
+    # parallel.sp_dynamic at SP 2 with the memory features and LoRA on every dense projection:
+    # a degree-2 micro-batch [24] whose 16-row image straddles the edge, then a whole pack on
+    # each rank (rank 0 an image sample, rank 1 two text-only samples); TiledMLP (hidden 16: two
+    # tiles or more of each shard and of each whole pack), activation offload, checkpointing
+    "p2_sp_dynamic_degree_one_packs_lora_tiled_mlp_offload_checkpointing_zero2": dict(
+        world=2, sp=2, model={"hidden_size": 16}, stage=2, mode="state", accum=2, checkpointing=True,
+        tiled_mlp=True, offload_activations=True, lora=dict(targets=DENSE_TARGETS),
+        per_rank=True, degrees=[None, 1], feature_off=True,
+        packs=[[[(11, []), (37, [(1, 8, 8)])], whole] for whole in (
+            [(21, [(1, 4, 4)])],
+            [(26, []), (6, [])],
+        )],
+    ),
     # replicated vision with videos under data parallelism and accumulation, trainable tower
     "p2_dp2_grad_accum2_video_replicated_trainable_zero2": dict(
         world=4, sp=2, model={}, stage=2, mode="state", accum=2, train_vision=True,
@@ -465,12 +478,13 @@ def test_sp_step_equals_plain_transformers_per_sample(name, tmp_root):
 
 
 @pytest.mark.parametrize("name", DYNAMIC_CASES)
-def test_sp_dynamic_step_with_degree_one_and_degree_four_packs_with_video_equals_plain_transformers_per_sample(
+def test_sp_dynamic_step_mixing_spread_and_whole_packs_equals_plain_transformers_per_sample(
         name, tmp_root):
-    """parallel.sp_dynamic at SP 4, ZeRO-3: a step of one pack spread over the four ranks (a
-    video's placeholders across a shard edge) and four whole packs, one per rank (videos, images,
-    text only), gives the loss and every gradient (the trainable tower's too) of plain
-    transformers forwarding each sample alone, within fp32's error of float64."""
+    """parallel.sp_dynamic: a step of one pack spread over the SP group and one whole pack per
+    rank gives the loss and every gradient of plain transformers forwarding each sample alone,
+    within fp32's error of float64: at SP 4, ZeRO-3, with videos (placeholders across a shard
+    edge), images and text only, the trainable tower's gradients too; at SP 2, ZeRO-2, on LoRA
+    adapters (against PEFT) with TiledMLP, activation offload and checkpointing."""
     _assert_step_equals_plain_transformers_per_sample(name, name, tmp_root)
 
 
