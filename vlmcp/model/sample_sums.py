@@ -58,10 +58,6 @@ class SampleTargets:
         rank's columns need a gradient, run the backward)."""
         partial = columns.new_zeros((self.num_samples, columns.shape[1]))
         partial = partial.index_add(0, self.local, columns)
-        if torch.is_grad_enabled() and not partial.requires_grad:
-            # a shard without targets of the pack (a long prompt over rank 0's shard): its
-            # all-reduce must still run in the backward, which the other ranks' gradients need
-            partial.requires_grad_()
         return comm.all_reduce_sum_autograd(partial, self.group)
 
     def whole_sums(self, values: torch.Tensor) -> torch.Tensor:

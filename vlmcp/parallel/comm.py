@@ -301,10 +301,14 @@ def all_reduce_sum_autograd(tensor: torch.Tensor, group: ProcessGroup | None) ->
 
     Backward hands every rank the sum of all ranks' incoming gradients: when each rank backpropagates
     its own loss term through the sum, each input receives the gradient of every term. Every rank of
-    the group must run the backward.
+    the group must run the backward, so with grad enabled the sum joins the graph even where this
+    rank's `tensor` needs no gradient (a shard holding none of a sample's targets): its backward
+    still runs the all-reduce its peers wait in.
     """
     if group_size(group) == 1:
         return tensor
+    if torch.is_grad_enabled() and not tensor.requires_grad:
+        tensor = tensor.detach().requires_grad_()
     return _AllReduceSum.apply(tensor, group)
 
 
