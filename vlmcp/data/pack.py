@@ -134,6 +134,15 @@ def dynamic_slots(lengths: Sequence[int], max_seq_len: int, sp_size: int) -> lis
     return [slot for _, slot in sorted(keyed, key=lambda item: item[0])]
 
 
+def plan_slots(lengths: Sequence[int], max_seq_len: int, sp_size: int, dynamic: bool) -> list[Slot]:
+    """The micro-batch slots of samples of `lengths` (in packing order; indices into it): the
+    degree plan (`dynamic_slots`) when `dynamic` (`parallel.sp_dynamic`) and the SP group has two
+    ranks or more, else every first-fit pack spread over the group."""
+    if dynamic and sp_size > 1:
+        return dynamic_slots(lengths, max_seq_len, sp_size)
+    return fixed_slots(first_fit(lengths, max_seq_len))
+
+
 def shifted_targets(labels: Sequence[int]) -> list[int]:
     """Targets of one sample: targets[t] = labels[t + 1], IGNORE_INDEX at the last token."""
     return list(labels[1:]) + [IGNORE_INDEX]

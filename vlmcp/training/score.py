@@ -42,7 +42,7 @@ import torch
 
 from vlmcp.config import JobConfig
 from vlmcp.data.batch import IGNORE_INDEX, PackedBatch
-from vlmcp.data.pack import dynamic_slots, first_fit, fixed_slots
+from vlmcp.data.pack import plan_slots
 from vlmcp.data.routes import encode_routes
 from vlmcp.data.stream import SampleReader
 from vlmcp.errors import CheckpointError, ConfigError, PreflightError
@@ -72,8 +72,7 @@ def score_samples(engine: Any, lengths: Sequence[int], load: Callable[[list[int]
     plan (`dynamic_slots`): a slot of short packs runs one whole pack on each SP rank (a rank
     short of packs repeats one and drops its result), a long pack is spread as before.
     """
-    slots = (dynamic_slots(list(lengths), max_seq_len, sp.size) if dynamic and sp.size > 1
-             else fixed_slots(first_fit(list(lengths), max_seq_len)))
+    slots = plan_slots(list(lengths), max_seq_len, sp.size, dynamic)
     records: dict[int, dict[str, Any]] = {}
     for round_ in range(max(1, math.ceil(len(slots) / sp.dp_size))):
         slot = slots[(round_ * sp.dp_size + sp.dp_rank) % len(slots)]
@@ -93,18 +92,15 @@ def score_samples(engine: Any, lengths: Sequence[int], load: Callable[[list[int]
         gathered = comm.all_gather_world(local)
         gathered_routes = _gather_routes(recorded[0], width) if routes else None
         if comm.rank() == 0:
-            for group in range(sp.dp_size):
-                if round_ * sp.dp_size + group >= len(slots):
-                    continue
-                group_slot = slots[round_ * sp.dp_size + group]
-                # (the ranks holding a pack, that pack): all of the group's for a spread pack,
-                # each rank its own for degree-1 packs
-                held = ([(range(group * sp.size, (group + 1) * sp.size), group_slot.packs[0])]
+            for group, group_slot in enumerate(slots[round_ * sp.dp_size:(round_ + 1) * sp.dp_size]):
+                first = group * sp.size
+                # (the global ranks holding a pack, that pack): all of the group's for a spread
+                # pack, each rank its own for degree-1 packs
+                held = ([(slice(first, first + sp.size), group_slot.packs[0])]
                         if group_slot.degree is None else
-                        [(range(group * sp.size + r, group * sp.size + r + 1), pack_rows)
+                        [(slice(first + r, first + r + 1), pack_rows)
                          for r, pack_rows in enumerate(group_slot.packs)])
-                for ranks, pack_rows in held:
-                    rows = slice(ranks.start, ranks.stop)
+                for rows, pack_rows in held:
                     records.update(_pack_records(
                         gathered[rows], [(i, int(lengths[i]),
                                           int(chosen_lengths[i]) if chosen_lengths is not None

@@ -53,7 +53,7 @@ import torch
 from vlmcp.config import JobConfig
 from vlmcp.data.batch import PackedBatch
 from vlmcp.data.index import LengthIndex, build_index
-from vlmcp.data.pack import dynamic_slots, first_fit, fixed_slots
+from vlmcp.data.pack import plan_slots
 from vlmcp.data.policy_versions import StepVersions, step_versions
 from vlmcp.data.processor import VLProcessor
 from vlmcp.data.rollouts import META, RolloutMeta, is_complete, read_meta, step_dir, step_files
@@ -259,9 +259,7 @@ class RolloutSteps:
         `vlmcp.data.pack` (short packs whole, one per SP rank)."""
         data = self.job.data
         lengths = index.tokens.tolist()
-        dynamic = self.job.parallel.sp_dynamic and self.sp.size > 1
-        slots = dynamic_slots(lengths, data.max_seq_len, self.sp.size) if dynamic \
-            else fixed_slots(first_fit(lengths, data.max_seq_len))
+        slots = plan_slots(lengths, data.max_seq_len, self.sp.size, self.job.parallel.sp_dynamic)
         dp_size, dp_rank, sp_rank = self.sp.dp_size, self.sp.dp_rank, self.sp.rank
         chosen = [k * dp_size + dp_rank for k in range(max(1, math.ceil(len(slots) / dp_size)))]
         mine, weights, counted = [], [], []
@@ -275,8 +273,9 @@ class RolloutSteps:
                 counted += pack
         reader = SampleReader(index, self.processor, data.max_seq_len, data.truncate)
         batches = load_packs(reader, mine, data.num_workers, data.prefetch_factor)
-        if dynamic:
-            batches = _with_degrees(batches, [slots[i % len(slots)].degree for i in chosen])
+        degrees = [slots[i % len(slots)].degree for i in chosen]
+        if any(degree is not None for degree in degrees):
+            batches = _with_degrees(batches, degrees)
         return StepBatches(weights, sum(len(slot.packs) for slot in slots),
                            index_counts(self.objective, index, counted),
                            [[index.source(i) for i in pack] for pack in mine], row,
