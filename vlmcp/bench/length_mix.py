@@ -137,10 +137,10 @@ class LengthMixTask:
 def _timed(rows: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     """One run's measure over its steps after `warmup`."""
     timed = [row for row in rows if row["step"] > warmup]
+    tokens = sum(row["tokens"] for row in timed)
     seconds = sum(row["step_time_s"] for row in timed)
     mfu = [row.get("mfu") for row in timed]
-    return {"tokens": sum(row["tokens"] for row in timed), "seconds": seconds,
-            "tokens_per_s": sum(row["tokens"] for row in timed) / seconds,
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
             "mfu": None if None in mfu else sum(m * row["step_time_s"] for m, row in zip(mfu, timed))
             / seconds}
 
@@ -165,24 +165,23 @@ def _plan(rows: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
             "degree1_token_fraction": round(tokens.get("1", 0) / max(sum(tokens.values()), 1), 3)}
 
 
-def _job(model_dir: Path, rollouts: Path, out: Path, args: argparse.Namespace,
-         dynamic: bool) -> dict[str, Any]:
-    return short_job({"path": str(model_dir), "dtype": args.dtype},
-                     {"max_seq_len": args.mix_max_len, "num_workers": 1},
-                     out, args.warmup + args.steps,
-                     parallel={"sp_size": args.sp_size, "deltanet_cp": args.deltanet_cp,
-                               "sp_dynamic": dynamic},
-                     rollouts={"dir": str(rollouts), "timeout_s": 60, "poll_s": 0.1})
+def _run(root: Path, args: argparse.Namespace, dynamic: bool, name: str,
+         profile: bool = False) -> dict[str, Any]:
+    """One fresh run of the rollout job over the steps under `root / "rollouts"` with the model
+    at `root / "model"`, its job and output named `name`: `LengthMixTask`'s row."""
+    out, job = root / f"out-{name}", root / f"job-{name}.json"
+    job.write_text(json.dumps(short_job(
+        {"path": str(root / "model"), "dtype": args.dtype},
+        {"max_seq_len": args.mix_max_len, "num_workers": 1}, out, args.warmup + args.steps,
+        parallel={"sp_size": args.sp_size, "deltanet_cp": args.deltanet_cp, "sp_dynamic": dynamic},
+        rollouts={"dir": str(root / "rollouts"), "timeout_s": 60, "poll_s": 0.1})))
+    return run_fresh(LengthMixTask(str(job), profile=profile), args.sp_size, distributed=False)
 
 
-def _profiled(model_dir: Path, root: Path, args: argparse.Namespace,
-              dynamic: bool) -> dict[str, Any]:
+def _profiled(root: Path, args: argparse.Namespace, way: str, dynamic: bool) -> dict[str, Any]:
     """One more run of the job under torch.profiler: its steps' seconds and each rank's seconds
     in each kind of collective, over all its steps (the profiler slows the run: not a timing)."""
-    out = root / f"out-profile-{dynamic}"
-    job = root / f"job-profile-{dynamic}.json"
-    job.write_text(json.dumps(_job(model_dir, root / "rollouts", out, args, dynamic)))
-    row = run_fresh(LengthMixTask(str(job), profile=True), args.sp_size, distributed=False)
+    row = _run(root, args, dynamic, f"profile-{way}", profile=True)
     return {"step_time_s": round(sum(r["step_time_s"] for r in row["rows"]), 3),
             "collective_s": row["collective_s"]}
 
@@ -203,24 +202,21 @@ def run_length_mix(args: argparse.Namespace) -> dict[str, Any]:
     steps = args.warmup + args.steps
     runs: dict[str, list[dict[str, Any]]] = {way: [] for way in WAYS}
     with scratch_folder(args.scratch, "vlmcp-length-mix-") as root:
-        model_dir = build_tiny_checkpoint(root / "model", seed=0, hidden_size=hidden,
-                                          intermediate_size=args.intermediate_size or 3 * hidden,
-                                          vocab_size=args.vocab_size or 512)
+        build_tiny_checkpoint(root / "model", seed=0, hidden_size=hidden,
+                              intermediate_size=args.intermediate_size or 3 * hidden,
+                              vocab_size=args.vocab_size or 512)
         lengths = [mix_lengths(args.mix_samples, args.mix_median, args.mix_long, args.mix_max_len,
                                seed=step) for step in range(1, steps + 1)]
         for step, step_lengths in enumerate(lengths, start=1):
             write_mix_step(step_dir(root / "rollouts", step), step_lengths, seed=step)
         for repeat in range(args.repeats):
             for way, dynamic in WAYS.items():
-                out = root / f"out-{way}-{repeat}"
-                job = root / f"job-{way}-{repeat}.json"
-                job.write_text(json.dumps(_job(model_dir, root / "rollouts", out, args, dynamic)))
-                rows = run_fresh(LengthMixTask(str(job)), args.sp_size, distributed=False)["rows"]
+                rows = _run(root, args, dynamic, f"{way}-{repeat}")["rows"]
                 runs[way].append({"rows": rows, **_timed(rows, args.warmup)})
                 print(json.dumps({"way": way, "repeat": repeat,
                                   **{k: v for k, v in runs[way][-1].items() if k != "rows"}}),
                       flush=True)
-        profiles = {way: _profiled(model_dir, root, args, dynamic) for way, dynamic in WAYS.items()
+        profiles = {way: _profiled(root, args, way, dynamic) for way, dynamic in WAYS.items()
                     if args.mix_profile}
     summary = {way: {"tokens_per_s": _spread([r["tokens_per_s"] for r in done]),
                      "mfu": _spread([r["mfu"] for r in done]),
