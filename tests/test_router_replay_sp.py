@@ -30,7 +30,7 @@ from tests.helpers.parity import (assert_steps_agree_to_fp32_rounding, assert_wi
                                   float64_reference, make_sample, pack, reference_loss_and_grads,
                                   seed_adapter_weights)
 from tests.helpers.replay_reference import compact_form, force_routes, random_routes
-from tests.helpers.sp_cases import engine_step
+from tests.helpers.sp_cases import FEATURE_OFF, engine_step, layout_degree
 from vlmcp.config import LossTerm
 from vlmcp.data.pack import shifted_array
 from vlmcp.data.routes import RouteSpec, pack_routes, parse_routes
@@ -129,10 +129,6 @@ def _reference(model, spec, samples, arrays, exact: bool):
     return loss, {n.removeprefix("base_model.model."): g for n, g in grads.items()}
 
 
-def _degree(spec: dict, micro: int) -> int | None:
-    """The SP degree of a case's micro-batch `micro`: None (spread over the SP group) or 1."""
-    return spec["degrees"][micro] if spec.get("per_rank") else None
-
 
 def _materialise(name: str, tmp_root):
     """(the engine case, the (fp32, float64) references, the routed (token, layer) rows of the
@@ -148,7 +144,7 @@ def _materialise(name: str, tmp_root):
     made = {}
     for rank, rank_layout in enumerate(layouts):
         for i, layout in enumerate(rank_layout):
-            key = i if _degree(spec, i) is None else (rank, i)
+            key = i if layout_degree(spec, i) is None else (rank, i)
             if key not in made:
                 samples = [make_sample(gen, model.config, n, grids) for n, grids, _ in layout]
                 routes, forms = zip(*(_routes(gen, s, kind) for s, (_, _, kind) in zip(samples, layout)))
@@ -189,7 +185,7 @@ def _materialise(name: str, tmp_root):
     batches = {key: batch_of(micro, forms, None if isinstance(key, int) else 1)
                for key, (micro, _, forms) in made.items()}
     case.update(grad_accum=len(spec["degrees"]), per_rank=True,
-                packs=[[batches[i if _degree(spec, i) is None else (rank, i)] for i in range(len(rank_layout))]
+                packs=[[batches[i if layout_degree(spec, i) is None else (rank, i)] for i in range(len(rank_layout))]
                        for rank, rank_layout in enumerate(layouts)])
     if spec.get("feature_off"):
         joined = [[made[key] for key in made if (key if isinstance(key, int) else key[1]) == i]
@@ -221,8 +217,6 @@ def tmp_root(tmp_path_factory):
     return tmp_path_factory.mktemp("replay_sp")
 
 
-#: The run name of a `feature_off` case's step with every micro-batch spread.
-FEATURE_OFF = "feature_off"
 DYNAMIC_CASES = [name for name, spec in CASES.items() if spec.get("per_rank")]
 
 

@@ -40,7 +40,7 @@ from tests.helpers.parity import (assert_steps_agree_to_fp32_rounding, assert_wi
                                   float64_reference, make_sample, pack, reference_loss_and_grads, rel_err,
                                   seed_adapter_weights)
 from tests.helpers.router_reference import add_grads, reference_router_aux_and_grads
-from tests.helpers.sp_cases import engine_step
+from tests.helpers.sp_cases import FEATURE_OFF, engine_step, layout_degree
 from vlmcp.model.loss import DEFAULT_LOSS_CHUNK_MB
 
 pytestmark = pytest.mark.e2e
@@ -375,10 +375,6 @@ def _units(grids) -> list[tuple[int, int, int]]:
     return [(1, h, w) for t, h, w in grids for _ in range(t)]
 
 
-def _degree(spec: dict, micro: int) -> int | None:
-    """The SP degree of a case's micro-batch `micro`: None (spread over the SP group) or 1."""
-    return spec["degrees"][micro] if spec.get("per_rank") else None
-
 
 def _group_layouts(spec: dict, group: int) -> list[list[tuple]]:
     """The sample layouts of every distinct pack that SP group `group` (a DP rank) runs in the
@@ -386,8 +382,8 @@ def _group_layouts(spec: dict, group: int) -> list[list[tuple]]:
     if not spec.get("per_rank"):
         return spec["packs"][group]
     ranks = spec["packs"][group * spec["sp"] : (group + 1) * spec["sp"]]
-    spread = [micro for i, micro in enumerate(ranks[0]) if _degree(spec, i) is None]
-    return spread + [micro for rank in ranks for i, micro in enumerate(rank) if _degree(spec, i) == 1]
+    spread = [micro for i, micro in enumerate(ranks[0]) if layout_degree(spec, i) is None]
+    return spread + [micro for rank in ranks for i, micro in enumerate(rank) if layout_degree(spec, i) == 1]
 
 
 def _materialise(name: str, tmp_root):
@@ -405,12 +401,12 @@ def _materialise(name: str, tmp_root):
     for rank_packs in spec["packs"]:
         rank_samples = []
         for i, micro in enumerate(rank_packs):
-            if spec.get("per_rank") and _degree(spec, i) is None and i in spread:
+            if spec.get("per_rank") and layout_degree(spec, i) is None and i in spread:
                 rank_samples.append(spread[i])
                 continue
             made = [make_sample(gen, model.config, length, grids, videos=videos)
                     for length, grids, videos in map(_with_videos, micro)]
-            if spec.get("per_rank") and _degree(spec, i) is None:
+            if spec.get("per_rank") and layout_degree(spec, i) is None:
                 spread[i] = made
             rank_samples.append(made)
         samples.append(rank_samples)
@@ -420,12 +416,12 @@ def _materialise(name: str, tmp_root):
         return model, checkpoint, packs, micro_batches, None
     for rank_packs in packs:
         for i, batch in enumerate(rank_packs):
-            batch.sp_degree = _degree(spec, i)
+            batch.sp_degree = layout_degree(spec, i)
     micro_batches = list(spread.values()) + [rank_samples[i] for rank_samples in samples
-                                             for i in range(len(rank_samples)) if _degree(spec, i) == 1]
+                                             for i in range(len(rank_samples)) if layout_degree(spec, i) == 1]
     spread_step = None
     if spec.get("feature_off"):
-        joined = [spread[i] if _degree(spec, i) is None else [s for rank in samples for s in rank[i]]
+        joined = [spread[i] if layout_degree(spec, i) is None else [s for rank in samples for s in rank[i]]
                   for i in range(len(spec["degrees"]))]
         spread_step = [[pack(micro, model) for micro in joined]] * spec["world"]
     return model, checkpoint, packs, micro_batches, spread_step
@@ -466,8 +462,6 @@ def tmp_root(tmp_path_factory):
     return tmp_path_factory.mktemp("sp_parity")
 
 
-#: The run name of a `feature_off` case's step with every micro-batch spread.
-FEATURE_OFF = "feature_off"
 FP32_CASES = [name for name, spec in CASES.items() if not spec.get("bf16") and not spec.get("per_rank")]
 DYNAMIC_CASES = [name for name, spec in CASES.items() if spec.get("per_rank")]
 

@@ -27,6 +27,17 @@ from vlmcp.training.score import score_samples
 from tests.helpers.parity import seed_adapter_weights
 
 
+#: The run name of a per-rank case's step with every micro-batch spread over the SP group (the
+#: feature off), run beside the step as its layout gives it (`parallel.sp_dynamic`).
+FEATURE_OFF = "feature_off"
+
+
+def layout_degree(spec: dict, micro: int) -> int | None:
+    """The SP degree of a test case's micro-batch `micro`: None (spread over the SP group), or in
+    a `per_rank` case its `degrees` entry (1: a whole pack on each rank)."""
+    return spec["degrees"][micro] if spec.get("per_rank") else None
+
+
 def ds_config(stage: int, grad_accum: int, dp_size: int, bf16: bool = False) -> dict:
     return {
         "bf16": {"enabled": bf16},
