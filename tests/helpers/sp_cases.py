@@ -19,6 +19,8 @@ from vlmcp.model.loss_terms import Loss
 from vlmcp.model.packed import PackedVLM
 from vlmcp.model.router_loss import router_objective
 from vlmcp.parallel import comm
+from vlmcp.training.ds.edits import DeepSpeedEdits
+from vlmcp.training.ds.expert_parallel import fill_expert_parallel, moe_optimizer_factory
 from vlmcp.training.ds.zero3_sp import largest_tensor_numel, sp_exact_zero_settings
 from vlmcp.parallel.groups import SequenceParallel
 from vlmcp.training.objective_step import objective_metrics, pack_counts, step_counts
@@ -73,7 +75,9 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
     """For each case {checkpoint, stage, mode, grad_accum, vision, packs: list per DP rank of lists
     of PackedBatch, optionally lora: LoraSection keys, objective (a LossTerm or model.loss_terms.Loss) and
     score (rows of Samples, one or a pair's two, to run `score_samples` on after the step, with
-    score_max_len; with score_dynamic, on training's degree plan), partition_all (ZeRO-3 partitions every parameter, however small), tiled_mlp
+    score_max_len; with score_dynamic, on training's degree plan), ep (parallel.ep_size: DeepSpeed's
+    AutoEP splits the routed experts; the gradients then come under AutoEP's names, each rank's
+    experts only), partition_all (ZeRO-3 partitions every parameter, however small), tiled_mlp
     and offload_activations (train.* switches); each micro-batch runs inside
     `module.micro_batch(batch)` (its routes replayed on a MoE model)}: one DeepSpeed
     step; returns the step loss, the metrics (training/objective_step.objective_metrics), every trainable
@@ -99,6 +103,11 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
         config = sp_exact_zero_settings(
             ds_config(case["stage"], case["grad_accum"], sp.dp_size, case.get("bf16", False)), sp.size, largest_tensor_numel(case["checkpoint"])
         )
+        ep_size = case.get("ep", 1)
+        if ep_size > 1:
+            edits = DeepSpeedEdits()
+            fill_expert_parallel(config, ep_size, hf_config.text_config.num_experts_per_tok, edits)
+            assert not edits.problems, edits.problems
         if case.get("partition_all"):
             config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
         keep_alive = HfDeepSpeedConfig(config) if case["stage"] == 3 else None
@@ -115,9 +124,11 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
                            tiled_mlp=case.get("tiled_mlp", False),
                            offload_activations=case.get("offload_activations", False))
         params = [p for p in module.parameters() if p.requires_grad]
-        engine, *_ = deepspeed.initialize(
-            model=module, optimizer=torch.optim.SGD(params, lr=0.0), config=config, mpu=sp.mpu
-        )
+        optimizer = moe_optimizer_factory(lambda groups: torch.optim.SGD(groups, lr=0.0)) \
+            if ep_size > 1 else torch.optim.SGD(params, lr=0.0)
+        engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=config, mpu=sp.mpu)
+        if ep_size > 1:
+            module.adopt_expert_parallel()
         engine.train()
         runs = case.get("runs") or {None: (module.objective, case["packs"])}
         for run, (objective, packs) in runs.items():

@@ -169,6 +169,7 @@ def cross_key_problems(job: JobConfig) -> list[str]:
         problems.append("config key 'eval.generate' is true but 'train.eval_every' is 0, so no "
                         "evaluation runs")
     problems.extend(_sp_dynamic_checks(job))
+    problems.extend(_expert_parallel_checks(job))
     problems.extend(_lora_checks(job.lora, job.model))
     problems.extend(_memory_feature_checks(job))
     problems.extend(_video_checks(job.data.video))
@@ -185,6 +186,27 @@ def _sp_dynamic_checks(job: JobConfig) -> list[str]:
         return ["config key 'parallel.sp_dynamic' is true but 'parallel.sp_size' is 1: every "
                 "pack already runs whole on one rank"]
     return []
+
+
+def _expert_parallel_checks(job: JobConfig) -> list[str]:
+    """What `parallel.ep_size` > 1 does not run yet (docs/expert-parallelism.md says why)."""
+    if job.parallel.ep_size == 1:
+        return []
+    size = f"parallel.ep_size={job.parallel.ep_size}"
+    problems = []
+    if job.train.tiled_mlp:
+        problems.append(f"config key 'train.tiled_mlp' is true with {size}: a MoE layer's tiles "
+                        "would each run an expert all-to-all, and ranks with other shard lengths "
+                        "run other numbers of tiles; turn one off")
+    if job.model.router_aux_loss:
+        problems.append(f"config key 'model.router_aux_loss' is true with {size}: the aux loss "
+                        "reads transformers' router, which AutoEP replaces; turn one off")
+    if job.lora.r and job.lora.target_parameters:
+        problems.append(f"config key 'lora.target_parameters' adapts the routed experts, which "
+                        f"{size} splits over ranks (AutoEP replaces the experts module PEFT "
+                        "wraps); adapt Linear layers with lora.target_modules, or set "
+                        "parallel.ep_size to 1")
+    return problems
 
 
 def _publish_writer_checks(job: JobConfig) -> list[str]:

@@ -131,6 +131,11 @@ class ParallelSection:
         "a degree per micro-batch: packs that fit one rank's share of data.max_seq_len "
         "(ceil(max_seq_len / sp_size) tokens) run whole, one pack per rank of the SP group, the "
         "others spread over the group as without it (data.train and rollout steps)"))
+    ep_size: int = field(default=1, metadata=_key(
+        "expert-parallel group size E (qwen3_5_moe): each MoE layer's routed experts are split "
+        "over E ranks (num_experts / E each) by DeepSpeed's AutoEP, tokens reach them by "
+        "all-to-all; E divides the world size and num_experts (docs/expert-parallelism.md)",
+        min=1))
 
 
 @dataclass

@@ -17,6 +17,11 @@ routed experts (PEFT's LoRA on them too), their gate recompute (model.recompute)
 expert and ZeRO-3's gathers all run unchanged. Nothing global is patched; without routes the class's
 output is returned as it is.
 
+Under expert parallelism (`parallel.ep_size` > 1) DeepSpeed's AutoEP replaces each MoE block,
+router included, inside `deepspeed.initialize`; `rebind` then hooks its `TokenChoiceTopKRouter`
+the same way (the replayed experts, the softmax gates renormalised over them), and the
+selection reaches the experts on whichever EP rank holds them through AutoEP's own all-to-all.
+
 Where the routes come from: `RouterReplay.micro_batch` (entered by `PackedVLM.micro_batch(batch)`
 around a micro-batch's forward *and* backward) holds this rank's shard of the pack's routes, so a
 recomputation in backward (activation checkpointing, TiledMLP) replays the same routes. A MoE
@@ -43,6 +48,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from deepspeed.moe.ep_count import count_tokens_per_expert
+from deepspeed.moe.ep_router import TokenChoiceTopKRouter
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTopKRouter
 
 from vlmcp.data.batch import PackedBatch
@@ -52,8 +59,11 @@ from vlmcp.parallel.shard import ShardPlan
 
 
 def moe_routers(language_model: nn.Module) -> list[nn.Module]:
-    """The MoE routers of a language model, in layer order (empty for a dense model)."""
-    return [m for m in language_model.modules() if isinstance(m, Qwen3_5MoeTopKRouter)]
+    """The MoE routers of a language model, in layer order (empty for a dense model):
+    transformers' `Qwen3_5MoeTopKRouter`, or under expert parallelism the `TokenChoiceTopKRouter`
+    DeepSpeed's AutoEP put in its place (training/ds/expert_parallel.py)."""
+    return [m for m in language_model.modules()
+            if isinstance(m, (Qwen3_5MoeTopKRouter, TokenChoiceTopKRouter))]
 
 
 @dataclass
@@ -92,12 +102,10 @@ class RouterReplay:
     """
 
     def __init__(self, language_model: nn.Module, num_layers: int) -> None:
-        self.routers = moe_routers(language_model)
-        if len(self.routers) != num_layers:
-            raise ValueError(f"routing replay: the model has {len(self.routers)} MoE routers for "
-                             f"{num_layers} MoE layers; routes need one router per layer")
-        for layer, router in enumerate(self.routers):
-            router.forward = functools.partial(self._forward, router, layer)
+        self._language_model = language_model
+        self._num_layers = num_layers
+        self.routers: list[nn.Module] = []
+        self.rebind()
         self._batch: PackedBatch | None = None
         self._routes: ShardRoutes | None = None
         self._rows: torch.Tensor | None = None
@@ -108,6 +116,18 @@ class RouterReplay:
         #: each micro-batch's weighted.
         self._totals = torch.zeros(2, dtype=torch.float64)
 
+    def rebind(self) -> None:
+        """Hook the language model's routers as they are now: called once at construction and
+        again after DeepSpeed's AutoEP replaced the MoE blocks (`PackedVLM.adopt_expert_parallel`)."""
+        routers = moe_routers(self._language_model)
+        if len(routers) != self._num_layers:
+            raise ValueError(f"routing replay: the model has {len(routers)} MoE routers for "
+                             f"{self._num_layers} MoE layers; routes need one router per layer")
+        for layer, router in enumerate(routers):
+            hook = self._forward if isinstance(router, Qwen3_5MoeTopKRouter) else self._autoep_forward
+            router.forward = functools.partial(hook, router, layer)
+        self.routers = routers
+
     @property
     def layers(self) -> int:
         return len(self.routers)
@@ -115,7 +135,7 @@ class RouterReplay:
     @property
     def device(self) -> torch.device:
         """Where the routers run (read per micro-batch: the engine may move the model)."""
-        return self.routers[0].weight.device
+        return next(self.routers[0].parameters()).device
 
     def shard_routes(self, batch: PackedBatch, plan: ShardPlan) -> ShardRoutes | None:
         """This rank's `ShardRoutes` of `batch` (None without routes); ValueError when the routes
@@ -210,27 +230,53 @@ class RouterReplay:
 
     def _forward(self, router: nn.Module, layer: int, hidden_states: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """[n, H] -> (logits [n, E], gates [n, K], experts [n, K] long), the class's forward with
-        the replayed selection where this rank's routes have one."""
+        """transformers' router: [n, H] -> (logits [n, E], gates [n, K], experts [n, K] long),
+        the class's forward with the replayed selection where this rank's routes have one."""
         logits, gates, chosen = type(router).forward(router, hidden_states)
+        replayed = self._replay(layer, chosen, lambda: logits)
+        if replayed is not None:
+            chosen, picked = replayed
+            gates = (picked / picked.sum(dim=-1, keepdim=True)).to(logits.dtype)
+        return logits, gates, chosen
+
+    def _autoep_forward(self, router: nn.Module, layer: int, x: torch.Tensor,
+                        expert_bias: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """AutoEP's router: [n, H] -> (gates [n, K] fp32, experts [n, K] long, tokens per expert
+        [E] int32), the class's forward with the replayed selection where this rank's routes have
+        one; its gates are the class's own normalisation (sum 1, times `route_scale`) of the
+        softmax at the selected experts, from a second call of its gate (the logits it does not
+        return)."""
+        gates, chosen, per_expert = type(router).forward(router, x, expert_bias)
+        replayed = self._replay(layer, chosen, lambda: router.gate(x))
+        if replayed is not None:
+            chosen, picked = replayed
+            gates = picked / picked.sum(dim=-1, keepdim=True) * router.route_scale
+            per_expert = count_tokens_per_expert(chosen, router.num_experts)
+        return gates, chosen, per_expert
+
+    def _replay(self, layer: int, native: torch.Tensor, logits_of: Any
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layer `layer`'s selection given its router's native one [n, K]: (the selected experts
+        [n, K] long, their softmax probabilities [n, K] fp32) where this rank's routes replay, else
+        None; `logits_of()` gives the router's logits [n, E]. Counts and records the selection."""
         rows = self._rows if self._rows is not None else slice(None)
+        chosen, result = native, None
         if self._routes is not None:
             routed = self._routes.routed[rows, layer]
             ids = self._routes.ids[rows, layer]
-            if routed.shape[0] != logits.shape[0]:
-                raise RuntimeError(f"routing replay: MoE layer {layer} got {logits.shape[0]} rows "
+            if routed.shape[0] != native.shape[0]:
+                raise RuntimeError(f"routing replay: MoE layer {layer} got {native.shape[0]} rows "
                                    f"where the routes hold {routed.shape[0]}")
-            native = chosen
             chosen = torch.where(routed[:, None], ids, native)
-            probs = F.softmax(logits, dim=-1, dtype=torch.float)
-            picked = probs.gather(-1, chosen)
-            gates = (picked / picked.sum(dim=-1, keepdim=True)).to(logits.dtype)
+            probs = F.softmax(logits_of(), dim=-1, dtype=torch.float)
+            result = chosen, probs.gather(-1, chosen)
             if self._counts is not None:
                 same = (native.sort(dim=-1).values == chosen.sort(dim=-1).values).all(dim=-1)
                 self._counts.replayed += routed.sum()
                 self._counts.agreed += (routed & same).sum()
         if self._counts is not None:
-            self._counts.seen[layer] += logits.shape[0]
+            self._counts.seen[layer] += native.shape[0]
         if self._recorded is not None:
             self._recorded[rows, layer] = chosen.detach()
-        return logits, gates, chosen
+        return result

@@ -35,3 +35,25 @@ def check_sp_constraints(text_config: Any, sp_size: int, world_size: int, deltan
             if n % p:
                 problems.append(f"parallel.deltanet_cp='heads' needs parallel.sp_size={p} to divide {key}={n}")
     return problems
+
+
+def check_ep_constraints(text_config: Any, ep_size: int, world_size: int) -> list[str]:
+    """One clear line per way `parallel.ep_size` cannot split the model's routed experts over
+    `world_size` ranks (empty when it can, or when ep_size is 1).
+
+    text_config: the model's text config (`config.text_config` of a Qwen3.5 VLM).
+    """
+    if ep_size == 1:
+        return []
+    experts = getattr(text_config, "num_experts", None)
+    if not experts:
+        return [f"parallel.ep_size={ep_size}: the model ({text_config.model_type}) has no routed "
+                "experts to split (a dense model); set parallel.ep_size to 1"]
+    problems = []
+    if world_size % ep_size:
+        problems.append(f"parallel.ep_size={ep_size} must divide the world size ({world_size} "
+                        "processes)")
+    if experts % ep_size:
+        problems.append(f"parallel.ep_size={ep_size} must divide the routed experts of each MoE "
+                        f"layer (num_experts={experts})")
+    return problems

@@ -2,16 +2,39 @@
 
 World size W = P x DP. Ranks [g*P, (g+1)*P) form SP group g, which holds one packed sequence,
 split contiguously; DP rank = g. The groups come from DeepSpeed's sequence-parallel API, and the
-same module is the `mpu` handed to `deepspeed.initialize`, so DeepSpeed reduces gradients over the
-sequence-data-parallel group (all W ranks) and averages them by DP.
+same module is the `mpu` handed to `deepspeed.initialize` (through `UlyssesMpu`), so DeepSpeed
+reduces gradients over the sequence-data-parallel group (all W ranks) and averages them by DP.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 from vlmcp.parallel import comm
+
+
+class UlyssesMpu:
+    """DeepSpeed's Ulysses `mpu` (`parallel_state_sp`) that also answers the tensor-parallel
+    size: 1, as it is (SP splits the sequence, never a weight).
+
+    Why: `parallel_state_sp` aliases the model-parallel size to the SP size, and DeepSpeed's AutoEP
+    (`engine._configure_expert_parallel`) reads that through `bwc_tensor_model_parallel_world_size`
+    and refuses the run ("AutoEP does not currently support tensor model parallelism from mpu
+    (bwc_tensor_model_parallel_world_size=2)") although no tensor is split. ZeRO already treats
+    this mpu as SP (it tests for `initialize_sequence_parallel`); every other name is the module's.
+    """
+
+    def __init__(self, module: ModuleType) -> None:
+        self._module = module
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+    @staticmethod
+    def get_tensor_model_parallel_world_size() -> int:
+        return 1
 
 
 @dataclass(frozen=True)
@@ -23,7 +46,7 @@ class SequenceParallel:
     group: comm.ProcessGroup | None
     dp_size: int
     dp_rank: int
-    mpu: ModuleType | None
+    mpu: UlyssesMpu | None
 
     @classmethod
     def single(cls) -> SequenceParallel:
@@ -55,5 +78,5 @@ class SequenceParallel:
             group=group,
             dp_size=dp_size,
             dp_rank=dp_rank,
-            mpu=parallel_state_sp,
+            mpu=UlyssesMpu(parallel_state_sp),
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -43,10 +44,13 @@ class SGD(_VetoableStep, torch.optim.SGD):
     """torch.optim.SGD whose step can be vetoed (see `_VetoableStep`)."""
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter],
+def build_optimizer(params: Iterable[torch.nn.Parameter] | list[dict[str, Any]],
                     section: OptimizerSection) -> torch.optim.Optimizer:
-    """AdamW or SGD (torch's, with a vetoable step) over `params` (the trainable ones)."""
+    """AdamW or SGD (torch's, with a vetoable step) over `params` (the trainable ones, or param
+    groups: dicts with "params")."""
     params = list(params)
+    if params and isinstance(params[0], dict) and not any(group["params"] for group in params):
+        raise ValueError("the model has no trainable parameters")
     if not params:
         raise ValueError("the model has no trainable parameters")
     if section.type == "adamw":

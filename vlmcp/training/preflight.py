@@ -51,7 +51,7 @@ from vlmcp.model.load import load_config, text_hidden_size
 from vlmcp.model.lora import lora_problems
 from vlmcp.model.router_loss import router_config_problem
 from vlmcp.parallel import comm
-from vlmcp.parallel.constraints import check_sp_constraints
+from vlmcp.parallel.constraints import check_ep_constraints, check_sp_constraints
 from vlmcp.training.ds.zero3_sp import largest_tensor_numel, sp_exact_zero_settings
 from vlmcp.training.checkpoint import checkpoint_dir, checkpoint_tags, latest_tag, newest_complete
 from vlmcp.training.ds.blocks import offloads_optimizer
@@ -135,6 +135,9 @@ def _check_model(job: JobConfig, world_size: int, report: Preflight) -> None:
     report.problems.extend(check_sp_constraints(
         report.model_config.get_text_config(), sp_size=job.parallel.sp_size,
         world_size=world_size, deltanet_cp=job.parallel.deltanet_cp))
+    report.problems.extend(check_ep_constraints(
+        report.model_config.get_text_config(), ep_size=job.parallel.ep_size,
+        world_size=world_size))
     try:
         resolve_kernel(job.model.deltanet_kernel, compute_device())
     except KernelError as exc:
@@ -157,7 +160,8 @@ def _check_deepspeed(job: JobConfig, world_size: int, report: Preflight) -> None
         raw = load_deepspeed_config(job)
         filled = fill_deepspeed_config(
             raw, job, dp_size=world_size // job.parallel.sp_size,
-            hidden_size=text_hidden_size(report.model_config))
+            hidden_size=text_hidden_size(report.model_config),
+            moe_top_k=getattr(report.model_config.get_text_config(), "num_experts_per_tok", 0) or 0)
     except ConfigError as exc:
         report.problems.extend(exc.problems)
         return

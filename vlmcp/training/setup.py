@@ -103,6 +103,8 @@ def build_engine(job: JobConfig, preflight: Preflight,
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=trainable,
                                            config=ds_config, mpu=sp.mpu,
                                            **engine_optim_args(job, ds_config, trainable))
+    if job.parallel.ep_size > 1:
+        module.adopt_expert_parallel()
     del hf_ds_config
     logger.info("%s", describe_engine(engine, ds_config))
     return engine, module, adapter

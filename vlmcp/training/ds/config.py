@@ -18,7 +18,8 @@ A stock DeepSpeed JSON works unchanged (HF Trainer's semantics). Where a value c
 - `zero_optimization.stage3_gather_16bit_weights_on_model_save`: "auto" is true at stage 3
   (vlmcp's final export gathers the full weights anyway);
 - an `optimizer` / `scheduler` block: DeepSpeed builds it, the job fills its "auto" params
-  (training/ds/blocks.py).
+  (training/ds/blocks.py);
+- `expert_parallel`: from `parallel.ep_size` (DeepSpeed's AutoEP, training/ds/expert_parallel.py).
 
 Any other number that disagrees with the job (say `gradient_accumulation_steps: 4` with
 `train.grad_accum: 1`) is an error naming both keys. Every key vlmcp changes is logged with its old
@@ -38,6 +39,7 @@ from vlmcp.data import json_text
 from vlmcp.errors import ConfigError
 from vlmcp.training.ds.blocks import fill_optimizer_block, fill_scheduler_block, offloads_optimizer
 from vlmcp.training.ds.edits import ABSENT, DeepSpeedEdits, get_path, shown
+from vlmcp.training.ds.expert_parallel import fill_expert_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -229,8 +231,11 @@ def _torch_optimizer_keys(config: dict[str, Any], edits: DeepSpeedEdits) -> None
 
 
 def fill_deepspeed_config(raw: dict[str, Any], job: JobConfig, *, dp_size: int,
-                          hidden_size: int) -> dict[str, Any]:
+                          hidden_size: int, moe_top_k: int = 0) -> dict[str, Any]:
     """A copy of `raw` ready for `deepspeed.initialize` (see the module docstring).
+
+    moe_top_k: the model's experts per token (0 for a dense model, where `parallel.ep_size` > 1
+    is refused by the model's checks, not here).
 
     May set `job.model.dtype` from an explicit bf16/fp16 block (logged). Raises ConfigError
     with one line per problem.
@@ -257,6 +262,18 @@ def fill_deepspeed_config(raw: dict[str, Any], job: JobConfig, *, dp_size: int,
     fill_optimizer_block(config, job, edits)
     fill_scheduler_block(config, job, edits)
     _torch_optimizer_keys(config, edits)
+    if moe_top_k or job.parallel.ep_size == 1:
+        fill_expert_parallel(config, job.parallel.ep_size, moe_top_k, edits)
+    if job.parallel.ep_size > 1 and job.parallel.sp_size > 1 and \
+            get_path(config, "zero_optimization.stage") == 3:
+        edits.problem(f"config key 'parallel.ep_size' ({job.parallel.ep_size}) with ZeRO stage 3 "
+                      f"and parallel.sp_size={job.parallel.sp_size}: DeepSpeed's AutoEP refuses "
+                      "ZeRO-3 under sequence parallelism; use ZeRO stage 2, or sp_size 1")
+    if job.parallel.ep_size > 1 and "optimizer" in config:
+        edits.problem("config key 'deepspeed.optimizer' with parallel.ep_size > 1: DeepSpeed "
+                      "builds its optimizer without the expert parameters' own param groups, "
+                      "which ZeRO needs under expert parallelism; drop the block (the job's "
+                      "optimizer section builds it)")
     if "steps_per_print" not in config:
         edits.set(config, "steps_per_print", 10**9, "vlmcp writes its own metrics rows")
     if not edits.problems:

@@ -9,6 +9,10 @@ job's section by vlmcp:
                                         DeepSpeed's optimizer
     no                yes               the job's torch optimizer; no scheduler
     yes               yes               neither
+
+Under expert parallelism (`parallel.ep_size` > 1, no optimizer block) the job's optimizer is
+handed over as a callable instead: DeepSpeed builds it after AutoEP's replacement, over the MoE
+param groups (training/ds/expert_parallel.py), and the LR schedule the same way.
 """
 
 from __future__ import annotations
@@ -19,16 +23,21 @@ import torch
 
 from vlmcp.config import JobConfig
 from vlmcp.training.ds.edits import ABSENT, get_path
+from vlmcp.training.ds.expert_parallel import moe_optimizer_factory
 from vlmcp.training.optim import build_optimizer, build_scheduler
 
 
 def engine_optim_args(job: JobConfig, ds_config: dict[str, Any],
                       trainable: list[torch.nn.Parameter]) -> dict[str, Any]:
     """`optimizer` and `lr_scheduler` keyword arguments of `deepspeed.initialize` (see above)."""
-    optimizer = None if "optimizer" in ds_config else build_optimizer(trainable, job.optimizer)
+    optimizer: Any = None
+    if job.parallel.ep_size > 1 and "optimizer" not in ds_config:
+        optimizer = moe_optimizer_factory(lambda groups: build_optimizer(groups, job.optimizer))
+    elif "optimizer" not in ds_config:
+        optimizer = build_optimizer(trainable, job.optimizer)
     if "scheduler" in ds_config:
         scheduler: Any = None
-    elif optimizer is None:
+    elif not isinstance(optimizer, torch.optim.Optimizer):
         def scheduler(built: torch.optim.Optimizer) -> Any:
             return build_scheduler(built, job.scheduler, job.train.max_steps)
     else:
