@@ -101,8 +101,10 @@ def test_ep_constraints_name_the_key_for_a_dense_model_and_sizes_that_do_not_div
 @pytest.mark.parametrize("keys, expected", [
     ({"train": {"tiled_mlp": True}}, "'train.tiled_mlp' is true with parallel.ep_size=2"),
     ({"model": {"router_aux_loss": True}}, "'model.router_aux_loss' is true with parallel.ep_size=2"),
-    ({"lora": {"r": 4, "target_parameters": ["mlp.experts.gate_up_proj"]}},
-     "'lora.target_parameters' adapts the routed experts, which parallel.ep_size=2"),
+    ({"lora": {"r": 4, "target_modules": ["q_proj"]}},
+     "'lora.r' is 4 with parallel.ep_size=2"),
+    ({"publish": {"dir": "weights", "sharded": False}},
+     "'publish.sharded' is false with parallel.ep_size=2"),
 ])
 def test_validate_refuses_each_feature_ep_cannot_run_with_one_error_line(
         keys, expected, tiny_moe_checkpoint, digits_jsonl, tmp_path, capsys):

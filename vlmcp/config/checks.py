@@ -201,11 +201,13 @@ def _expert_parallel_checks(job: JobConfig) -> list[str]:
     if job.model.router_aux_loss:
         problems.append(f"config key 'model.router_aux_loss' is true with {size}: the aux loss "
                         "reads transformers' router, which AutoEP replaces; turn one off")
-    if job.lora.r and job.lora.target_parameters:
-        problems.append(f"config key 'lora.target_parameters' adapts the routed experts, which "
-                        f"{size} splits over ranks (AutoEP replaces the experts module PEFT "
-                        "wraps); adapt Linear layers with lora.target_modules, or set "
-                        "parallel.ep_size to 1")
+    if job.lora.r:
+        problems.append(f"config key 'lora.r' is {job.lora.r} with {size}: AutoEP replaces the "
+                        "MoE blocks PEFT's adapters sit in (the router's and the routed "
+                        "experts'); train LoRA with parallel.ep_size 1")
+    if job.publish.dir and not job.publish.sharded:
+        problems.append(f"config key 'publish.sharded' is false with {size}: rank 0 would gather "
+                        "every expert; keep it true (each rank writes the experts it holds)")
     return problems
 
 

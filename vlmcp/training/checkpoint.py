@@ -117,11 +117,12 @@ def _prepare(tmp: Path) -> None:
     fail_together(_lines(problem), CheckpointError, what=f"creating {tmp}")
 
 
-def _publish(tmp: Path, directory: Path, tag: str, step: int, keep: int) -> None:
+def _publish(tmp: Path, directory: Path, tag: str, step: int, keep: int, ep_size: int) -> None:
     """Rank 0: manifest last, rename into place, replace `latest`, prune old checkpoints."""
     files = {str(p.relative_to(tmp)): p.stat().st_size
              for p in sorted(tmp.rglob("*")) if p.is_file()}
-    write_text_atomic(tmp / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
+    write_text_atomic(tmp / MANIFEST, json.dumps({"step": step, "ep_size": ep_size,
+                                                  "files": files}, indent=1))
     replace_dir(tmp, directory / tag)
     write_text_atomic(directory / "latest", tag)
     if keep:
@@ -169,7 +170,7 @@ def save_checkpoint(engine: Any, job: JobConfig, step: int, hf_key_prefixes: dic
     problem = None
     if comm.rank() == 0:
         try:
-            _publish(tmp, directory, tag, step, job.train.keep_checkpoints)
+            _publish(tmp, directory, tag, step, job.train.keep_checkpoints, job.parallel.ep_size)
         except OSError as exc:
             problem = f"saving checkpoint {directory / tag}: {write_error(exc, tmp, needed)}"
             remove_quietly(tmp)
@@ -177,6 +178,19 @@ def save_checkpoint(engine: Any, job: JobConfig, step: int, hf_key_prefixes: dic
     if comm.rank() == 0:
         logger.info("saved checkpoint %s (%d bytes)", directory / tag, dir_size(directory / tag))
     return directory / tag
+
+
+def expert_layout_problem(tag_dir: Path, ep_size: int) -> str | None:
+    """Why the complete checkpoint `tag_dir` cannot resume a run at `parallel.ep_size` =
+    `ep_size` (None when it can): DeepSpeed's AutoEP saves each EP rank's experts and their
+    optimizer partitions for its own layout, and vlmcp converts no checkpoint between expert
+    layouts. A manifest without `ep_size` is from a run without expert parallelism."""
+    saved = json.loads((tag_dir / MANIFEST).read_text()).get("ep_size", 1)
+    if saved == ep_size:
+        return None
+    return (f"config key 'parallel.ep_size': {ep_size}, but checkpoint {tag_dir} was saved at "
+            f"parallel.ep_size={saved}; resume at ep_size {saved} (a checkpoint's experts and "
+            "their optimizer state are laid out per EP rank), or start from an exported model")
 
 
 def load_latest(engine: Any, job: JobConfig) -> int:
@@ -187,6 +201,9 @@ def load_latest(engine: Any, job: JobConfig) -> int:
         logger.warning("train.resume: skipping an incomplete checkpoint: %s", reason)
     if tag is None:
         raise CheckpointError([f"train.resume: {directory} holds no complete checkpoint"] + skipped)
+    problem = expert_layout_problem(directory / tag, job.parallel.ep_size)
+    if problem:
+        raise CheckpointError([f"train.resume: {problem}"])
     # A LoRA checkpoint holds no frozen base weights; the module already has them from model.path.
     path, client_state = engine.load_checkpoint(str(directory), tag=tag,
                                                 load_module_strict=not job.lora.r)

@@ -53,7 +53,8 @@ from vlmcp.model.router_loss import router_config_problem
 from vlmcp.parallel import comm
 from vlmcp.parallel.constraints import check_ep_constraints, check_sp_constraints
 from vlmcp.training.ds.zero3_sp import largest_tensor_numel, sp_exact_zero_settings
-from vlmcp.training.checkpoint import checkpoint_dir, checkpoint_tags, latest_tag, newest_complete
+from vlmcp.training.checkpoint import (checkpoint_dir, checkpoint_tags, expert_layout_problem,
+                                      latest_tag, newest_complete)
 from vlmcp.training.ds.blocks import offloads_optimizer
 from vlmcp.training.ds.config import fill_deepspeed_config, load_deepspeed_config, zero_stage
 from vlmcp.training.objective_step import objective_problems, token_array_names
@@ -190,6 +191,9 @@ def _check_resume(job: JobConfig, report: Preflight) -> None:
                                    "complete checkpoint")
             report.problems.extend(f"config key 'train.resume': incomplete checkpoint: {reason}"
                                    for reason in skipped)
+        problem = expert_layout_problem(directory / tag, job.parallel.ep_size) if tag else None
+        if problem:
+            report.problems.append(problem)
         for reason in skipped if tag is not None and comm.rank() == 0 else []:
             logger.warning("train.resume: will resume from %s, skipping an incomplete "
                            "checkpoint: %s", directory / tag, reason)

@@ -37,6 +37,7 @@ from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
 from vlmcp.errors import CheckpointError
 from vlmcp.parallel.agree import fail_together
+from vlmcp.training.weights.expert_shards import hf_layout
 from vlmcp.training.atomic import (fsync_path, fsync_tree, remove_quietly, replace_dir,
                                    write_error)
 
@@ -159,7 +160,9 @@ def saved_tensors(hf_model: PreTrainedModel) -> dict[str, torch.Tensor]:
     """{HF key: the live parameter or buffer} of every tensor `save_pretrained` would write, in
     state-dict order: its persistent state without `_keys_to_ignore_on_save` and with one name per
     tied tensor (the one transformers keeps). Under ZeRO-3 the parameters are the partitioned
-    ones (their `ds_shape` is the full shape).
+    ones (their `ds_shape` is the full shape). Under expert parallelism the MoE layers come in
+    Hugging Face's per-expert layout, every expert of every layer, this rank's as views
+    (training/weights/expert_shards.py).
 
     transformers decides which tied name it keeps from the tensors' storages
     (`remove_tied_weights_from_state_dict`); it is asked here with one placeholder per distinct
@@ -171,7 +174,7 @@ def saved_tensors(hf_model: PreTrainedModel) -> dict[str, torch.Tensor]:
     placeholders: dict[int, torch.Tensor] = {}
     probe = {key: placeholders.setdefault(id(value), torch.zeros(1)) for key, value in live.items()}
     kept = remove_tied_weights_from_state_dict(probe, hf_model)
-    return {key: value for key, value in live.items() if key in kept}
+    return hf_layout(hf_model, {key: value for key, value in live.items() if key in kept})
 
 
 def shard_names(count: int) -> list[str]:

@@ -84,6 +84,7 @@ from vlmcp.training.atomic import dir_size, remove_quietly, write_text_atomic
 from vlmcp.training.weights.export import engine_hf_state_dict
 from vlmcp.training.weights.hf_format import (saved_tensors, state_bytes, write_dir_atomically,
                                               write_hf_files, write_model_config, write_on_rank0)
+from vlmcp.training.weights.expert_shards import is_gathered_slice
 from vlmcp.training.weights.sharded_write import ShardedWrite
 from vlmcp.training.weights.shards import (SharePlan, StagedShare, buffers_held_bytes,
                                            bytes_to_stage, gather_share, gathers_by_modules,
@@ -261,8 +262,9 @@ class Publisher:
         exceeds publish.buffer_mb: under ZeRO-3 on any rank, as the ranks gather together (every
         rank computes every rank's bytes, the same), else on this rank. Otherwise the gather runs
         here, on the training's thread, and a rank whose share fits still writes in the
-        background."""
-        if not self.background or by_modules:
+        background. So it does under ZeRO-3 with expert parallelism: each rank's experts are
+        gathered within its expert-data-parallel group (training/weights/expert_shards.py)."""
+        if not self.background or by_modules or any(map(is_gathered_slice, tensors.values())):
             return False
         if self._stage_bytes is None:
             ranks = range(comm.world_size()) if zero3 else [comm.rank()]

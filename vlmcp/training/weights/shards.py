@@ -124,6 +124,8 @@ import torch
 from transformers import PreTrainedModel
 
 from vlmcp.parallel import comm
+from vlmcp.training.weights.expert_shards import (expert_holders, gather_expert_slices,
+                                                  is_gathered_slice)
 from vlmcp.training.weights.hf_format import saved_tensors, shard_names
 
 
@@ -151,14 +153,17 @@ class SharePlan:
 
     @classmethod
     def of(cls, hf_model: PreTrainedModel, writers: int) -> SharePlan:
-        """The plan of `hf_model`'s saved tensors over ranks 0 .. `writers` - 1."""
+        """The plan of `hf_model`'s saved tensors over ranks 0 .. `writers` - 1. Under expert
+        parallelism an expert's tensors go to one of the ranks that hold it
+        (training/weights/expert_shards.py)."""
         tensors = saved_tensors(hf_model)
         keys = tuple(tensors)
         sizes = {key: _nbytes(value) for key, value in tensors.items()}
+        holders = expert_holders(hf_model, writers)
         load = [0] * writers
         owner: dict[str, int] = {}
         for key in sorted(keys, key=lambda k: -sizes[k]):  # stable: state-dict order on ties
-            rank = min(range(writers), key=lambda r: (load[r], r))
+            rank = min(holders.get(key, range(writers)), key=lambda r: (load[r], r))
             owner[key] = rank
             load[rank] += sizes[key]
         used = tuple(r for r in range(writers) if any(owner[k] == r for k in keys))
@@ -273,11 +278,14 @@ def gather_share(engine: Any, hf_model: PreTrainedModel, plan: SharePlan, rank: 
         return {key: _to_host(key, tensors[key], staging) for key in plan.keys if key in mine}
     if by_modules is None:
         by_modules = gathers_by_modules(engine, tensors, plan)
+    experts = gather_expert_slices(tensors, mine)
+    tensors = {key: value for key, value in tensors.items() if not is_gathered_slice(value)}
+    plan_keys = [key for key in plan.keys if key in tensors]
     if by_modules:
-        return _gather_by_modules(engine, tensors, plan, mine, staging)
+        return {**_gather_by_modules(engine, tensors, plan_keys, mine, staging), **experts}
     owners = plan.writers()
-    share = {}
-    for key in plan.keys:
+    share = experts
+    for key in plan_keys:
         tensor = tensors[key]
         if hasattr(tensor, "ds_id"):
             whole = _gathered_to_owner(key, tensor, owners[key], rank, staging)
@@ -288,7 +296,7 @@ def gather_share(engine: Any, hf_model: PreTrainedModel, plan: SharePlan, rank: 
     return share
 
 
-def _gather_by_modules(engine: Any, tensors: dict[str, torch.Tensor], plan: SharePlan,
+def _gather_by_modules(engine: Any, tensors: dict[str, torch.Tensor], keys: list[str],
                        mine: set[str], staging: dict[str, torch.Tensor] | None
                        ) -> dict[str, torch.Tensor]:
     """DeepSpeed's gather (every rank receives every parameter), one module's own parameters at a
@@ -299,7 +307,7 @@ def _gather_by_modules(engine: Any, tensors: dict[str, torch.Tensor], plan: Shar
     if hasattr(optimizer, "checkpoint_event_prologue"):
         optimizer.checkpoint_event_prologue()
     share = {}
-    for _, group in groupby(plan.keys, key=_module_of):
+    for _, group in groupby(keys, key=_module_of):
         keys = list(group)
         params = [tensors[k] for k in keys if hasattr(tensors[k], "ds_id")]
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None,

@@ -1,0 +1,132 @@
+"""`vlmcp train` under expert parallelism (`parallel.ep_size` 2, world 2, the tiny MoE model, AdamW):
+the run trains as the same job without EP does (losses and final weights to fp32 rounding),
+SIGTERM then resume at the same E is bit-exact, the final model, every published step and
+`vlmcp export` of a checkpoint are Hugging Face models with every expert, written by the ranks
+that hold them (each shard holds its writer's experts only), at ZeRO 2 and at ZeRO 3; a resume at
+another E is one error naming `parallel.ep_size`.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForConditionalGeneration
+
+from tests.helpers.launching import (REPO, assert_ok, launcher_prefix, run_vlmcp, tiny_job,
+                                     train_losses, vlmcp_env, write_job)
+from vlmcp.cli import main
+from vlmcp.training.checkpoint import newest_complete
+
+pytestmark = pytest.mark.e2e
+
+STEPS = 4
+
+
+def _job(checkpoint: Path, digits: Path, out: Path, *, ep: int = 2, zero: int = 2) -> dict:
+    return tiny_job(checkpoint, digits / "train.jsonl", out, parallel={"ep_size": ep},
+                    data={"max_seq_len": 64, "shuffle": True},
+                    deepspeed={"zero_optimization": {"stage": zero}},
+                    publish={"dir": str(out / "weights"), "every": 2},
+                    train={"max_steps": STEPS, "save_every": 2, "seed": 3, "grad_accum": 2})
+
+
+def _train(job: dict, path: Path, *extra: str) -> Path:
+    assert_ok(run_vlmcp(["train", str(write_job(path, job)), *extra], launcher="torchrun", nproc=2))
+    return Path(job["output_dir"])
+
+
+def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    """The model's state dict as transformers loads it (per-expert or fused files alike)."""
+    model = Qwen3_5MoeForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+    return model.state_dict()
+
+
+def _assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
+def _experts_per_shard(model_dir: Path) -> list[set[int]]:
+    """The expert ids each weights file of a sharded model directory holds, in file order."""
+    weight_map = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    return [{int(k.split(".experts.")[1].split(".")[0]) for k, f in weight_map.items()
+             if f == name and ".experts." in k} for name in sorted(set(weight_map.values()))]
+
+
+@pytest.fixture(scope="module")
+def ep_run(tiny_moe_checkpoint, digits_jsonl, tmp_path_factory) -> Path:
+    """The job at EP 2, ZeRO 2, four steps straight."""
+    root = tmp_path_factory.mktemp("ep_run")
+    return _train(_job(tiny_moe_checkpoint, digits_jsonl, root / "out"), root / "job.json")
+
+
+def test_an_ep_run_trains_as_without_ep_and_writes_every_expert_from_the_rank_holding_it(
+        ep_run, tiny_moe_checkpoint, digits_jsonl, tmp_path):
+    plain = _train(_job(tiny_moe_checkpoint, digits_jsonl, tmp_path / "plain", ep=1),
+                   tmp_path / "plain.json")
+    assert train_losses(ep_run) == pytest.approx(train_losses(plain), rel=1e-5)
+    final, reference = _weights(ep_run / "final"), _weights(plain / "final")
+    assert final.keys() == reference.keys()
+    for key, value in final.items():
+        torch.testing.assert_close(value, reference[key], rtol=1e-4, atol=1e-5, msg=key)
+    # rank 0 holds experts 0 and 1, rank 1 experts 2 and 3: each writes its own
+    assert _experts_per_shard(ep_run / "final") == [{0, 1}, {2, 3}]
+    _assert_equal(_weights(ep_run / "weights" / f"step_{STEPS}"), final)
+    exported = tmp_path / "exported"
+    assert_ok(run_vlmcp(["export", str(ep_run.parent / "job.json"), "--tag", f"step{STEPS}",
+                         "--out", str(exported)]))
+    _assert_equal(_weights(exported), final)
+
+
+def test_sigterm_then_resume_at_the_same_ep_size_is_bit_exact(
+        ep_run, tiny_moe_checkpoint, digits_jsonl, tmp_path):
+    out = tmp_path / "out"
+    job = write_job(tmp_path / "job.json", _job(tiny_moe_checkpoint, digits_jsonl, out))
+    log = tmp_path / "log"
+    proc = subprocess.Popen([*launcher_prefix("torchrun", 2), "train", str(job)], cwd=REPO,
+                            env=vlmcp_env(), stdout=log.open("w"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text()):
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    tag, _ = newest_complete(out / "checkpoints")
+    assert tag is not None and int(tag.removeprefix("step")) < STEPS, log.read_text()[-3000:]
+    _train(json.loads(job.read_text()), job, "--set", "train.resume=true")
+    assert train_losses(out) == train_losses(ep_run)
+    _assert_equal(_weights(out / "final"), _weights(ep_run / "final"))
+
+
+def test_a_resume_at_another_ep_size_is_one_error_naming_the_key(ep_run, capsys):
+    job = ep_run.parent / "job.json"
+    assert main(["validate", str(job), "--world-size", "2", "--set", "train.resume=true",
+                 "--set", "parallel.ep_size=1"]) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "'parallel.ep_size': 1, but checkpoint" in errors[0], errors
+    assert "saved at parallel.ep_size=2" in errors[0], errors
+
+
+def test_at_zero3_the_final_model_and_published_steps_hold_every_expert_and_match_zero2(
+        ep_run, tiny_moe_checkpoint, digits_jsonl, tmp_path, capsys):
+    out = _train(_job(tiny_moe_checkpoint, digits_jsonl, tmp_path / "out", zero=3),
+                 tmp_path / "job.json")
+    final = _weights(out / "final")
+    assert _experts_per_shard(out / "final") == [{0, 1}, {2, 3}]
+    _assert_equal(_weights(out / "weights" / f"step_{STEPS}"), final)
+    zero2 = _weights(ep_run / "final")
+    for key, value in final.items():
+        torch.testing.assert_close(value, zero2[key], rtol=1e-4, atol=1e-5, msg=key)
+    assert main(["export", str(tmp_path / "job.json"), "--tag", f"step{STEPS}"]) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "saved under expert parallelism at ZeRO-3" in errors[0], errors
