@@ -8,9 +8,11 @@ with fp32's own error (`assert_within_fp32_error`).
 Layouts (SP, EP) over world W: (1, 2) the EP group within DP, with another pack on each DP rank;
 (2, 2) the EP group on the SP group; (2, 4) with DP 2, the EP group spanning both SP groups; (4, 2)
 two EP groups inside one SP group. ZeRO 2 at every layout, ZeRO 3 at SP 1 (DeepSpeed refuses
-AutoEP with ZeRO 3 under SP; vlmcp refuses the combination at validate), native routing and replayed routes, `ppo_clip`,
-routes that send every token to one EP rank's experts (the other receives none), and a pack whose
-shard on one rank has no route at all. Each world size runs its cases in one set of processes.
+AutoEP with ZeRO 3 under SP; vlmcp refuses the combination at validate); native routing and
+replayed routes, `ppo_clip`, routes that send every token to one EP rank's experts (the other
+receives none), a pack whose shard on one rank has no route at all, and DeltaNet's heads mode
+with gradient checkpointing (AutoEP's all-to-all runs again in the recompute) and DeepSpeed's
+activation offload. Each world size runs its cases in one set of processes.
 """
 
 from __future__ import annotations
@@ -59,6 +61,11 @@ CASES = {
     "sp2_ep2_zero2_one_shard_without_routes": dict(
         world=2, sp=2, ep=2, stage=2, model={},
         packs=[[(24, [], "nested"), (24, [], "none")]]),
+    # DeltaNet in heads mode, gradient checkpointing (AutoEP's all-to-all runs again in the
+    # recompute) and DeepSpeed's activation offload, routes replayed
+    "sp2_ep2_zero2_heads_mode_checkpointing_activation_offload": dict(
+        world=2, sp=2, ep=2, stage=2, model={}, mode="heads", checkpointing=True, offload=True,
+        packs=[[(21, [(1, 4, 4)], "holes"), (16, [], "nested")]]),
     # EP 4 spans both SP groups of DP 2 (another pack on each), routes replayed
     "sp2_ep4_dp2_zero2_replayed_routes": dict(
         world=4, sp=2, ep=4, stage=2, model={"num_key_value_heads": 2},
@@ -134,7 +141,9 @@ def _materialise(name: str, tmp_root):
             return result.loss, result.grads
         return run(reference_loss_and_grads, samples)
 
-    case = dict(checkpoint=str(checkpoint), stage=spec["stage"], mode="state", grad_accum=1,
+    case = dict(checkpoint=str(checkpoint), stage=spec["stage"], mode=spec.get("mode", "state"),
+                checkpointing=spec.get("checkpointing", False),
+                offload_activations=spec.get("offload", False), grad_accum=1,
                 loss_chunk_mb=DEFAULT_LOSS_CHUNK_MB, objective=objective, ep=spec["ep"],
                 packs=[[batch_of(rank)] for rank in range(len(per_rank))])
     return case, reference(exact=False), reference(exact=True)

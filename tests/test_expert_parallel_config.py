@@ -103,6 +103,8 @@ def test_ep_constraints_name_the_key_for_a_dense_model_and_sizes_that_do_not_div
     ({"model": {"router_aux_loss": True}}, "'model.router_aux_loss' is true with parallel.ep_size=2"),
     ({"lora": {"r": 4, "target_modules": ["q_proj"]}},
      "'lora.r' is 4 with parallel.ep_size=2"),
+    ({"eval": {"generate": True}, "data": {"eval": "EVAL"}, "train": {"eval_every": 1}},
+     "'eval.generate' is true with parallel.ep_size=2"),
     ({"publish": {"dir": "weights", "sharded": False}},
      "'publish.sharded' is false with parallel.ep_size=2"),
 ])
@@ -111,7 +113,8 @@ def test_validate_refuses_each_feature_ep_cannot_run_with_one_error_line(
     job = tiny_job(tiny_moe_checkpoint, digits_jsonl / "train.jsonl", tmp_path / "out",
                    parallel={"ep_size": 2})
     for section, values in keys.items():
-        job.setdefault(section, {}).update(values)
+        job.setdefault(section, {}).update({key: str(digits_jsonl / "eval.jsonl") if value == "EVAL"
+                                            else value for key, value in values.items()})
     assert main(["validate", str(write_job(tmp_path / "job.json", job)), "--world-size", "2"]) == 1
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and expected in errors[0], errors

@@ -130,3 +130,41 @@ def test_at_zero3_the_final_model_and_published_steps_hold_every_expert_and_matc
     assert main(["export", str(tmp_path / "job.json"), "--tag", f"step{STEPS}"]) == 1
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "saved under expert parallelism at ZeRO-3" in errors[0], errors
+
+
+def test_score_routes_under_ep_equal_those_without_and_replay_with_agreement_one(
+        tiny_moe_checkpoint, tmp_path):
+    """`vlmcp score --routes` (R2) at EP 2 over 2 ranks records the experts and target logprobs
+    it records on one process without EP; a step of `vlmcp train` at EP 2 on those routes replays
+    every (token, layer) with agreement 1.0."""
+    gen = torch.Generator().manual_seed(31)
+    records = []
+    for n in (19, 26, 11, 30):
+        ids = torch.randint(10, 400, (n,), generator=gen).tolist()
+        records.append({"input_ids": ids, "labels": [-100] * 4 + ids[4:]})
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    scored = {}
+    for ep, nproc in ((1, 1), (2, 2)):
+        job = tiny_job(tiny_moe_checkpoint, data, tmp_path / f"score{ep}", parallel={"ep_size": ep},
+                       train={"max_steps": 1},
+                       data={"cache_dir": str(tmp_path / "cache"), "max_seq_len": 64})
+        out = tmp_path / f"scores{ep}.jsonl"
+        assert_ok(run_vlmcp(["score", str(write_job(tmp_path / f"score{ep}.json", job)), "--routes",
+                             "--out", str(out)], launcher="torchrun" if nproc > 1 else None,
+                            nproc=nproc))
+        scored[ep] = [json.loads(line) for line in out.read_text().splitlines()]
+    for plain, ep in zip(scored[1], scored[2]):
+        assert ep["routed_experts"] == plain["routed_experts"]
+        assert ep["logprobs"] == pytest.approx(plain["logprobs"], rel=1e-5, abs=1e-5)
+    for record, row in zip(records, scored[2]):
+        record["routed_experts"] = row["routed_experts"]
+    routed = tmp_path / "routed.jsonl"
+    routed.write_text("".join(json.dumps(r) + "\n" for r in records))
+    job = tiny_job(tiny_moe_checkpoint, routed, tmp_path / "out", parallel={"ep_size": 2},
+                   train={"max_steps": 1}, data={"max_seq_len": 64})
+    _train(job, tmp_path / "train.json")
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    row = next(r for r in rows if "loss" in r)
+    assert row["router_replay_tokens"] == sum(len(r["input_ids"]) for r in records) * 4
+    assert row["router_replay_agreement"] == 1.0

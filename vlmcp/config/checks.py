@@ -205,6 +205,10 @@ def _expert_parallel_checks(job: JobConfig) -> list[str]:
         problems.append(f"config key 'lora.r' is {job.lora.r} with {size}: AutoEP replaces the "
                         "MoE blocks PEFT's adapters sit in (the router's and the routed "
                         "experts'); train LoRA with parallel.ep_size 1")
+    if job.eval.generate:
+        problems.append(f"config key 'eval.generate' is true with {size}: each rank decodes its "
+                        "own samples for its own number of tokens, while every decoding step's "
+                        "MoE layers exchange tokens with the EP group; turn one off")
     if job.publish.dir and not job.publish.sharded:
         problems.append(f"config key 'publish.sharded' is false with {size}: rank 0 would gather "
                         "every expert; keep it true (each rank writes the experts it holds)")

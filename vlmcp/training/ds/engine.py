@@ -52,7 +52,7 @@ def _offload(config: dict[str, Any], what: str) -> str:
 
 def describe_engine(engine: Any, config: dict[str, Any]) -> str:
     """One line: what DeepSpeed runs (optimizer class, scheduler, ZeRO stage, offload devices,
-    precision, accumulation, clipping)."""
+    precision, accumulation, clipping, and AutoEP's expert parallelism when it runs)."""
     basic = getattr(engine, "basic_optimizer", None) or engine.optimizer
     source = "deepspeed config" if "optimizer" in config else "job"
     scheduler = type(engine.lr_scheduler).__name__ if engine.lr_scheduler is not None else "none"
@@ -65,4 +65,12 @@ def describe_engine(engine: Any, config: dict[str, Any]) -> str:
             f"ZeRO stage {engine.zero_optimization_stage()}; offload optimizer "
             f"{_offload(config, 'optimizer')}, params {_offload(config, 'param')}; "
             f"precision {precision}; gradient accumulation "
-            f"{engine.gradient_accumulation_steps()}; gradient clipping {clip or 'off'}")
+            f"{engine.gradient_accumulation_steps()}; gradient clipping {clip or 'off'}"
+            + _expert_parallel_part(config))
+
+
+def _expert_parallel_part(config: dict[str, Any]) -> str:
+    size = get_path(config, "expert_parallel.autoep_size")
+    if get_path(config, "expert_parallel.enabled") is not True or size is ABSENT:
+        return ""
+    return f"; expert parallelism {size} (DeepSpeed AutoEP)"
