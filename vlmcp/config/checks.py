@@ -189,30 +189,26 @@ def _sp_dynamic_checks(job: JobConfig) -> list[str]:
 
 
 def _expert_parallel_checks(job: JobConfig) -> list[str]:
-    """What `parallel.ep_size` > 1 does not run yet (docs/expert-parallelism.md says why)."""
+    """What `parallel.ep_size` > 1 does not run (docs/expert-parallelism.md says why)."""
     if job.parallel.ep_size == 1:
         return []
-    size = f"parallel.ep_size={job.parallel.ep_size}"
-    problems = []
-    if job.train.tiled_mlp:
-        problems.append(f"config key 'train.tiled_mlp' is true with {size}: a MoE layer's tiles "
-                        "would each run an expert all-to-all, and ranks with other shard lengths "
-                        "run other numbers of tiles; turn one off")
-    if job.model.router_aux_loss:
-        problems.append(f"config key 'model.router_aux_loss' is true with {size}: the aux loss "
-                        "reads transformers' router, which AutoEP replaces; turn one off")
-    if job.lora.r:
-        problems.append(f"config key 'lora.r' is {job.lora.r} with {size}: AutoEP replaces the "
-                        "MoE blocks PEFT's adapters sit in (the router's and the routed "
-                        "experts'); train LoRA with parallel.ep_size 1")
-    if job.eval.generate:
-        problems.append(f"config key 'eval.generate' is true with {size}: each rank decodes its "
-                        "own samples for its own number of tokens, while every decoding step's "
-                        "MoE layers exchange tokens with the EP group; turn one off")
-    if job.publish.dir and not job.publish.sharded:
-        problems.append(f"config key 'publish.sharded' is false with {size}: rank 0 would gather "
-                        "every expert; keep it true (each rank writes the experts it holds)")
-    return problems
+    refused = [
+        (job.train.tiled_mlp, "'train.tiled_mlp' is true",
+         "a MoE layer's tiles would each run an expert all-to-all, and ranks with other shard "
+         "lengths run other numbers of tiles; turn one off"),
+        (job.model.router_aux_loss, "'model.router_aux_loss' is true",
+         "the aux loss reads transformers' router, which AutoEP replaces; turn one off"),
+        (job.lora.r, f"'lora.r' is {job.lora.r}",
+         "AutoEP replaces the MoE blocks PEFT's adapters sit in (the router's and the routed "
+         "experts'); train LoRA with parallel.ep_size 1"),
+        (job.eval.generate, "'eval.generate' is true",
+         "each rank decodes its own samples for its own number of tokens, while every decoding "
+         "step's MoE layers exchange tokens with the EP group; turn one off"),
+        (job.publish.dir and not job.publish.sharded, "'publish.sharded' is false",
+         "rank 0 would gather every expert; keep it true (each rank writes the experts it holds)"),
+    ]
+    return [f"config key {what} with parallel.ep_size={job.parallel.ep_size}: {why}"
+            for applies, what, why in refused if applies]
 
 
 def _publish_writer_checks(job: JobConfig) -> list[str]:
