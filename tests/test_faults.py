@@ -31,10 +31,10 @@ from vlmcp.training.signals import STOP_MARKER
 STEPS = 8
 
 
-def _job(checkpoint, digits, out, zero=2, **train):
+def _job(checkpoint, digits, out, zero=2, parallel=None, **train):
     return tiny_job(checkpoint, digits / "train.jsonl", out,
                     data={"max_seq_len": 64, "shuffle": True},
-                    parallel={"sp_size": 2},
+                    parallel=parallel or {"sp_size": 2},
                     optimizer={"type": "adamw", "lr": 2e-3, "weight_decay": 0.01},
                     deepspeed={"zero_optimization": {"stage": zero}},
                     train={"seed": 3, "max_steps": STEPS, **train})
@@ -180,11 +180,17 @@ def test_a_huge_lr_stops_the_run_without_nan_weights_and_metrics_stay_strict_jso
 
 
 @pytest.mark.e2e
-def test_a_frozen_rank_ends_the_whole_job_naming_the_collective(tiny_checkpoint, digits_jsonl,
-                                                                tmp_path):
+@pytest.mark.parametrize("checkpoint, parallel", [
+    ("tiny_checkpoint", {"sp_size": 2}),
+    # MoE at expert parallelism 2: every step's MoE layers exchange tokens by all-to-all
+    ("tiny_moe_checkpoint", {"ep_size": 2}),
+], ids=["sp2", "moe_ep2"])
+def test_a_frozen_rank_ends_the_whole_job_naming_the_collective(checkpoint, parallel, digits_jsonl,
+                                                                tmp_path, request):
     out = tmp_path / "out"
-    job = write_job(tmp_path / "job.json", _job(tiny_checkpoint, digits_jsonl, out,
-                                                max_steps=100000, collective_timeout_s=30))
+    job = write_job(tmp_path / "job.json", _job(request.getfixturevalue(checkpoint), digits_jsonl,
+                                                out, parallel=parallel, max_steps=100000,
+                                                collective_timeout_s=30))
     log = tmp_path / "log"
     # After the first rank exits, torchrun SIGTERMs the others and SIGKILLs them 30 s later.
     proc = _start(job, log)
@@ -211,7 +217,11 @@ def test_a_frozen_rank_ends_the_whole_job_naming_the_collective(tiny_checkpoint,
     lines = [line for line in text.splitlines() if "did not finish within" in line]
     assert lines, text[-3000:]
     assert "step " in lines[0] and "train.collective_timeout_s=30 s: waiting in collective " \
-        "torch.distributed." in lines[0] and "group of ranks [0, 1]" in lines[0], lines[0]
+        "torch.distributed." in lines[0], lines[0]
+    # under SP the peer waits in an SP collective; under EP in whichever comes first (the EP
+    # group's all-to-all, or ZeRO's reduction over the world)
+    groups = ["group of ranks [0, 1]"] + (["the default group (ranks 0..1)"] if "ep_size" in parallel else [])
+    assert any(group in lines[0] for group in groups), lines[0]
     print(f"frozen rank: all processes gone {elapsed:.1f} s after SIGSTOP; {lines[0]}",
           file=sys.stderr)
 
