@@ -25,11 +25,12 @@ def test_the_ep_bench_refuses_an_ep_size_not_dividing_its_world_of_2_and_its_exp
 
 def test_the_ep_bench_refuses_other_modes_and_step_flags_in_one_error(tmp_path, capsys):
     out = tmp_path / "never.json"
-    assert main(["bench", "--ep-size", "2", "--compare-alst", "--moe", "--sp-size", "2", "--tiled-mlp",
+    assert main(["bench", "--ep-size", "3", "--compare-alst", "--moe", "--sp-size", "2", "--tiled-mlp",
                  "--out", str(out)]) == 1
     err = capsys.readouterr().err
     assert err.count("error:") == 1
     assert "--ep-size does not use --moe, --sp-size, --tiled-mlp, --compare-alst" in err
+    assert "--ep-size 3: the experts split over E >= 2 ranks" in err
     assert not out.exists()
 
 

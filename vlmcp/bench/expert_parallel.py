@@ -368,8 +368,9 @@ def _collective_seconds(profiled: Any) -> dict[str, float]:
 # --------------------------------------------------------------------------- the report
 
 
-def _checked(args: argparse.Namespace) -> tuple[int, int]:
-    """(EP size, tokens a rank) from the flags; ValueError naming every bad one."""
+def flag_problems(args: argparse.Namespace) -> list[str]:
+    """What is wrong with the `--ep-size` flags themselves (`run_bench` adds the flags of other
+    modes), one line each."""
     problems = []
     experts = ep_layout(8)["num_experts"]
     if args.ep_size < 2 or WORLD % args.ep_size or experts % args.ep_size:
@@ -381,9 +382,7 @@ def _checked(args: argparse.Namespace) -> tuple[int, int]:
                         f"{args.seq_lens!r}")
     if args.repeats < 1 or args.warmup < 0:
         problems.append("--ep-size needs --repeats >= 1 and --warmup >= 0")
-    if problems:
-        raise ValueError("; ".join(problems))
-    return args.ep_size, int(lengths[0])
+    return problems
 
 
 def _parameters(model_dir: Path) -> tuple[int, int]:
@@ -445,7 +444,10 @@ def run_expert_parallel(args: argparse.Namespace) -> dict[str, Any]:
     from vlmcp.model.tiny import build_tiny_checkpoint
     from vlmcp.training.utilisation import device_peak, utilisation
 
-    ep_size, tokens = _checked(args)
+    problems = flag_problems(args)
+    if problems:
+        raise ValueError("; ".join(problems))
+    ep_size, tokens = args.ep_size, int(args.seq_lens or DEFAULT_TOKENS)
     layout = ep_layout(args.hidden_size or DEFAULT_HIDDEN, args.intermediate_size)
     vocab = args.vocab_size or 512
     ways: dict[str, dict[str, Any]] = {}

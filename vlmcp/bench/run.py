@@ -671,9 +671,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     if mix_flags and not args.length_mix:
         raise ValueError(f"{', '.join(mix_flags)}: flags of --length-mix")
     if args.ep_size is not None:
-        from vlmcp.bench.expert_parallel import run_expert_parallel
+        from vlmcp.bench.expert_parallel import flag_problems, run_expert_parallel
 
-        problems = [p for p in _ignored_flags(args) if p.startswith("--ep-size ")]
+        problems = [p for p in _ignored_flags(args) if p.startswith("--ep-size ")] + flag_problems(args)
         if problems:
             raise ValueError("; ".join(problems))
         return _write_report(args, run_expert_parallel(args))
