@@ -184,7 +184,8 @@ def _add_bench_model_options(bench: argparse.ArgumentParser) -> None:
 
 def _add_bench_pack_options(bench: argparse.ArgumentParser) -> None:
     """What each pack holds: lengths, samples, images, pairs, videos."""
-    bench.add_argument("--seq-lens", default="1024,4096", help="comma-separated pack lengths")
+    bench.add_argument("--seq-lens", default=None,
+                       help="comma-separated pack lengths (default 1024,4096)")
     bench.add_argument("--samples-per-pack", type=int, default=4,
                        help="equal-length samples each pack is split into")
     bench.add_argument("--images", type=int, default=0,
@@ -251,7 +252,16 @@ def _add_bench_other_measures(bench: argparse.ArgumentParser) -> None:
                             "and activation-memory ratios and the losses")
     bench.add_argument("--repeats", type=int, default=3,
                        help="--compare-alst: interleaved vlmcp/ALST pairs per length; --publish: "
-                            "interleaved rounds of the three ways")
+                            "interleaved rounds of the three ways; --ep-size: timed steps a way")
+    bench.add_argument("--ep-size", type=int, default=None, metavar="E",
+                       help="instead of a step benchmark: on 2 ranks (gloo) and a MoE of 64 "
+                            "experts top 8 (Qwen3.5-35B-A3B's layout cut to --hidden-size, "
+                            "default 512), train AdamW steps four ways, ZeRO 3 and ZeRO 2 without "
+                            "EP, ZeRO 2 at parallel.ep_size E, and DeepSpeed's AutoEP alone on "
+                            "transformers' model, and report each way's step time, tokens/s, mfu, "
+                            "the experts' params/grads/optimizer state a rank holds, its peak RSS "
+                            "and the ratios to the targets; one --seq-lens length (tokens a rank, "
+                            "default 512)")
     bench.add_argument("--publish", action="store_true",
                        help="instead of a step benchmark: publish the weights of a tiny Qwen3.5 "
                             "widened to --hidden-size (default 2048, about 0.8 GB in fp32) on "

@@ -1,7 +1,7 @@
 """`vlmcp bench`: step time, tokens/s and memory of the packed training module, per pack length.
 
 Five modes here, each writing one JSON report (and the end-to-end modes of their own modules:
-`--data-scale`, `--rollout-rss`, `--publish`, `--length-mix`, `--engine-mismatch`):
+`--data-scale`, `--rollout-rss`, `--publish`, `--length-mix`, `--engine-mismatch`, `--ep-size`):
 - step (default): forward+backward of `PackedVLM` on a synthetic pack of each length (optionally
   with `--images` images of mixed sizes and `--videos` videos of `--frames` frames); no optimizer
   step. With `--pairs` the packs hold preference pairs whose halves show the same prompt images,
@@ -78,6 +78,8 @@ logger = logging.getLogger(__name__)
 #: The tiny bench model's defaults (`--vocab-size`, `--hidden-size`).
 DEFAULT_VOCAB = 512
 DEFAULT_HIDDEN = 64
+#: `--seq-lens` of the step modes when not given.
+DEFAULT_SEQ_LENS = "1024,4096"
 
 
 # --------------------------------------------------------------------------- one rank's work
@@ -589,6 +591,11 @@ _IGNORED_BY_MODE = {
                    "gradient_checkpointing", "tiled_mlp", "offload_activations", "loss_chunk_mb",
                    "loss_only", "find_max_len", "saved_bytes", "compare_alst", "data_scale",
                    "rollout_rss", "engine_mismatch", "routes", "publish"),
+    "ep_size": ("model", "moe", "images", "videos", "vision", "pairs", "sp_size", "dtype",
+                "deltanet_cp", "deltanet_kernel", "gradient_checkpointing", "tiled_mlp",
+                "offload_activations", "loss_chunk_mb", "loss_only", "find_max_len",
+                "memory_budget_gb", "saved_bytes", "compare_alst", "data_scale", "rollout_rss",
+                "engine_mismatch", "weights", "routes", "publish", "length_mix"),
     "publish": ("model", "moe", "images", "videos", "vision", "pairs", "deltanet_cp",
                 "deltanet_kernel", "gradient_checkpointing", "tiled_mlp", "offload_activations",
                 "loss_chunk_mb", "loss_only", "find_max_len", "saved_bytes", "compare_alst",
@@ -617,6 +624,7 @@ def _ignored_flags(args: argparse.Namespace) -> list[str]:
 def _resolve_args(args: argparse.Namespace, device: torch.device) -> None:
     """Fill the defaults that live in the model code; raise ValueError naming bad flag mixes."""
     problems = _ignored_flags(args)
+    args.seq_lens = args.seq_lens or DEFAULT_SEQ_LENS
     if args.model and (args.vocab_size is not None or args.hidden_size is not None
                        or args.intermediate_size is not None):
         problems.append("--vocab-size, --hidden-size and --intermediate-size shape the built-in tiny "
@@ -662,6 +670,13 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     mix_flags = [_flag(name) for name in MIX_FLAGS if getattr(args, name) not in (None, False)]
     if mix_flags and not args.length_mix:
         raise ValueError(f"{', '.join(mix_flags)}: flags of --length-mix")
+    if args.ep_size is not None:
+        from vlmcp.bench.expert_parallel import flag_problems, run_expert_parallel
+
+        problems = [p for p in _ignored_flags(args) if p.startswith("--ep-size ")] + flag_problems(args)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return _write_report(args, run_expert_parallel(args))
     if args.engine_mismatch or args.weights or args.temperature != 1.0:
         from vlmcp.bench.engine_mismatch import run_engine_mismatch
 
