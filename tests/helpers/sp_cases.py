@@ -20,6 +20,7 @@ from vlmcp.model.packed import PackedVLM
 from vlmcp.model.router_loss import router_objective
 from vlmcp.parallel import comm
 from vlmcp.training.ds.edits import DeepSpeedEdits
+from vlmcp.training.ds.expert_comms import expert_a2a_row, fill_comms_logger
 from vlmcp.training.ds.expert_parallel import fill_expert_parallel, moe_optimizer_factory
 from vlmcp.training.ds.zero3_sp import largest_tensor_numel, sp_exact_zero_settings
 from vlmcp.parallel.groups import SequenceParallel
@@ -85,7 +86,8 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
     and the score records. A LoRA case injects vlmcp's adapters (then `seed_adapter_weights`)
     before the engine is built, as `vlmcp train` does. With `router_aux`, the step also trains
     the router aux loss, whose mean over the step's micro-batches (DP x accumulation) comes back as
-    "router_aux".
+    "router_aux". A MoE case returns the step's "expert_load" row entries, an EP case also its
+    "expert_a2a" ones (vlmcp's comms_logger section on, as `vlmcp train` fills it).
 
     A case with "runs" ({run name: (objective, packs)}) instead runs one step per run on the one
     engine it builds (SGD at lr 0 leaves the weights as they were) and returns a result per
@@ -107,6 +109,7 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
         if ep_size > 1:
             edits = DeepSpeedEdits()
             fill_expert_parallel(config, ep_size, hf_config.text_config.num_experts_per_tok, edits)
+            fill_comms_logger(config, ep_size, edits)
             assert not edits.problems, edits.problems
         if case.get("partition_all"):
             config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
@@ -204,4 +207,6 @@ def _one_step(engine, module: PackedVLM, objective: Loss, micro_batches: list, c
         "offloaded": offloaded,
         "tower_calls": tower_calls,
         "replay": module.replay_metrics(),
+        "expert_load": module.expert_load_metrics(),
+        "expert_a2a": expert_a2a_row() if case.get("ep", 1) > 1 else None,
     }

@@ -21,6 +21,7 @@ PackedBatch):
         SP group, give this rank's share of the load-balancing loss   (model.router_loss)
     with routes in the pack (MoE): every MoE layer selects the routed experts of the shard's
         tokens, with the router's own gates                           (model.router_replay)
+    MoE: the experts each layer selected, counted once per forward   (model.expert_load)
 
 With P == 1 the same code is the exact packed single-rank path.
 """
@@ -211,6 +212,12 @@ class PackedVLM(nn.Module):
         replayed, agreed = self.router_replay.take_totals()
         return {"router_replay_tokens": int(replayed),
                 "router_replay_agreement": agreed / replayed if replayed else None}
+
+    def expert_load_metrics(self) -> dict[str, Any]:
+        """The training row's expert-load entries over the world since the last call (every rank
+        calls it together; empty for a dense model): the worst MoE layer's busiest-expert tokens
+        over its mean tokens per expert, its index, max and mean (model.expert_load)."""
+        return {} if self.router_replay is None else self.router_replay.take_load()
 
     @property
     def vision(self) -> nn.Module:

@@ -31,7 +31,9 @@ time; `tile` then names the tile's rows (model.tiled_mlp).
 Visible replay, per forward (`counting`): every MoE layer must see each of the shard's rows once
 (a hook that did not fire, or fired twice, is an error: the failure of verl #7340), and it counts
 the replayed (token, layer) rows and those whose native top-k *set* equals the replayed set; the
-training rows report their sums (`router_replay_tokens`, `router_replay_agreement`).
+training rows report their sums (`router_replay_tokens`, `router_replay_agreement`). The same
+count holds the experts each layer selected (replayed or native), the step's expert load
+(model.expert_load).
 
 Legend: S_local = this rank's shard length, L_moe = MoE layers, K = num_experts_per_tok,
 E = num_experts, n = the rows one router call sees (S_local, or a tile).
@@ -54,6 +56,7 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTopKR
 
 from vlmcp.data.batch import PackedBatch
 from vlmcp.data.routes import no_route
+from vlmcp.model.expert_load import ExpertLoad, count_selection
 from vlmcp.parallel import comm
 from vlmcp.parallel.shard import ShardPlan
 
@@ -85,13 +88,14 @@ class ShardRoutes:
 
 class ReplayCounts:
     """One forward's counts on this rank: rows each MoE layer saw, (token, layer) rows replayed,
-    and those whose native top-k set equalled the replayed one (0-dim tensors, no sync until
-    read)."""
+    those whose native top-k set equalled the replayed one (0-dim tensors), and the times each
+    layer selected each expert (`selected` [L_moe, E] long); on the device, no sync until read."""
 
-    def __init__(self, layers: int, device: torch.device) -> None:
+    def __init__(self, layers: int, num_experts: int, device: torch.device) -> None:
         self.seen = [0] * layers
         self.replayed = torch.zeros((), dtype=torch.float64, device=device)
         self.agreed = torch.zeros((), dtype=torch.float64, device=device)
+        self.selected = torch.zeros(layers, num_experts, dtype=torch.long, device=device)
 
 
 class RouterReplay:
@@ -115,6 +119,8 @@ class RouterReplay:
         #: [replayed rows, agreeing rows] of the micro-batches since the last `take_totals`,
         #: each micro-batch's weighted.
         self._totals = torch.zeros(2, dtype=torch.float64)
+        #: The experts the layers selected in the micro-batches since the last `take_load`.
+        self._load = ExpertLoad(self.layers, self.num_experts)
 
     def rebind(self) -> None:
         """Hook the language model's routers as they are now: called once at construction and
@@ -131,6 +137,10 @@ class RouterReplay:
     @property
     def layers(self) -> int:
         return len(self.routers)
+
+    @property
+    def num_experts(self) -> int:
+        return self.routers[0].num_experts
 
     @property
     def device(self) -> torch.device:
@@ -151,12 +161,14 @@ class RouterReplay:
     def micro_batch(self, batch: PackedBatch, plan: ShardPlan, weight: float = 1.0
                     ) -> Iterator[None]:
         """Replay `batch`'s routes (its shard under `plan`) while the block runs: its forward and
-        its backward. On leaving, the last forward's counts join the totals, times `weight`."""
+        its backward. On leaving, the last forward's counts join the totals and the expert load,
+        times `weight`."""
         self._last = None
         with self._holding(batch, plan):
             yield
         if self._last is not None:
             self._totals += torch.stack([self._last.replayed, self._last.agreed]).cpu() * weight
+            self._load.add(self._last.selected, weight)
 
     def for_forward(self, batch: PackedBatch, plan: ShardPlan) -> Any:
         """The context one forward of `batch` runs in: nothing more when `micro_batch(batch)`
@@ -183,7 +195,7 @@ class RouterReplay:
     def counting(self, local_len: int) -> Iterator[ReplayCounts]:
         """Count one forward of a shard of `local_len` rows (see the module docstring); on leaving,
         a MoE layer that did not see every row once is a RuntimeError."""
-        counts = self._counts = ReplayCounts(self.layers, self.device)
+        counts = self._counts = ReplayCounts(self.layers, self.num_experts, self.device)
         try:
             yield counts
         finally:
@@ -220,6 +232,11 @@ class RouterReplay:
     def needs_rows(self) -> bool:
         """Whether router calls must know which of the shard's rows they see (routes replayed)."""
         return self._routes is not None
+
+    def take_load(self) -> dict[str, Any]:
+        """The expert-load entries of the training row over the world since the last call (every
+        rank calls it together: one all-reduce; model.expert_load)."""
+        return self._load.take_row(self.device)
 
     def take_totals(self) -> tuple[float, float]:
         """(replayed rows, agreeing rows) over the world since the last call (every rank calls it
@@ -259,7 +276,8 @@ class RouterReplay:
                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Layer `layer`'s selection given its router's native one [n, K]: (the selected experts
         [n, K] long, their softmax probabilities [n, K] fp32) where this rank's routes replay, else
-        None; `logits_of()` gives the router's logits [n, E]. Counts and records the selection."""
+        None; `logits_of()` gives the router's logits [n, E]. Counts (within `counting`: once
+        per forward, never in a recompute) and records the selection."""
         rows = self._rows if self._rows is not None else slice(None)
         chosen, result = native, None
         if self._routes is not None:
@@ -277,6 +295,7 @@ class RouterReplay:
                 self._counts.agreed += (routed & same).sum()
         if self._counts is not None:
             self._counts.seen[layer] += native.shape[0]
+            count_selection(self._counts.selected, layer, chosen)
         if self._recorded is not None:
             self._recorded[rows, layer] = chosen.detach()
         return result

@@ -37,6 +37,10 @@ mean aux loss (without the coefficient) is reported as `router_aux_loss`.
 
 A MoE model replays the routes its packs carry (model.router_replay); every MoE row reports
 `router_replay_tokens` and `router_replay_agreement` (0 and null when nothing was replayed).
+Every MoE row also reports the step's expert load over the world (model.expert_load:
+`expert_load_max_over_mean` of the worst layer, its index, max and mean), and under
+`parallel.ep_size` > 1 the expert all-to-all's `expert_a2a_bytes` and `expert_a2a_s`
+(training/ds/expert_comms.py; null when the job's comms_logger section turns it off).
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ from vlmcp.parallel.agree import attempt, fail_together, run_together
 from vlmcp.parallel.groups import SequenceParallel
 from vlmcp.training.checkpoint import checkpoint_dir, load_latest, save_checkpoint
 from vlmcp.training.ds.config import zero_stage
+from vlmcp.training.ds.expert_comms import expert_a2a_row, restart_expert_a2a
 from vlmcp.training.evaluate import eval_loss, generation_accuracy
 from vlmcp.training.metrics import MetricsWriter
 from vlmcp.training.nonfinite import NonFiniteGuard
@@ -242,6 +247,8 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     """Run optimizer step `step` (0-based); returns its metrics row."""
     started = time.perf_counter()
     engine, sp, grad_accum = run.engine, run.sp, run.job.train.grad_accum
+    if run.job.parallel.ep_size > 1:
+        restart_expert_a2a()  # an evaluation's all-to-alls are not the step's
     fetched = _step_batches(run, step)
     if fetched.skip:
         return {"step": step + 1, "skipped_rollout": fetched.skip, **fetched.row}
@@ -312,6 +319,9 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     if run.module.router_loss is not None:
         row["router_aux_loss"] = float(sums[3]) / max(fetched.micro_batches, 1)
     row.update(run.module.replay_metrics())
+    row.update(run.module.expert_load_metrics())
+    if run.job.parallel.ep_size > 1:
+        row.update(expert_a2a_row())
     if sums[2]:
         row["skipped_step"] = True
     return row

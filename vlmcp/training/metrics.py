@@ -5,7 +5,10 @@ Training rows: {"step", "loss", "lr", "grad_norm", "tokens", "targets", "tokens_
 "approx_kl" for ppo_clip, TRL's "rewards/..." for the preference objectives, "term0_loss", ...
 for several terms: model/loss_terms.py, training/objective_step.py; "loss" is then the step's
 objective under its normalisation), plus "router_aux_loss" (the mean router load-balancing loss of the step's
-micro-batches, without its coefficient; `loss` stays the LM loss) with `model.router_aux_loss`.
+micro-batches, without its coefficient; `loss` stays the LM loss) with `model.router_aux_loss`;
+on a MoE model the routing replay's and the expert load's keys (model.router_replay,
+model.expert_load), under `parallel.ep_size` > 1 "expert_a2a_bytes" and "expert_a2a_s"
+(training/ds/expert_comms.py).
 Evaluation rows: {"step", "eval_loss", "eval_targets"} plus
 "eval_accuracy" and "eval_samples" when generation eval is on. `step` counts completed optimizer
 steps. Rows are strict JSON: a NaN or infinite value is written as null and its key listed in

@@ -19,7 +19,8 @@ A stock DeepSpeed JSON works unchanged (HF Trainer's semantics). Where a value c
   (vlmcp's final export gathers the full weights anyway);
 - an `optimizer` / `scheduler` block: DeepSpeed builds it, the job fills its "auto" params
   (training/ds/blocks.py);
-- `expert_parallel`: from `parallel.ep_size` (DeepSpeed's AutoEP, training/ds/expert_parallel.py).
+- `expert_parallel`: from `parallel.ep_size` (DeepSpeed's AutoEP, training/ds/expert_parallel.py),
+  and with it `comms_logger`, recording the expert all-to-all (training/ds/expert_comms.py).
 
 Any other number that disagrees with the job (say `gradient_accumulation_steps: 4` with
 `train.grad_accum: 1`) is an error naming both keys. Every key vlmcp changes is logged with its old
@@ -39,6 +40,7 @@ from vlmcp.data import json_text
 from vlmcp.errors import ConfigError
 from vlmcp.training.ds.blocks import fill_optimizer_block, fill_scheduler_block, offloads_optimizer
 from vlmcp.training.ds.edits import ABSENT, DeepSpeedEdits, get_path, shown
+from vlmcp.training.ds.expert_comms import fill_comms_logger
 from vlmcp.training.ds.expert_parallel import fill_expert_parallel
 
 logger = logging.getLogger(__name__)
@@ -264,6 +266,7 @@ def fill_deepspeed_config(raw: dict[str, Any], job: JobConfig, *, dp_size: int,
     _torch_optimizer_keys(config, edits)
     if moe_top_k or job.parallel.ep_size == 1:
         fill_expert_parallel(config, job.parallel.ep_size, moe_top_k, edits)
+    fill_comms_logger(config, job.parallel.ep_size, edits)
     if job.parallel.ep_size > 1 and job.parallel.sp_size > 1 and \
             get_path(config, "zero_optimization.stage") == 3:
         edits.problem(f"config key 'parallel.ep_size' ({job.parallel.ep_size}) with ZeRO stage 3 "
