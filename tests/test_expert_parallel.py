@@ -12,7 +12,8 @@ AutoEP with ZeRO 3 under SP; vlmcp refuses the combination at validate); native 
 replayed routes, `ppo_clip`, routes that send every token to one EP rank's experts (the other
 receives none), a pack whose shard on one rank has no route at all, and DeltaNet's heads mode
 with gradient checkpointing (AutoEP's all-to-all runs again in the recompute) and DeepSpeed's
-activation offload. Each world size runs its cases in one set of processes.
+activation offload; the router load-balancing loss beside the CE (its reference: the samples of
+each micro-batch batched, right-padded, transformers' own `aux_loss`). Each world size runs its cases in one set of processes.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from tests.helpers.objective_reference import reference_step, target_logprobs
 from tests.helpers.parity import (assert_within_fp32_error, build_model, float64_reference,
                                   make_sample, pack, reference_loss_and_grads)
 from tests.helpers.replay_reference import force_routes, random_routes
+from tests.helpers.router_reference import add_grads, reference_router_aux_and_grads
 from tests.helpers.sp_cases import engine_step
 from vlmcp.config import LossTerm
 from vlmcp.data.pack import shifted_array
@@ -66,6 +68,12 @@ CASES = {
     "sp2_ep2_zero2_heads_mode_checkpointing_activation_offload": dict(
         world=2, sp=2, ep=2, stage=2, model={}, mode="heads", checkpointing=True, offload=True,
         packs=[[(21, [(1, 4, 4)], "holes"), (16, [], "nested")]]),
+    # the router load-balancing loss (its coefficient raised so that it matters) beside the CE:
+    # AutoEP's router captured, its logits from its gate (native routing: the batched reference
+    # of the aux loss forwards the pack's samples together)
+    "sp2_ep2_zero2_router_aux_loss": dict(
+        world=2, sp=2, ep=2, stage=2, model={"router_aux_loss_coef": 0.5}, router_aux=True,
+        packs=[[(23, [(1, 4, 4)], "none"), (14, [], "none")]]),
     # EP 4 spans both SP groups of DP 2 (another pack on each), routes replayed
     "sp2_ep4_dp2_zero2_replayed_routes": dict(
         world=4, sp=2, ep=4, stage=2, model={"num_key_value_heads": 2},
@@ -138,13 +146,18 @@ def _materialise(name: str, tmp_root):
             (lambda f, *args: f(reference_model, *args))
         if objective is not None:
             result = run(reference_step, samples, arrays, [objective])
-            return result.loss, result.grads
-        return run(reference_loss_and_grads, samples)
+            return result.loss, result.grads, None
+        loss, grads = run(reference_loss_and_grads, samples)
+        if not spec.get("router_aux"):
+            return loss, grads, None
+        aux, aux_grads = run(reference_router_aux_and_grads, per_rank)
+        return loss, add_grads(grads, aux_grads), aux
 
     case = dict(checkpoint=str(checkpoint), stage=spec["stage"], mode=spec.get("mode", "state"),
                 checkpointing=spec.get("checkpointing", False),
                 offload_activations=spec.get("offload", False), grad_accum=1,
                 loss_chunk_mb=DEFAULT_LOSS_CHUNK_MB, objective=objective, ep=spec["ep"],
+                router_aux=spec.get("router_aux", False),
                 packs=[[batch_of(rank)] for rank in range(len(per_rank))])
     return case, reference(exact=False), reference(exact=True)
 
@@ -191,10 +204,14 @@ def test_expert_parallel_step_equals_transformers_per_sample_with_every_expert_o
     each routed-experts tensor), within fp32's error of the float64 reference (at least 1e-5); the
     world's ranks hold every expert of every layer, each once per EP group."""
     spec = CASES[name]
-    (ref_loss, ref_grads), (truth_loss, truth_grads), per_rank = _results(spec["world"], tmp_root)[name]
+    (ref_loss, ref_grads, ref_aux), (truth_loss, truth_grads, truth_aux), per_rank = \
+        _results(spec["world"], tmp_root)[name]
     local = SPEC.num_experts // spec["ep"]
     for rank, result in enumerate(per_rank):
         assert_within_fp32_error(result["loss"], ref_loss, truth_loss, at_least=TOL, name="loss")
+        if ref_aux is not None:
+            assert_within_fp32_error(result["router_aux"], ref_aux, truth_aux, at_least=TOL,
+                                     name="router aux loss")
         grads = hf_named_grads(result["grads"])
         assert grads.keys() == {n for n in ref_grads if not n.startswith("model.visual")}
         held = slice((rank % spec["ep"]) * local, (rank % spec["ep"] + 1) * local)

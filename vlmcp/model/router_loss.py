@@ -27,6 +27,10 @@ reaches the router through the probabilities, as without replay. (Counting the r
 top-k instead would balance a load no expert carried; either count has no gradient.) Without
 routes the selected experts are the top-k, so nothing changes.
 
+Under expert parallelism DeepSpeed's AutoEP replaces each MoE block and its router; `rebind`
+captures its `TokenChoiceTopKRouter`, whose logits are its gate's output (computed once more in
+the hook: the router returns gates, not logits) and whose selection is the one its experts ran.
+
 Legend: S_local = this rank's shard length, E = num_experts, k = num_experts_per_tok.
 """
 
@@ -41,6 +45,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTopKRouter
 
+from vlmcp.model.router_replay import moe_routers
 from vlmcp.parallel import comm
 
 
@@ -104,15 +109,21 @@ class RouterAuxLoss:
 
     def __init__(self, language_model: nn.Module, text_config: PretrainedConfig) -> None:
         problem = router_config_problem(text_config)
-        routers = [m for m in language_model.modules() if isinstance(m, Qwen3_5MoeTopKRouter)]
+        routers = moe_routers(language_model)
         if problem is None and not routers:
             problem = "config key 'model.router_aux_loss': the model has no MoE router modules"
         if problem is not None:
             raise ValueError(problem)
+        self._language_model = language_model
         self.routers = routers
         self.num_experts = int(text_config.num_experts)
         self.top_k = int(text_config.num_experts_per_tok)
         self.coef = float(text_config.router_aux_loss_coef)
+
+    def rebind(self) -> None:
+        """Capture the language model's routers as they are now: after DeepSpeed's AutoEP
+        replaced the MoE blocks (`PackedVLM.adopt_expert_parallel`), its `TokenChoiceTopKRouter`s."""
+        self.routers = moe_routers(self._language_model)
 
     @contextmanager
     def capture(self, real: torch.Tensor) -> Iterator[RouterStats]:
@@ -125,7 +136,12 @@ class RouterAuxLoss:
         stats = RouterStats(real.to(torch.float32), self.num_experts, self.top_k)
 
         def record(module: nn.Module, args: tuple, output: tuple) -> None:
-            stats.add(output[0], output[2])
+            if isinstance(module, Qwen3_5MoeTopKRouter):
+                stats.add(output[0], output[2])
+            else:
+                # AutoEP's router returns (gates, experts, tokens per expert): its logits are its
+                # gate's output, computed again here ([n, E], differentiable)
+                stats.add(module.gate(args[0]), output[1])
 
         handles = [router.register_forward_hook(record) for router in self.routers]
         try:
