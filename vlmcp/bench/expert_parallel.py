@@ -59,6 +59,7 @@ import torch
 
 from vlmcp.bench.jobs import scratch_folder
 from vlmcp.bench.procs import Memory, run_fresh
+from vlmcp.bench.saved_bytes import counting_saved_bytes
 from vlmcp.parallel import comm
 
 #: The world every way runs on, and the tokens a rank's pack holds unless --seq-lens says.
@@ -135,11 +136,14 @@ class EpTask:
         stage, ep_on, plain = WAYS[self.way]
         memory = Memory(device)
         process_mb = memory.current_mb()
+        why = None
         try:
             engine, step_loss = (_plain_engine if plain else _vlmcp_engine)(self, stage, ep_on)
         except Exception as error:  # noqa: BLE001 - a way that cannot run is reported, not fatal
-            comm.barrier()
-            return {"ran": False, "why": f"{type(error).__name__}: {error}"}
+            why = f"{type(error).__name__}: {error}"
+        # every rank learns whether any could not build the way (none times steps alone)
+        if any(comm.rank_flags(why is not None)):
+            return {"ran": False, "why": why or "it could not run on another rank"}
         gc.collect()
         model_mb = memory.current_mb()
         memory.reset_peak()
@@ -157,13 +161,13 @@ class EpTask:
                                ended - backward_end, time.process_time() - cpu_started])
         peak_mb = memory.peak_mb()
         with profile(activities=[ProfilerActivity.CPU]) as profiled:
-            with _SavedBytes(engine.module) as saved:
+            with counting_saved_bytes(engine.module) as saved:
                 loss = step_loss()
             engine.backward(loss)
             engine.step()
         expert = _expert_bytes(engine)
         collectives = _collective_seconds(profiled)
-        mine = [process_mb, model_mb, peak_mb, saved.bytes, *expert.values(), *collectives.values(),
+        mine = [process_mb, model_mb, peak_mb, saved.total, *expert.values(), *collectives.values(),
                 *(v for step in phases for v in step)]
         table = torch.zeros(comm.world_size(), len(mine), dtype=torch.float64)
         table[comm.rank()] = torch.tensor(mine, dtype=torch.float64)
@@ -289,34 +293,6 @@ def _plain_engine(task: EpTask, stage: int, ep_on: bool) -> tuple[Any, Any]:
 
 def _text_config(model_dir: str) -> dict[str, Any]:
     return json.loads(Path(model_dir, "config.json").read_text())["text_config"]
-
-
-class _SavedBytes:
-    """Within the block: the bytes of every storage autograd saves for backward, each once, no
-    storage that a parameter of `module` holds at that moment (ZeRO 3's gathered weights)."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.params = list(module.parameters())
-        self.seen: set[int] = set()
-        self.bytes = 0
-        self._hooks: Any = None
-
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        if key not in self.seen and storage.nbytes() and not isinstance(tensor, torch.nn.Parameter):
-            self.seen.add(key)
-            if key not in {p.untyped_storage().data_ptr() for p in self.params}:
-                self.bytes += storage.nbytes()
-        return tensor
-
-    def __enter__(self) -> _SavedBytes:
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._hooks.__exit__(*exc)
 
 
 def _expert_params(engine: Any) -> list[tuple[str, torch.nn.Parameter]]:

@@ -4,7 +4,8 @@ One forward of the packed training module on a synthetic pack runs under
 `torch.autograd.graph.saved_tensors_hooks`. Every tensor autograd saves is charged to the innermost
 module whose forward is running (forward pre/post hooks keep the stack) at its storage's full size,
 once per storage (a view of a storage already charged costs nothing more), and never for a
-parameter's storage. Saved tensors stay alive until backward, so no storage is freed and its
+parameter's storage: the one a parameter holds when the tensor is saved (under ZeRO-3 a gathered
+weight's storage exists only while its module runs). Saved tensors stay alive until backward, so no storage is freed and its
 address reused while the pass counts.
 
 This is the part of a GPU's activation memory that a CPU run measures exactly: what autograd keeps
@@ -52,7 +53,7 @@ def counting_saved_bytes(model: nn.Module) -> Iterator[SavedBytes]:
     `model` (module names as `named_modules` gives them). Yields the running count."""
     counts = SavedBytes()
     stack: list[str] = []
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    params = list(model.parameters())
     seen: set[int] = set()
     handles = []
     for name, module in model.named_modules():
@@ -63,7 +64,8 @@ def counting_saved_bytes(model: nn.Module) -> Iterator[SavedBytes]:
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
-        if key not in params and key not in seen and storage.nbytes():
+        if (key not in seen and storage.nbytes() and not isinstance(tensor, nn.Parameter)
+                and key not in {p.untyped_storage().data_ptr() for p in params}):
             seen.add(key)
             counts.by_module[stack[-1] if stack else OUTSIDE] += storage.nbytes()
         return tensor

@@ -31,10 +31,9 @@ def engine_optim_args(job: JobConfig, ds_config: dict[str, Any],
                       trainable: list[torch.nn.Parameter]) -> dict[str, Any]:
     """`optimizer` and `lr_scheduler` keyword arguments of `deepspeed.initialize` (see above)."""
     optimizer: Any = None
-    if job.parallel.ep_size > 1 and "optimizer" not in ds_config:
-        optimizer = moe_optimizer_factory(lambda groups: build_optimizer(groups, job.optimizer))
-    elif "optimizer" not in ds_config:
-        optimizer = build_optimizer(trainable, job.optimizer)
+    if "optimizer" not in ds_config:
+        optimizer = (moe_optimizer_factory(lambda groups: build_optimizer(groups, job.optimizer))
+                     if job.parallel.ep_size > 1 else build_optimizer(trainable, job.optimizer))
     if "scheduler" in ds_config:
         scheduler: Any = None
     elif not isinstance(optimizer, torch.optim.Optimizer):

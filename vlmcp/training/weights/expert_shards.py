@@ -62,12 +62,18 @@ class ExpertLayer:
 
 def expert_layers(hf_model: nn.Module) -> list[ExpertLayer]:
     """The AutoEP MoE layers of `hf_model`, in module order (empty without expert parallelism)."""
-    from deepspeed.checkpoint.autoep_affine import autoep_experts_for_rank
     from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
 
-    return [ExpertLayer(name, module, tuple(autoep_experts_for_rank(
-                module.expert_placement_descriptor, module.ep_rank)))
+    return [ExpertLayer(name, module, experts_of(module, module.ep_rank))
             for name, module in hf_model.named_modules() if isinstance(module, AutoEPMoELayer)]
+
+
+def experts_of(module: nn.Module, ep_rank: int) -> tuple[int, ...]:
+    """The global ids of the experts EP rank `ep_rank` holds in the AutoEP layer `module`, in its
+    local order: the layer's own placement (DeepSpeed's `autoep_experts_for_rank`)."""
+    from deepspeed.checkpoint.autoep_affine import autoep_experts_for_rank
+
+    return tuple(autoep_experts_for_rank(module.expert_placement_descriptor, ep_rank))
 
 
 def _placeholder(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
@@ -119,15 +125,16 @@ def hf_layout(hf_model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str
 
 
 def expert_holders(hf_model: nn.Module, world: int) -> dict[str, tuple[int, ...]]:
-    """{per-expert key: the global ranks holding that expert} over a world of `world` ranks (EP
-    groups of consecutive ranks; the same on every rank); empty without expert parallelism."""
+    """{per-expert key: the global ranks holding that expert} over a world of `world` ranks (the
+    layer's placement per EP rank, EP groups of consecutive ranks: EP rank j is every rank r with
+    r % E == j; the same on every rank); empty without expert parallelism."""
     holders: dict[str, tuple[int, ...]] = {}
     for layer in expert_layers(hf_model):
-        local = layer.num_experts // layer.ep_size
-        for expert in range(layer.num_experts):
-            ranks = tuple(r for r in range(world) if r % layer.ep_size == expert // local)
-            for name in _PROJECTIONS:
-                holders[layer.key(expert, name)] = ranks
+        for ep_rank in range(layer.ep_size):
+            ranks = tuple(r for r in range(world) if r % layer.ep_size == ep_rank)
+            for expert in experts_of(layer.module, ep_rank):
+                for name in _PROJECTIONS:
+                    holders[layer.key(expert, name)] = ranks
     return holders
 
 
