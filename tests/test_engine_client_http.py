@@ -5,119 +5,25 @@ vLLM's message and status, a refused connection, a request that hangs past the c
 timeout, a reload or a reset the server refused (the server stays paused, the version unchanged),
 a repack answer that is not a count.
 
-The stand-in (`FakeVllm`) is the standard library's HTTP server in a thread on 127.0.0.1: it
-answers vLLM 0.32's development endpoints as vLLM does (the bodies read in vLLM's
-`entrypoints/serve/dev` and `entrypoints/rl/online` routers) and records every request. A hung
-endpoint holds its answer for at most `HANG_S`, and leaving the `with` block stops the server and
-releases what still hangs.
+The stand-in is `tests.helpers.fake_vllm.FakeVllm`.
 """
 
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.helpers.fake_vllm import HANG, VLLM_ERROR, FakeVllm
 from vlmcp.data.rollouts import STABLE
 from vlmcp.engine.vllm_http import VllmHttpClient
 from vlmcp.errors import EngineError
 from vlmcp.parallel.comm import free_local_port
-
-#: The longest a hung endpoint holds its answer.
-HANG_S = 10.0
-#: An answer that never comes (until the server stops, or HANG_S passed).
-HANG = "hang"
-#: An OpenAI-style vLLM error body (`ErrorResponse`), as its exception handlers write it.
-VLLM_ERROR = {"error": {"message": "Failed to reload: weights_path has no safetensors",
-                        "type": "Internal Server Error", "param": None, "code": 500}}
-
-
-class FakeVllm:
-    """A stand-in vLLM server on 127.0.0.1 (see the module docstring).
-
-    answers: the answer of an endpoint, by its path without the query ("/pause"), or for
-    /collective_rpc by "/collective_rpc:METHOD": (HTTP status, JSON body or raw text), or HANG.
-    Others answer as vLLM does on success. calls: (path with its query, JSON body) of every
-    request, in order.
-    """
-
-    def __init__(self, answers: dict[str, Any] | None = None):
-        self.answers = answers or {}
-        self.calls: list[tuple[str, Any]] = []
-        self.released = threading.Event()
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                fake._answer(self, None)
-
-            def do_POST(self) -> None:  # noqa: N802
-                size = int(self.headers.get("Content-Length") or 0)
-                fake._answer(self, json.loads(self.rfile.read(size) or b"null"))
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,),
-                                       daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_port}"
-
-    def paths(self) -> list[str]:
-        """The calls as "PATH?QUERY", with the method for /collective_rpc ("/collective_rpc:M")."""
-        return [f"{path}:{body['method']}" if path == "/collective_rpc" else path
-                for path, body in self.calls]
-
-    def _answer(self, handler: BaseHTTPRequestHandler, body: Any) -> None:
-        self.calls.append((handler.path, body))
-        path = handler.path.split("?")[0]
-        key = f"{path}:{body['method']}" if path == "/collective_rpc" else path
-        answer = self.answers.get(key, _SUCCESS.get(key, (200, {})))
-        if answer == HANG:
-            self.released.wait(HANG_S)
-            return
-        status, content = answer
-        payload = (content if isinstance(content, str) else json.dumps(content)).encode()
-        handler.send_response(status)
-        handler.send_header("Content-Type", "application/json")
-        handler.send_header("Content-Length", str(len(payload)))
-        handler.end_headers()
-        handler.wfile.write(payload)
-
-    def __enter__(self) -> FakeVllm:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.released.set()
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(timeout=HANG_S)
-
-
-#: vLLM 0.32's answers on success (a reload returns None per worker; a repack, the worker
-#: extension's count, as text).
-_SUCCESS: dict[str, tuple[int, Any]] = {
-    "/pause": (200, {"status": "paused"}),
-    "/resume": (200, {"status": "resumed"}),
-    "/collective_rpc:reload_weights": (200, {"results": [None]}),
-    "/collective_rpc:repack_cpu_moe_experts": (200, {"results": ["4"]}),
-    "/collective_rpc:padded_cpu_moe_experts": (200, {"results": [[]]}),
-    "/reset_prefix_cache": (200, {"success": True}),
-    "/reset_encoder_cache": (200, ""),
-    "/update_weight_version": (200, {"success": True}),
-}
 
 
 def _published(root: Path, moe: bool = False) -> tuple[Path, Path]:

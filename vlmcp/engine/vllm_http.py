@@ -32,12 +32,10 @@ in vlmcp's environment drives a server started from the engine's (`VllmServer`, 
 user points the client at their own `vllm serve --model CHECKPOINT` (with `--logprobs-mode
 processed_logprobs`).
 
-`post` is the one way this module talks to the server; orchestrators use it for generation too
+The client talks to the server through `vllm_api.VllmHttp` (every failure one EngineError line
+naming the server's URL); orchestrators use its `post` for generation too
 (`/v1/chat/completions`, `/v1/completions`, and `/inference/v1/generate`, the token-in/token-out
-endpoint, which reports `weight_versions`; it needs `--enable-scale-out`). Every failure is one
-EngineError line naming the server's URL: an HTTP error with vLLM's message and the status, a
-server that is unreachable (nothing answers the connection), or a request that timed out after
-`timeout_s` (the server may still finish it: a /pause may complete later and leave it paused).
+endpoint, which reports `weight_versions`; it needs `--enable-scale-out`).
 """
 
 from __future__ import annotations
@@ -54,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmcp.engine.client import EngineClient
+from vlmcp.engine.vllm_api import VllmHttp
 from vlmcp.errors import EngineError
 from vlmcp.parallel.comm import free_local_port
 
@@ -71,24 +70,6 @@ CPU_ARGS = ("--dtype", "bfloat16", "--enforce-eager", "--distributed-executor-ba
             "--worker-extension-cls", "vlmcp.engine.vllm_worker.VlmcpWorkerExtension")
 #: The checkout holding `vlmcp/`, put on the server's PYTHONPATH for the worker extension.
 CHECKOUT = Path(__file__).resolve().parents[2]
-
-
-def _error_message(body: bytes) -> str:
-    """vLLM's error message in an HTTP error `body`, on one line: `{"error": {"message": ...}}`
-    (the OpenAI-style errors), `{"error": "..."}` (/pause, /resume) or `{"detail": "..."}` (a
-    route the server lacks); else the body's text."""
-    text = body.decode(errors="replace")
-    try:
-        found = json.loads(text)
-    except ValueError:
-        found = None
-    if isinstance(found, dict):
-        error = found.get("error", found.get("detail"))
-        if isinstance(error, dict):
-            error = error.get("message")
-        if isinstance(error, str):
-            text = error
-    return " ".join(text.split())[:1000] or "(no body)"
 
 
 class VllmServer:
@@ -168,47 +149,21 @@ class VllmHttpClient(EngineClient):
                  version: int = 0, server: VllmServer | None = None, pause_mode: str = "wait",
                  timeout_s: float = 600.0):
         super().__init__(weights_dir, model_dir, version)
-        if pause_mode not in ("wait", "keep", "abort"):
-            raise EngineError(f"pause_mode={pause_mode!r}: vLLM pauses with wait, keep or abort")
-        self.url, self.server = url.rstrip("/"), server
-        self.pause_mode, self.timeout_s = pause_mode, timeout_s
+        self.http = VllmHttp(url, timeout_s=timeout_s, pause_mode=pause_mode)
+        self.server = server
         self.post("/update_weight_version", {"new_version": str(version)})
         if self.served_config.moe:
             found = self.post("/collective_rpc", {"method": "padded_cpu_moe_experts"})
             self.refuse_padded_moe_experts([line for lines in found["results"] for line in lines])
 
     def post(self, path: str, body: dict[str, Any] | None = None) -> Any:
-        """POST `body` (JSON) to the server's `path`; the decoded answer (None when empty).
-        Raises EngineError: the server unreachable, the request timed out after `timeout_s`, or
-        the server's error message with the HTTP status."""
-        request = urllib.request.Request(self.url + path, data=json.dumps(body or {}).encode(),
-                                         headers={"Content-Type": "application/json"})
-        return self._send(request, path)
+        """POST `body` (JSON) to the server's `path`; the decoded answer (`VllmHttp.post`: every
+        failure one EngineError naming the server)."""
+        return self.http.post(path, body)
 
     def get(self, path: str) -> Any:
         """GET the server's `path`; the decoded answer (errors as for `post`)."""
-        return self._send(urllib.request.Request(self.url + path), path)
-
-    def _send(self, request: urllib.request.Request, path: str) -> Any:
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as answer:
-                payload = answer.read()
-        except urllib.error.HTTPError as exc:
-            hint = (" (the development endpoints need the server started with "
-                    "VLLM_SERVER_DEV_MODE=1)" if exc.code == 404 else "")
-            raise EngineError(f"vLLM server {self.url}{path}: HTTP {exc.code}: "
-                              f"{_error_message(exc.read())}{hint}") from exc
-        except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
-            reason = getattr(exc, "reason", exc)
-            if isinstance(reason, TimeoutError):
-                raise EngineError(
-                    f"vLLM server {self.url}: {request.get_method()} {path} timed out after "
-                    f"{self.timeout_s:g} s; the server may still be doing it (a /pause may "
-                    "complete later and leave it paused): GET /is_paused tells, POST /resume "
-                    "resumes it, or restart the server (a longer timeout_s waits longer)") from exc
-            raise EngineError(f"vLLM server {self.url} is unreachable ({reason}) on {path}: is "
-                              "it running there?") from exc
-        return json.loads(payload) if payload.strip() else None
+        return self.http.get(path)
 
     @property
     def engine_version(self) -> str:
@@ -216,9 +171,7 @@ class VllmHttpClient(EngineClient):
         return str(self.get("/weight_info")["weight_version"])
 
     def _reload(self, path: Path, step: int, moe: bool) -> int:
-        # The pause only pauses: its own cache clearing (vLLM 0.32: deprecated, documented as
-        # ignored for mode=keep) is left off, the caches are reset after the reload instead.
-        self.post(f"/pause?mode={self.pause_mode}&clear_cache=false")
+        self.http.pause()
         try:
             self.post("/collective_rpc", {"method": "reload_weights",
                                           "kwargs": {"weights_path": str(path)}})
@@ -243,20 +196,13 @@ class VllmHttpClient(EngineClient):
                 return sum(int(count) for count in answer["results"])
         except (TypeError, KeyError, ValueError):
             pass
-        raise EngineError(f"vLLM server {self.url}/collective_rpc: repack_cpu_moe_experts "
+        raise EngineError(f"vLLM server {self.http.url}/collective_rpc: repack_cpu_moe_experts "
                           f"answered {json.dumps(answer)}, not one layer count per worker")
 
     def _reset_prefix_cache(self, path: Path) -> None:
-        """Leave no KV of the old weights reusable. vLLM's reset is all or nothing and fails while
-        requests hold blocks: in keep mode the frozen ones do, so it is asked to preempt them
-        (`reset_running_requests`): they are recomputed under the new weights after /resume. An
-        answer without `success` (older servers answer nothing) counts as done."""
-        query = "?reset_running_requests=true" if self.pause_mode == "keep" else ""
+        """`VllmHttp.reset_prefix_cache`; a reset that fails leaves the server paused."""
         try:
-            answer = self.post(f"/reset_prefix_cache{query}")
-            if isinstance(answer, dict) and not answer.get("success", True):
-                raise EngineError(f"vLLM server {self.url}/reset_prefix_cache{query} answered "
-                                  f"{json.dumps(answer)} (blocks still held)")
+            self.http.reset_prefix_cache()
         except EngineError as exc:
             raise EngineError(f"{exc}; after reloading {path} the server stays paused, still "
                               f"labelled version {self.version}, and its prefix cache may hold KV "
