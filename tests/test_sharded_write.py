@@ -9,6 +9,9 @@
   forced there) is never sealed: the ranks agree it is unwritten, then that it failed;
 - rank 0's writer thread dying in its look for the other ranks' marks (a network filesystem's
   stale handle) fails the publish on every rank, with no directory left.
+- a rank's writer thread held from the moment its mark shows until rank 0 has finished and
+  renamed the directory: nothing of that rank's part comes after, so the ranks agree that the
+  directory is complete (a flush of the mark after it showed failed on a loaded CI machine).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from safetensors.torch import load_file
 
 from tests.helpers.distributed import run_ranks
 from vlmcp.parallel import comm
-from vlmcp.training.weights.hf_format import WEIGHTS_NAME, shard_names
+from vlmcp.training.weights.hf_format import INDEX_NAME, WEIGHTS_NAME, shard_names
 from vlmcp.training.weights.sharded_write import ShardedWrite
 from vlmcp.training.weights.shards import SharePlan
 
@@ -156,3 +159,59 @@ def test_a_writer_thread_that_dies_outside_its_writes_fails_the_publish_on_every
     assert "Stale file handle (simulated)" in line, line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0-looked"], \
         "no step_1, and no .tmp- directory"
+
+
+class _HeldUntil(threading.Event):
+    """Rank 1's `written` event: setting it first waits until `ready()` (rank 0 has finished the
+    directory), so that nothing of rank 1's part can come after rank 0's finish by luck alone."""
+
+    def __init__(self, ready):
+        super().__init__()
+        self.ready = ready
+
+    def set(self) -> None:
+        deadline = time.monotonic() + 60
+        while not self.ready() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        super().set()
+
+
+def _rank0_finishes_as_soon_as_rank1s_mark_shows(out_dir: str) -> list[str]:
+    """Rank 1's writer thread is held from the moment its mark is visible (to rank 0's look for
+    the marks) until rank 0 has renamed the finished directory into place."""
+    from vlmcp.errors import CheckpointError
+    from vlmcp.training.weights import sharded_write
+
+    out = Path(out_dir) / "step_1"
+    write = ShardedWrite.begin(out, _two_writers(), what="published weights",
+                               replaceable=lambda _: True)
+    share = {"a": _WEIGHT.clone()} if comm.rank() == 0 else {"b": _WEIGHT.clone()}
+    if comm.rank() == 1:
+        mark = write.tmp / ".rank-1.written"
+        real = sharded_write.fsync_path
+
+        def held(path: Path) -> None:
+            if mark.exists():  # rank 0 may finish from here on
+                deadline = time.monotonic() + 60
+                while not out.is_dir() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            real(path)
+
+        sharded_write.fsync_path = held
+        write._written = _HeldUntil(out.is_dir)
+    write.start(share, background=True)
+    try:
+        complete = write.settle(wait=True)
+    except CheckpointError as exc:
+        return exc.problems or ["CheckpointError on another rank"]
+    return [f"complete {complete}"]
+
+
+def test_a_directory_rank0_finished_once_every_mark_showed_is_complete_on_every_rank(tmp_path):
+    # the order a loaded CI machine produced in the RL loop: rank 0 saw rank 1's mark and renamed
+    # the directory before rank 1 flushed the mark, whose flush then failed (the file was gone),
+    # so the ranks agreed on a failure while the step was published, and its row was lost
+    for outcome in run_ranks(_rank0_finishes_as_soon_as_rank1s_mark_shows, 2, str(tmp_path)):
+        assert outcome == ["complete True"], outcome
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]
+    assert sorted(p.name for p in (tmp_path / "step_1").iterdir()) == [*shard_names(2), INDEX_NAME]

@@ -5,8 +5,10 @@ final export), with the index and the marker last.
         config.json, generation_config.json  rank 0, on the calling thread (`extra`)
         tokenizer and processor files
         model-0000K-of-0000N.safetensors     a writing rank's share (training/weights/shards.py),
-        .rank-R.written                      flushed to the disk, then its mark, flushed (a rank
-                                             without a share writes neither)
+        .rank-R.written                      flushed to the disk, then its mark, flushed as
+                                             .rank-R.written.tmp and renamed, the rank's last
+                                             act in the directory (a rank without a share
+                                             writes neither)
     then rank 0, once the mark of every writing rank is there, or once the ranks agreed that all
     wrote theirs (a network filesystem may show another node's mark late):
         the marks removed, model.safetensors.index.json (more than one shard), every file and
@@ -210,7 +212,10 @@ class ShardedWrite:
     def _write_own(self, share: dict[str, torch.Tensor]) -> None:
         """This rank's shard and then its mark. A rank that writes no shard writes no mark and
         touches nothing: rank 0 waits only for the writers' marks, so the directory may already
-        be finished and renamed."""
+        be finished and renamed. The mark is written and flushed under another name and shows by
+        a rename, this rank's last act in the directory: once rank 0 can see it, rank 0 may
+        remove it and rename the directory, so nothing of this rank's part may follow it (a
+        flush of the mark after it showed failed there, on a directory already published)."""
         path = self.tmp
         try:
             shard = self.plan.shard_of(self.rank)
@@ -218,9 +223,11 @@ class ShardedWrite:
                 return
             path = self.tmp / self.plan.files[shard]
             write_shard(share, path)
-            path = _mark(self.tmp, self.rank)
+            mark = _mark(self.tmp, self.rank)
+            path = mark.with_name(f"{mark.name}.tmp")
             path.write_text("")
             fsync_path(path)
+            path.rename(mark)
         except Exception as exc:  # any failure is agreed, never one rank's alone
             self._problem = self._describe(exc, path)
         finally:
@@ -350,8 +357,13 @@ class ShardedWrite:
         marker or renames; the `.tmp-` directory stays behind. Waits for this rank's copy off
         the live model to end, then at most `leave_s` seconds (None: until then) for its thread
         to leave its collectives (the ranks' threads stop together at their next agreement:
-        logged when it takes longer)."""
+        logged when it takes longer). Afterwards `complete` no longer changes."""
         self._abandoned.set()
+        # A finish already past its look at `abandoned` (rank 0's thread) renames the directory
+        # into place: wait for it, so that `complete` is final once this returns and the row of
+        # a directory that appears is never lost.
+        with self._lock:
+            pass
         self._staged.wait()
         if not self._collected.wait(leave_s):
             logger.warning("rank %d: the publish thread of %s is still in a gather after %g s; "
