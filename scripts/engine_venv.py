@@ -19,9 +19,14 @@ the two post-install steps that the CPU build needs on a plain PyPI install (doc
    and only when `import torchvision` fails: with a torchvision whose ops load (the CPU build of
    the PyTorch index, or a fixed release) nothing is edited.
 
-Afterwards `import vllm` must work in the venv, then the stamp file (`vlmcp.engine.venv.STAMP`)
-is written, last: only a venv with it counts as an engine venv (`vlmcp.engine.venv`). Idempotent: a
-venv whose stamp names the same constraints is left as it is. The pip output goes to
+Afterwards `import vllm` must work in the venv. Then vlmcp's own package is installed into it
+without its dependencies (`pip install --no-deps`): its `vllm.general_plugins` entry point
+registers vlmcp's weight-transfer backend `vlmcp_gloo` (vlmcp/engine/vllm_plugin.py) in every vLLM
+process of the venv, for pushes into running engines (docs/rl-loop.md). Then the stamp file
+(`vlmcp.engine.venv.STAMP`) is written, last: only a venv with it counts as an engine venv
+(`vlmcp.engine.venv`). Idempotent: a venv whose stamp names the same constraints and the same
+engine code (pyproject.toml and vlmcp/engine/) is left as it is; another engine code only
+reinstalls vlmcp. The pip output goes to
 `--log`; on failure the script prints one line, `engine venv: not built: ...`, and exits 1.
 """
 
@@ -36,7 +41,8 @@ from pathlib import Path
 
 # The checkout, for the stamp's name (vlmcp.engine.venv is standard library only: this script
 # runs with a bare python3).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+CHECKOUT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(CHECKOUT))
 from vlmcp.engine.venv import STAMP  # noqa: E402
 
 #: The decorators of `torchvision/_meta_registrations.py` that lack torchvision's own guard.
@@ -104,13 +110,35 @@ def guard_torchvision(site_packages: Path) -> bool:
     return True
 
 
+def engine_code_digest() -> str:
+    """The hash of what the engine venv holds of vlmcp: pyproject.toml (its entry point) and
+    vlmcp/engine/*.py (the plugin and what it imports)."""
+    digest = hashlib.sha256((CHECKOUT / "pyproject.toml").read_bytes())
+    for path in sorted((CHECKOUT / "vlmcp" / "engine").glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def install_vlmcp(bin_python: Path, log: Path) -> None:
+    """vlmcp's package into the venv, without its dependencies (for its vLLM plugin)."""
+    _run([str(bin_python), "-m", "pip", "install", "--no-deps", "--no-build-isolation",
+          "--force-reinstall", str(CHECKOUT)], log, "pip install --no-deps vlmcp")
+
+
 def build(venv: Path, python: str, constraints: Path, log: Path,
           extra_index_url: str | None) -> None:
     """Build (or keep) the engine venv; raises BuildError saying why it cannot."""
     digest = hashlib.sha256(constraints.read_bytes()).hexdigest()
+    code = engine_code_digest()
     stamp = venv / STAMP
-    if stamp.is_file() and stamp.read_text().strip() == digest:
+    found = stamp.read_text().split() if stamp.is_file() else []
+    if found == [digest, code]:
         print(f"engine venv: {venv} is up to date")
+        return
+    if found[:1] == [digest]:
+        install_vlmcp(venv / "bin" / "python", log)
+        stamp.write_text(f"{digest}\n{code}\n")
+        print(f"engine venv: {venv}: reinstalled vlmcp's vLLM plugin (the engine code changed)")
         return
     version = _python_version(python)
     if version != "3.11":
@@ -137,7 +165,8 @@ def build(venv: Path, python: str, constraints: Path, log: Path,
     works, why = _imports(bin_python, "vllm")
     if not works:
         raise BuildError(f"import vllm fails in {venv}: {why}")
-    stamp.write_text(digest + "\n")
+    install_vlmcp(bin_python, log)
+    stamp.write_text(f"{digest}\n{code}\n")
     print(f"engine venv: {venv} ready ({vllm})")
 
 

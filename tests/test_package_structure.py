@@ -13,9 +13,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "vlmcp"
 FLOORS = {
     "vlmcp.errors": 0, "vlmcp.device": 0,
     "vlmcp.config": 1, "vlmcp.data": 1, "vlmcp.parallel": 1,
-    "vlmcp.model": 2,
+    # the engine clients speak HTTP with the standard library: the trainer pushes through them
+    "vlmcp.model": 2, "vlmcp.engine": 2,
     "vlmcp.training": 3,
-    "vlmcp.bench": 4, "vlmcp.demo": 4, "vlmcp.engine": 4, "vlmcp.cli": 4, "vlmcp.__main__": 4,
+    "vlmcp.bench": 4, "vlmcp.demo": 4, "vlmcp.cli": 4, "vlmcp.__main__": 4,
 }
 ROOT_MODULES = {"__init__.py", "__main__.py", "cli.py", "device.py", "errors.py"}
 

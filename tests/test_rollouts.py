@@ -109,13 +109,13 @@ def test_rollout_keys_need_rollouts_dir_and_data_train_is_optional_with_it(tiny_
         "config key 'loss.reference_logps' does not apply with 'rollouts.dir'"]
 
 
-def test_publish_keys_need_publish_dir(tiny_checkpoint, tmp_path):
+def test_publish_keys_need_publish_dir_or_engines(tiny_checkpoint, tmp_path):
     raw = _job(tiny_checkpoint, tmp_path, publish={"every": 5, "keep": 2})
     with pytest.raises(ConfigError) as info:
         job_from_dict(raw)
     assert info.value.problems == [
-        "config key 'publish.every' is set but 'publish.dir' is not",
-        "config key 'publish.keep' is set but 'publish.dir' is not"]
+        "config key 'publish.every' is set but neither 'publish.dir' nor 'publish.engines' is",
+        "config key 'publish.keep' is set but neither 'publish.dir' nor 'publish.engines' is"]
 
 
 def test_validate_checks_a_rollout_job_and_refuses_data_train_or_a_zero2_offload_beside_it(

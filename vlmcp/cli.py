@@ -271,6 +271,15 @@ def _add_bench_other_measures(bench: argparse.ArgumentParser) -> None:
                             "the total time and rank 0's peak resident set of each")
     bench.add_argument("--publish-zero", type=int, choices=[0, 1, 2, 3], default=3,
                        help="--publish: the ZeRO stage of the run (default 3)")
+    bench.add_argument("--engine-push", action="store_true",
+                       help="instead of a step benchmark: start a vLLM server (the engine venv) on "
+                            "the demo model, then on one of about 1.1 GB in bf16, and per model on "
+                            "2 trainer ranks (ZeRO-3) time each step into the engine two ways: "
+                            "published to disk and reloaded, and pushed in memory "
+                            "(publish.engines) at bucket sizes of 64, 256 and 1024 MiB; reports "
+                            "the engine's downtime per update, the training's critical path, the "
+                            "bytes written to disk and where the push's time goes, --repeats "
+                            "rounds each")
     bench.add_argument("--length-mix", action="store_true",
                        help="instead of a step benchmark: train whole RL steps of mixed lengths "
                             "(seeded log-normal replies, a few at the limit, images) on --sp-size "
@@ -367,6 +376,11 @@ def _add_demo(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                            "reloading every published step in place), transformers (in this "
                            "process, fp32), or auto (default): vllm where the engine venv exists, "
                            "else transformers")
+    demo.add_argument("--weights", choices=("push", "files"), default=None,
+                      help="how the RL demo's vLLM engine gets each trained step: push (default: "
+                           "the trainer pushes it into the running server in memory, "
+                           "publish.engines) or files (published to OUT/rl/weights and reloaded "
+                           "from the disk); the transformers engine always reads the files")
     demo.add_argument("--video", action="store_true",
                       help="video variant: synthetic digit clips (4 to 8 temporal groups, the "
                            "digit in one of them, noise in the others), 'Which digit appears in "
@@ -553,6 +567,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         return _report(["demo: --rl and --video are separate demos; give one of them"])
     if args.engine != "auto" and not args.rl:
         return _report([f"demo: --engine {args.engine} applies to the RL demo only (--rl)"])
+    if args.weights is not None and not args.rl:
+        return _report([f"demo: --weights {args.weights} applies to the RL demo only (--rl)"])
+    if args.weights == "push" and args.engine == "transformers":
+        return _report(["demo: --weights push needs a vLLM engine (--engine vllm or auto); the "
+                        "transformers engine reads the published files"])
     if args.video:
         from vlmcp.demo.video import run_video_demo
 
@@ -563,7 +582,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         from vlmcp.demo.rl import run_rl_demo
 
         return run_rl_demo(out_dir=out, nproc=args.nproc, sp_size=args.sp_size,
-                           steps=args.steps, overrides=args.overrides, engine=args.engine)
+                           steps=args.steps, overrides=args.overrides, engine=args.engine,
+                           weights=args.weights or "push")
     from vlmcp.demo.image import run_demo
 
     return run_demo(out_dir=out, nproc=args.nproc, sp_size=args.sp_size, steps=args.steps,

@@ -1,7 +1,8 @@
 """`vlmcp bench`: step time, tokens/s and memory of the packed training module, per pack length.
 
 Five modes here, each writing one JSON report (and the end-to-end modes of their own modules:
-`--data-scale`, `--rollout-rss`, `--publish`, `--length-mix`, `--engine-mismatch`, `--ep-size`):
+`--data-scale`, `--rollout-rss`, `--publish`, `--length-mix`, `--engine-mismatch`, `--ep-size`,
+`--engine-push`):
 - step (default): forward+backward of `PackedVLM` on a synthetic pack of each length (optionally
   with `--images` images of mixed sizes and `--videos` videos of `--frames` frames); no optimizer
   step. With `--pairs` the packs hold preference pairs whose halves show the same prompt images,
@@ -596,6 +597,12 @@ _IGNORED_BY_MODE = {
                 "offload_activations", "loss_chunk_mb", "loss_only", "find_max_len",
                 "memory_budget_gb", "saved_bytes", "compare_alst", "data_scale", "rollout_rss",
                 "engine_mismatch", "weights", "routes", "publish", "length_mix"),
+    "engine_push": ("model", "moe", "images", "videos", "vision", "pairs", "sp_size", "dtype",
+                    "hidden_size", "intermediate_size", "vocab_size", "deltanet_cp",
+                    "deltanet_kernel", "gradient_checkpointing", "tiled_mlp",
+                    "offload_activations", "loss_chunk_mb", "loss_only", "find_max_len",
+                    "saved_bytes", "compare_alst", "data_scale", "rollout_rss",
+                    "engine_mismatch", "routes", "publish", "length_mix"),
     "publish": ("model", "moe", "images", "videos", "vision", "pairs", "deltanet_cp",
                 "deltanet_kernel", "gradient_checkpointing", "tiled_mlp", "offload_activations",
                 "loss_chunk_mb", "loss_only", "find_max_len", "saved_bytes", "compare_alst",
@@ -698,6 +705,13 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         if problems:
             raise ValueError("; ".join(problems))
         return _write_report(args, run_length_mix(args))
+    if args.engine_push:
+        problems = [p for p in _ignored_flags(args) if p.startswith("--engine-push ")]
+        if problems:
+            raise ValueError("; ".join(problems))
+        from vlmcp.bench.engine_push import run_engine_push_bench
+
+        return _write_report(args, run_engine_push_bench(args))
     if args.publish:
         from vlmcp.bench.publish import run_publish_bench
 

@@ -12,6 +12,7 @@ import math
 import os
 import types
 import typing
+import urllib.parse
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -174,8 +175,9 @@ def cross_key_problems(job: JobConfig) -> list[str]:
     problems.extend(_memory_feature_checks(job))
     problems.extend(_video_checks(job.data.video))
     problems.extend(_rollout_checks(job))
-    problems.extend(_keys_set_without(job.publish, "publish", "dir"))
+    problems.extend(_publish_target_checks(job.publish))
     problems.extend(_publish_writer_checks(job))
+    problems.extend(_engine_push_checks(job))
     problems.extend(_overlapping_dirs(job))
     return problems
 
@@ -219,6 +221,50 @@ def _publish_writer_checks(job: JobConfig) -> list[str]:
     if "publish.background" in given and job.publish.background and not job.publish.sharded:
         return ["config key 'publish.background' is true but 'publish.sharded' is false: the "
                 "background write is the rank-parallel one; set publish.sharded to true"]
+    return []
+
+
+#: The publish keys that only the push into engines reads, and those only publish.dir reads.
+_PUSH_KEYS = ("dir_every", "bucket_mb", "engine_timeout_s", "engine_pause", "on_engine_error",
+              "push_dtype", "push_host")
+_DIR_KEYS = ("keep", "dir_every")
+
+
+def _publish_target_checks(publish: PublishSection) -> list[str]:
+    """Publishing is on with publish.dir, publish.engines or both; each one's own keys need it."""
+    if not publish.dir and not publish.engines:
+        return [problem.replace("'publish.dir' is not", "neither 'publish.dir' nor "
+                                "'publish.engines' is")
+                for problem in _keys_set_without(publish, "publish", "dir")]
+    default = PublishSection()
+    problems = [f"config key 'publish.{key}' is set but 'publish.{switch}' is {empty}"
+                for keys, switch, empty in ((_PUSH_KEYS, "engines", "empty"),
+                                            (_DIR_KEYS, "dir", "not"))
+                if not getattr(publish, switch)
+                for key in keys if getattr(publish, key) != getattr(default, key)]
+    seen: set[str] = set()
+    for url in publish.engines:
+        parsed = urllib.parse.urlsplit(url) if isinstance(url, str) else None
+        if parsed is None or parsed.scheme not in ("http", "https") or not parsed.hostname:
+            problems.append(f"config key 'publish.engines': {url!r} is not an engine's base URL "
+                            "(http://HOST:PORT)")
+        elif url.rstrip("/") in seen:
+            problems.append(f"config key 'publish.engines' names {url!r} twice")
+        seen.add(str(url).rstrip("/"))
+    return sorted(set(problems), key=problems.index)
+
+
+def _engine_push_checks(job: JobConfig) -> list[str]:
+    """What the push into engines does not do: LoRA adapters, a rank-0 gather."""
+    if not job.publish.engines:
+        return []
+    if job.lora.r:
+        return [f"config key 'publish.engines' with lora.r={job.lora.r}: the push sends full "
+                "weights, not a PEFT adapter; publish the adapter to publish.dir and load it "
+                "through vLLM's LoRA API (docs/rl-loop.md)"]
+    if not job.publish.sharded:
+        return ["config key 'publish.sharded' is false with 'publish.engines': every rank pushes "
+                "its own share; keep it true"]
     return []
 
 

@@ -372,6 +372,40 @@ class PublishSection:
         "still in flight; past it the write is abandoned as .tmp-step_N, never read and "
         "removed at the next start, after at most as long again for the ranks' publish threads "
         "to leave their gather together (docs/faults.md)", min=0.0))
+    engines: list[str] = field(default_factory=list, metadata=_key(
+        "base URLs of running vLLM servers (http://HOST:PORT) that every publish.every-th step N "
+        "is pushed into, in memory, labelled policy version N: vLLM's weight-transfer protocol "
+        "over vlmcp's gloo backend, every rank sending its share (start them with "
+        "--weight-transfer-config '{\"backend\": \"vlmcp_gloo\"}', docs/rl-loop.md); with "
+        "publish.dir beside it, the directory is the durable record; empty: off"))
+    dir_every: int | None = field(default=None, metadata=_key(
+        "with publish.engines: write publish.dir only after every N-th step (the durable record "
+        "may be written less often than the push); null: publish.every", min=1))
+    bucket_mb: float = field(default=512.0, metadata=_key(
+        "publish.engines: the most MiB one send of a rank packs (tensors back to back; a larger "
+        "tensor is a send of its own); each rank holds one such buffer during a push",
+        min=1.0))
+    engine_timeout_s: float = field(default=600.0, metadata=_key(
+        "publish.engines: the longest one request to an engine, one wait for it and one send to "
+        "it may take before the push counts as failed", min=1.0))
+    engine_pause: str = field(default="wait", metadata=_key(
+        "publish.engines: how the engine pauses for a push (vLLM's /pause mode): wait for the "
+        "requests in flight, keep them (frozen, recomputed under the new weights on resume: one "
+        "sample then spans two versions, per-token), or abort them",
+        choices=["wait", "keep", "abort"]))
+    on_engine_error: str = field(default="error", metadata=_key(
+        "publish.engines: an engine that is down, restarts or hangs during a push: stop the run "
+        "after a checkpoint with one error naming the engine and the step, or warn, report it in "
+        "the publish's row and train on (the next push brings it to the latest step)",
+        choices=["error", "warn"]))
+    push_dtype: str | None = field(default=None, metadata=_key(
+        "publish.engines: the dtype floating tensors travel in; the engine's own (e.g. "
+        "bfloat16) halves an fp32 trainer's bytes and changes nothing the engine ends up "
+        "holding, as vLLM casts each loaded tensor to its dtype in the same way; null: as "
+        "trained (the bytes of publish.dir's files)", choices=[None, "bfloat16", "float16", "float32"]))
+    push_host: str | None = field(default=None, metadata=_key(
+        "publish.engines: the address the engines reach trainer rank 0 at (it hosts the push's "
+        "rendezvous); null: this host's address on the interface that reaches each engine"))
 
 
 @dataclass

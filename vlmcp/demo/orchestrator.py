@@ -97,6 +97,12 @@ def _batch(prompts: Sequence[DigitPrompt], repeat: int) -> dict[str, torch.Tenso
             "image_grid_thw": torch.cat([p.image_grid_thw for p in chosen])}
 
 
+def newest_published(weights: Path) -> int:
+    """The newest complete step in the trainer's publish.dir `weights` (0: none yet)."""
+    steps = published_steps(weights)
+    return steps[0] if steps else 0
+
+
 @dataclass
 class Completion:
     """One sampled answer: its tokens (up to and including <|im_end|>), their logprobs, and the
@@ -121,6 +127,10 @@ class Policy:
         self.never = [config.image_token_id, config.video_token_id, config.vision_start_token_id,
                       config.vision_end_token_id,
                       *range(len(processor.tokenizer), config.get_text_config().vocab_size)]
+
+    def newest_available(self, weights: Path) -> int:
+        """The newest policy version it can serve: the newest step published in `weights`."""
+        return newest_published(weights)
 
     def reload(self, published: Path, version: int) -> None:
         """Load the weights of WEIGHTS/step_`version` (one file or rank shards) into the running
@@ -219,12 +229,11 @@ class Orchestrator:
 
     def newest_policy(self, at_least: int, alive: Callable[[], bool],
                       poll_s: float = 0.05) -> bool:
-        """Wait until the weights of step `at_least` or newer are published (0: the starting
-        policy) and load the newest; False when `alive()` turns false first. Returns whether
-        the loaded version changed."""
+        """Wait until the policy can serve step `at_least` or newer (0: the starting policy:
+        published, or pushed into its engine) and take the newest; raises RuntimeError when
+        `alive()` turns false first. Returns whether the served version changed."""
         while True:
-            steps = published_steps(self.weights)
-            newest = steps[0] if steps else 0
+            newest = self.policy.newest_available(self.weights)
             if newest >= at_least:
                 if newest == self.policy.version:
                     return False

@@ -5,10 +5,12 @@
 2. A short warm start (`vlmcp train`, CE on the digit answers for `SFT_STEPS` steps, SP 2): the
    policy learns the answer format and gets part of the way; RL starts from its OUT/rl/sft/final.
 3. The loop. `vlmcp train` (SP 2 on 2 ranks, torchrun) trains ppo_clip (the inference logprobs
-   as the old policy's) on rollouts.dir, one optimizer step per rollout step, and publishes its
-   weights after every step. This process is the orchestrator (`vlmcp.demo.orchestrator`): it
-   samples answers from the newest published weights (with transformers in this process, or a
-   vLLM server: `vlmcp.demo.vllm_policy`), rewards and group-relative advantages, and writes
+   as the old policy's) on rollouts.dir, one optimizer step per rollout step, and after every
+   step pushes its weights into the vLLM server (publish.engines, the default with `--engine
+   vllm`; the directory is written after the last step only) or publishes them to OUT/rl/weights
+   (`--weights files`, and always with transformers). This process is the orchestrator
+   (`vlmcp.demo.orchestrator`): it samples answers from the newest weights (with transformers in
+   this process, or a vLLM server: `vlmcp.demo.vllm_policy`), rewards and group-relative advantages, and writes
    rollout step N+1 while the trainer trains step N (one step off-policy,
    `rollouts.max_staleness` 1). It measures the held-out greedy accuracy of every policy version
    it loads.
@@ -70,8 +72,11 @@ def sft_job(assets: Path, out_dir: Path, sp_size: int, steps: int) -> dict[str, 
     return job
 
 
-def rl_job(assets: Path, out_dir: Path, sp_size: int, steps: int, start: Path) -> dict[str, Any]:
-    """The RL trainer's job: rollouts in from OUT/rl/rollouts, weights out to OUT/rl/weights."""
+def rl_job(assets: Path, out_dir: Path, sp_size: int, steps: int, start: Path,
+           engine_url: str | None = None) -> dict[str, Any]:
+    """The RL trainer's job: rollouts in from OUT/rl/rollouts, weights out to OUT/rl/weights,
+    or with `engine_url` pushed into that vLLM server after every step (bf16 on the wire, the
+    server's dtype) and written to OUT/rl/weights after the last step only."""
     job = sft_job(assets, out_dir, sp_size, steps)
     job["model"]["path"] = os.path.relpath(start, out_dir)
     job["data"] = {"max_seq_len": 1024, "num_workers": 0}
@@ -81,6 +86,8 @@ def rl_job(assets: Path, out_dir: Path, sp_size: int, steps: int, start: Path) -
     job["rollouts"] = {"dir": str(out_dir / "rollouts"), "timeout_s": 300.0, "poll_s": 0.05,
                        "max_staleness": 1}
     job["publish"] = {"dir": str(out_dir / "weights"), "every": 1, "keep": 3}
+    if engine_url is not None:
+        job["publish"].update(engines=[engine_url], dir_every=steps, push_dtype="bfloat16")
     return job
 
 
@@ -100,6 +107,7 @@ def _time_split(trainer_rows: list[dict[str, Any]], reports: list[Any], eval_s: 
             "trainer_train_s": sum(r.get("step_time_s", 0.0) for r in train),
             "trainer_wait_for_rollouts_s": sum(r.get("rollout_wait_s", 0.0) for r in train),
             "trainer_publish_s": sum(r["publish_s"] for r in trainer_rows if "publish_s" in r),
+            "engine_push_downtime_s": sum(r.get("push_downtime_s", 0.0) for r in trainer_rows),
             "loop_wall_s": wall_s}
 
 
@@ -122,10 +130,12 @@ def _per_step(trainer_rows: list[dict[str, Any]], reports: list[Any]) -> dict[st
 
 def run_rl_demo(out_dir: str | Path = "runs/demo", nproc: int = 2, sp_size: int = 2,
                 steps: int | None = None, overrides: list[str] | tuple[str, ...] = (),
-                engine: str = "auto") -> int:
+                engine: str = "auto", weights: str = "push") -> int:
     """Build the assets, warm-start, run the online loop (see the module docstring); returns the
     exit code. `steps`: RL steps (default RL_STEPS); `overrides` apply to the RL trainer's job;
-    `engine`: "transformers", "vllm" (a vLLM server from the engine venv) or "auto"."""
+    `engine`: "transformers", "vllm" (a vLLM server from the engine venv) or "auto"; `weights`:
+    how a vLLM engine gets each step, "push" (the trainer pushes it, publish.engines) or "files"
+    (published to OUT/rl/weights and reloaded from there; the transformers engine always)."""
     engine = choose_engine(engine)
     python = engine_python()
     if engine == "vllm" and python is None:
@@ -148,31 +158,35 @@ def run_rl_demo(out_dir: str | Path = "runs/demo", nproc: int = 2, sp_size: int 
               file=sys.stderr)
         return returncode
     rl_steps = steps or RL_STEPS
-    job = _write(run_dir / "job.json", rl_job(assets, run_dir, sp_size, rl_steps,
-                                              sft_dir / "final"))
     processor = load_processor(checkpoint)
     prompts, held_out = load_prompts(train_jsonl, processor), load_prompts(eval_jsonl, processor)
+    pushed = engine == "vllm" and weights == "push"
     if engine == "vllm":
         from vlmcp.demo.vllm_policy import VllmPolicy
 
         policy = VllmPolicy(python, sft_dir / "final", run_dir / "weights", processor,
-                            run_dir / "engine.log")
+                            run_dir / "engine.log", pushed=pushed)
         print(f"rl demo: vLLM server on {sft_dir / 'final'} started in {policy.start_s:.0f} s "
               f"({run_dir / 'engine.log'})", flush=True)
     else:
         policy = Policy(sft_dir / "final", processor)
-    print(f"rl demo: engine {engine}", flush=True)
+    job = _write(run_dir / "job.json", rl_job(assets, run_dir, sp_size, rl_steps,
+                                              sft_dir / "final",
+                                              policy.url if pushed else None))
+    print(f"rl demo: engine {engine}, weights "
+          f"{'pushed into it' if pushed else 'published to ' + str(run_dir / 'weights')}",
+          flush=True)
     try:
         return _loop(policy, engine, job, run_dir, prompts, held_out, nproc, rl_steps, overrides,
-                     started)
+                     started, pushed)
     finally:
         if engine == "vllm":
             policy.close()
 
 
 def _loop(policy: Any, engine: str, job: Path, run_dir: Path, prompts: list, held_out: list,
-          nproc: int, rl_steps: int, overrides: list[str] | tuple[str, ...], started: float
-          ) -> int:
+          nproc: int, rl_steps: int, overrides: list[str] | tuple[str, ...], started: float,
+          pushed: bool) -> int:
     """The online loop on a started policy, the report, the exit code."""
     accuracy: dict[int, float] = {}
     eval_s = 0.0
@@ -223,6 +237,7 @@ def _loop(policy: Any, engine: str, job: Path, run_dir: Path, prompts: list, hel
     summary = {
         "accuracy_by_policy_step": {str(k): v for k, v in sorted(accuracy.items())},
         "engine": engine,
+        "weights": "push" if pushed else "files",
         "policy_lag_by_step": {str(r["step"]): r.get("policy_lag") for r in rows
                                if "policy_lag" in r},
         "mismatch_kl_by_step": {str(r["step"]): r["mismatch_kl"] for r in rows

@@ -1,9 +1,15 @@
 """`vlmcp demo --rl --engine vllm`: the RL demo's policy served by a vLLM server (docs/demo.md).
 
 The server runs in a process of its own from the engine venv (`make engine`;
-`vlmcp.engine.vllm_http.VllmServer`), bf16, on the warm start's weights; `reload` serves each
-newer published step through `VllmHttpClient` (pause, reload in place, both caches reset, the
-version label, resume). Sampling mirrors the transformers policy of `vlmcp.demo.orchestrator`:
+`vlmcp.engine.vllm_http.VllmServer`), bf16, on the warm start's weights. With `pushed` (the
+default of `vlmcp demo --rl --engine vllm`) the trainer pushes every step into the server itself
+(publish.engines, docs/rl-loop.md): the newest version is the one the server reports (GET
+/weight_info), and taking it loads nothing. Requests are labelled with the version served when
+the step's sampling began: a push that lands during it (in wait mode, after the requests in
+flight finished) makes the later requests one version newer than their label, never older, and
+their logprobs are always the sampling engine's own. Without `pushed`, `reload` serves each newer
+published step through `VllmHttpClient` (pause, reload in place, both caches reset, the version
+label, resume). Sampling mirrors the transformers policy of `vlmcp.demo.orchestrator`:
 `group` answers per prompt at temperature 1 over the full distribution, except the vision tokens
 and the ids beyond the tokenizer (`allowed_token_ids`: the same mask as its `suppress_tokens`),
 with each sampled token's logprob after that mask (`--logprobs-mode processed_logprobs`).
@@ -21,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from vlmcp.data.processor import VLProcessor
-from vlmcp.demo.orchestrator import MAX_NEW_TOKENS, Completion, DigitPrompt
-from vlmcp.engine.vllm_http import CPU_ARGS, VllmHttpClient, VllmServer
+from vlmcp.demo.orchestrator import MAX_NEW_TOKENS, Completion, DigitPrompt, newest_published
+from vlmcp.engine.vllm_http import CPU_ARGS, PUSH_ARGS, VllmHttpClient, VllmServer
 from vlmcp.errors import EngineError
 
 #: Concurrent requests: enough for the engine to batch a step's prompts.
@@ -52,12 +58,15 @@ class VllmPolicy:
     `vlmcp.demo.orchestrator.Policy`)."""
 
     def __init__(self, python: str | Path, model_dir: Path, weights_dir: Path,
-                 processor: VLProcessor, log: Path):
+                 processor: VLProcessor, log: Path, *, pushed: bool = True):
+        self.pushed = pushed
         self.server = VllmServer(python, model_dir, log,
-                                 args=(*CPU_ARGS, "--max-model-len", "256", "--seed", "0"))
+                                 args=(*CPU_ARGS, *(PUSH_ARGS if pushed else ()),
+                                       "--max-model-len", "256", "--seed", "0"))
         self.start_s = self.server.start()
         self.model_dir = model_dir
         self.client = VllmHttpClient(self.server.url, weights_dir, model_dir, server=self.server)
+        self._version = 0
         tokenizer = processor.tokenizer
         self.eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
         vision = {tokenizer.convert_tokens_to_ids(t) for t in
@@ -67,11 +76,25 @@ class VllmPolicy:
 
     @property
     def version(self) -> int:
-        return self.client.version
+        return self._version if self.pushed else self.client.version
+
+    @property
+    def url(self) -> str:
+        """The server's base URL (the trainer's publish.engines)."""
+        return self.server.url
+
+    def newest_available(self, weights: Path) -> int:
+        """The newest version it can serve: the one pushed into the server, or the newest step
+        published in `weights`."""
+        return int(self.client.engine_version) if self.pushed else newest_published(weights)
 
     def reload(self, published: Path, version: int) -> None:
-        """Serve WEIGHTS/step_`version` (`published`, a step of the client's weights_dir)."""
-        self.client.serve(version)
+        """Serve version `version`: pushed, it already does; else load WEIGHTS/step_`version`
+        (`published`, a step of the client's weights_dir) in place."""
+        if self.pushed:
+            self._version = version
+        else:
+            self.client.serve(version)
 
     def _request(self, prompt: DigitPrompt, **params: Any) -> list[dict]:
         return chat_choices(self.client, self.model_dir, prompt, max_tokens=MAX_NEW_TOKENS,

@@ -68,22 +68,27 @@ CPU_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
 CPU_ARGS = ("--dtype", "bfloat16", "--enforce-eager", "--distributed-executor-backend", "uni",
             "--logprobs-mode", "processed_logprobs", "--enable-scale-out",
             "--worker-extension-cls", "vlmcp.engine.vllm_worker.VlmcpWorkerExtension")
+#: The server's flag for pushes into it (publish.engines): vlmcp's gloo weight-transfer backend,
+#: a vLLM plugin of vlmcp's package (vlmcp/engine/vllm_plugin.py, installed by `make engine`).
+PUSH_ARGS = ("--weight-transfer-config", '{"backend": "vlmcp_gloo"}')
 #: The checkout holding `vlmcp/`, put on the server's PYTHONPATH for the worker extension.
 CHECKOUT = Path(__file__).resolve().parents[2]
 
 
 class VllmServer:
     """A vLLM OpenAI server in a process of its own, started from the engine venv's Python on
-    `model_dir` (127.0.0.1, a free port, vlmcp's checkout on its PYTHONPATH), its output in
+    `model_dir` (127.0.0.1, `port` or a free one, vlmcp's checkout on its PYTHONPATH), its output in
     `log`. `start()` returns once /health answers; `stop()` ends it."""
 
     def __init__(self, python: str | Path, model_dir: str | Path, log: str | Path, *,
                  args: Sequence[str] = CPU_ARGS, env: dict[str, str] | None = None,
-                 start_timeout_s: float = 600.0):
+                 start_timeout_s: float = 600.0, port: int | None = None):
         self.python, self.model_dir, self.log = Path(python), Path(model_dir), Path(log)
         self.args, self.start_timeout_s = list(args), start_timeout_s
         path = os.pathsep.join(p for p in (str(CHECKOUT), os.environ.get("PYTHONPATH")) if p)
         self.env = {**os.environ, **CPU_ENV, "PYTHONPATH": path, **(env or {})}
+        #: The port asked for (None: a free one at each start); a restart keeps a given one.
+        self.fixed_port = port
         self.port = 0
         self.process: subprocess.Popen | None = None
 
@@ -95,7 +100,7 @@ class VllmServer:
         """Start the server and wait until it answers; returns the seconds that took. Raises
         EngineError with the end of its log when it exits or does not answer in time."""
         started = time.perf_counter()
-        self.port = free_local_port()
+        self.port = self.fixed_port or free_local_port()
         command = [str(self.python), "-m", "vllm.entrypoints.launchers.api_server.entry",
                    "--model", str(self.model_dir), "--host", "127.0.0.1", "--port",
                    str(self.port), *self.args]

@@ -34,10 +34,10 @@ from typing import Any
 CPU_EXPERTS_MODULE = "vllm.model_executor.layers.fused_moe.experts.cpu_moe"
 
 
-def _cpu_experts(worker: Any) -> Iterator[tuple[Any, Any]]:
-    """(MoE layer, its CPU experts) for every layer of `worker`'s model that runs on vLLM's
-    CPU experts."""
-    for module in worker.model_runner.model.modules():
+def _cpu_experts(model: Any) -> Iterator[tuple[Any, Any]]:
+    """(MoE layer, its CPU experts) for every layer of vLLM's `model` that runs on vLLM's CPU
+    experts."""
+    for module in model.modules():
         kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
         experts = getattr(kernel, "fused_experts", None)
         if experts is not None and type(experts).__module__ == CPU_EXPERTS_MODULE:
@@ -50,7 +50,7 @@ def padded_cpu_moe_experts(worker: Any) -> list[str]:
     against the config's I per partition; empty for a dense model, GPU experts, or sizes the
     kernel takes as they are."""
     found = []
-    for module, experts in _cpu_experts(worker):
+    for module, experts in _cpu_experts(worker.model_runner.model):
         size = experts.moe_config.intermediate_size_per_partition
         held = module.w13_weight.shape[-2] // 2
         if held != size:
@@ -62,8 +62,14 @@ def padded_cpu_moe_experts(worker: Any) -> list[str]:
 def repack_cpu_moe_experts(worker: Any) -> int:
     """Prepack the CPU experts of every MoE layer of `worker`'s model again (after a reload);
     returns how many layers it repacked (0 for a dense model or GPU experts)."""
+    return repack_cpu_moe_experts_of(worker.model_runner.model)
+
+
+def repack_cpu_moe_experts_of(model: Any) -> int:
+    """`repack_cpu_moe_experts` of vLLM's `model` itself (a weight-transfer engine holds the
+    model, not the worker: `vllm_gloo`)."""
     repacked = 0
-    for module, experts in _cpu_experts(worker):
+    for module, experts in _cpu_experts(model):
         experts.process_weights_after_loading(module)
         repacked += 1
     return repacked

@@ -117,7 +117,7 @@ class Run:
     #: Where each step's micro-batches come from: data.train, or rollouts.dir.
     step_packs: StepPacks | None = None
     rollouts: RolloutSteps | None = None
-    #: Publishes the weights after steps when publish.dir is set.
+    #: Publishes the weights after steps when publish.dir or publish.engines is set.
     publisher: Publisher | None = None
     #: The PeftModel around `module.hf_model` when the job trains LoRA adapters (lora.r > 0).
     adapter: Any = None
@@ -174,7 +174,7 @@ def start_run(job: JobConfig) -> Run:
                                                                     reference),
                rollouts=RolloutSteps(job, preflight.processor, sp) if job.rollouts.dir else None,
                publisher=(Publisher(job, engine, module, adapter, start_step)
-                          if job.publish.dir else None),
+                          if job.publish.dir or job.publish.engines else None),
                metrics=run_together(
                    lambda: MetricsWriter(job.output_dir, enabled=comm.rank() == 0,
                                          start_step=start_step),
@@ -521,20 +521,30 @@ def _finish_publishing_on_error(run: Run, watchdog: Watchdog, error: JobError) -
 
 
 def _publish_pending(run: Run, watchdog: Watchdog, saver: _Saver) -> None:
-    """A resumed run whose start step is due for publishing but not in publish.dir (the stop
-    signal or a failed publish came before it) publishes it first; rank 0 looks, all agree."""
-    if run.publisher is None or not run.start_step or not run.publisher.due(run.start_step):
+    """A resumed run publishes its start step first: into publish.dir when it is due there but
+    not in it (the stop signal or a failed publish came before it; rank 0 looks, all agree),
+    and into publish.engines always (an engine may serve a step of the stopped run's timeline
+    beyond the checkpoint, or be paused half-updated by a push the stop cut short)."""
+    publisher = run.publisher
+    if publisher is None or not run.start_step:
         return
-    found, problems = (attempt(lambda: run.start_step in published_steps(run.publisher.root),
-                               f"listing {run.publisher.root}")
-                       if comm.rank() == 0 else (True, []))
-    fail_together(problems, CheckpointError)
-    if comm.rank_flags(not found)[0]:
-        if comm.rank() == 0:
-            logger.info("publishing the weights of step %d, which the stopped run had not "
-                        "published", run.start_step)
-        _publishing(run, run.start_step, watchdog, saver,
-                    lambda rows: rows.extend(run.publisher.publish(run.start_step)))
+    write = publisher.dir_due(run.start_step)
+    if write:
+        found, problems = (attempt(lambda: run.start_step in published_steps(publisher.root),
+                                   f"listing {publisher.root}")
+                           if comm.rank() == 0 else (True, []))
+        fail_together(problems, CheckpointError)
+        write = comm.rank_flags(not found)[0]
+    push = publisher.push is not None
+    if not write and not push:
+        return
+    if comm.rank() == 0:
+        logger.info("publishing the weights of step %d%s%s first", run.start_step,
+                    " to publish.dir, which the stopped run had not" if write else "",
+                    " into publish.engines" if push else "")
+    _publishing(run, run.start_step, watchdog, saver,
+                lambda rows: rows.extend(publisher.publish(run.start_step, write=write,
+                                                           push=push)))
 
 
 def _train_loop(run: Run, stop: StopSignals, watchdog: Watchdog) -> None:

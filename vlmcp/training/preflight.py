@@ -45,7 +45,8 @@ from vlmcp.data.processor import VLProcessor, load_processor
 from vlmcp.data.rollouts import PUBLISHED_BY, written_by_publish
 from vlmcp.data.sources import DataFile, data_files
 from vlmcp.device import compute_device
-from vlmcp.errors import ConfigError, KernelError, ModelLoadError, ProcessorError
+from vlmcp.engine.weight_push_http import VllmPushControl
+from vlmcp.errors import ConfigError, EngineError, KernelError, ModelLoadError, ProcessorError
 from vlmcp.model.deltanet_kernel import resolve_kernel
 from vlmcp.model.load import load_config, text_hidden_size
 from vlmcp.model.lora import lora_problems
@@ -230,6 +231,26 @@ def _check_publish_dir(job: JobConfig, report: Preflight) -> None:
                        "engine's load time, docs/rl-loop.md)")
 
 
+#: The longest look at one engine before training (publish.engine_timeout_s when shorter).
+ENGINE_PROBE_S = 30.0
+
+
+def _check_engines(job: JobConfig, report: Preflight) -> None:
+    """Every engine of publish.engines answers now (its workers counted). One that does not is a
+    problem naming it, or under publish.on_engine_error "warn" a warning: the run then pushes
+    into the others and tries it again at every push."""
+    for url in job.publish.engines:
+        try:
+            VllmPushControl(url, timeout_s=min(ENGINE_PROBE_S, job.publish.engine_timeout_s)
+                            ).probe()
+        except EngineError as exc:
+            if job.publish.on_engine_error == "error":
+                report.problems.append(f"config key 'publish.engines': {exc}")
+            elif comm.rank() == 0:
+                logger.warning("publish.engines: %s; training on and pushing into it at every "
+                               "push (publish.on_engine_error=\"warn\")", exc)
+
+
 def _check_writable(key: str, directory: str, report: Preflight) -> None:
     """`directory`, or the nearest directory above it that exists, accepts a new file (a probe
     file, removed again; nothing is created for a directory that does not exist yet)."""
@@ -357,6 +378,8 @@ def run_preflight(job: JobConfig, world_size: int, *, index_role: str = "build",
         _check_resume(job, report)
         if job.publish.dir:
             _check_publish_dir(job, report)
+        if job.publish.engines:
+            _check_engines(job, report)
         if job.rollouts.dir:
             _check_rollouts(job, report)
     if report.processor is not None and _check_image_root(job, report) and index_role != "skip":

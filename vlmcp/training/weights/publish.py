@@ -53,6 +53,13 @@ directory whose STABLE does not name vlmcp's publish as its writer (`written_by`
 step's STABLE never does, so the two kinds of step can never be taken for each other).
 A failed write raises CheckpointError on every rank; nothing half-written stays.
 
+With publish.engines, every `publish.every`-th step also goes straight into running vLLM engines,
+labelled policy version N, in memory (training/weights/engine_push.py): each rank hands the same
+share to the push on its publish thread, before writing it, so the push carries step N's bytes
+exactly as the directory does, fenced the same way; publish.dir, when set, is then written only
+after every `publish.dir_every`-th step (the durable record), and a step that is only pushed
+writes nothing to the disk. The publish's row then also says which engines serve the step.
+
 At the start (`Publisher(...)`), rank 0 removes the `.tmp-step_*` and `.old-step_*` directories
 an interrupted run left behind (a network filesystem can keep them), and a resume at step S sets
 aside the published steps beyond S (a crashed run can publish steps after its last checkpoint:
@@ -85,6 +92,7 @@ from vlmcp.training.weights.export import engine_hf_state_dict
 from vlmcp.training.weights.hf_format import (saved_tensors, state_bytes, write_dir_atomically,
                                               write_hf_files, write_model_config, write_on_rank0)
 from vlmcp.training.weights.expert_shards import is_gathered_slice
+from vlmcp.training.weights.engine_push import EnginePush, PushSettings
 from vlmcp.training.weights.sharded_write import ShardedWrite
 from vlmcp.training.weights.shards import (SharePlan, StagedShare, buffers_held_bytes,
                                            bytes_to_stage, gather_share, gathers_by_modules,
@@ -118,14 +126,16 @@ def published_steps(directory: str | Path) -> list[int]:
 
 @dataclass
 class _InFlight:
-    """A publish not yet settled: its step, directory, start (perf_counter), the seconds it
-    waited for the previous one, and its rank-parallel write (None: written on rank 0)."""
+    """A publish not yet settled: its step, directory (None: pushed into the engines only),
+    start (perf_counter), the seconds it waited for the previous one, its rank-parallel write
+    (None: written on rank 0), and whether it pushes into the engines."""
 
     step: int
-    out: Path
+    out: Path | None
     started: float
     waited_s: float
     write: ShardedWrite | None
+    pushed: bool = False
     #: Seconds `publish` took on the main thread, when the write went on in the background.
     critical_s: float | None = None
     #: Seconds the optimizer steps after it waited for this rank's copy (`Publisher.fence`).
@@ -140,8 +150,9 @@ class Publisher:
         """Call on every rank, before the first step: rank 0 clears what an interrupted run left
         in publish.dir and sets aside the published steps beyond `start_step` (the module
         docstring); every rank raises CheckpointError when it cannot."""
-        self.root = Path(job.publish.dir).absolute()
+        self.root = Path(job.publish.dir).absolute() if job.publish.dir else None
         self.every = job.publish.every
+        self.dir_every = job.publish.dir_every or job.publish.every
         self.keep = job.publish.keep
         self.source_dir = job.resolve_input(job.model.path)
         self.engine, self.module, self.adapter = engine, module, adapter
@@ -163,8 +174,15 @@ class Publisher:
         #: An abandoned write whose thread may still be in a gather on `_group`.
         self._abandoned: ShardedWrite | None = None
         self._warned_buffer = False
+        publish = job.publish
+        #: The push into publish.engines (training/weights/engine_push.py), None without.
+        self.push = EnginePush(PushSettings(
+            tuple(url.rstrip("/") for url in publish.engines), int(publish.bucket_mb * 2**20),
+            publish.engine_timeout_s, publish.engine_pause, publish.on_engine_error,
+            publish.push_host, getattr(torch, publish.push_dtype) if publish.push_dtype else None)
+            ) if publish.engines else None
         problems = []
-        if comm.rank() == 0:
+        if comm.rank() == 0 and self.root is not None:
             try:
                 self._clear_leftovers(start_step)
             except OSError as exc:
@@ -199,13 +217,26 @@ class Publisher:
         return buffers_held_bytes(self._staging)
 
     def due(self, done: int) -> bool:
-        """Whether the weights after `done` completed steps are published."""
-        return done % self.every == 0
+        """Whether the weights after `done` completed steps are published (written, pushed or
+        both)."""
+        return self.dir_due(done) or self.push_due(done)
 
-    def publish(self, done: int) -> list[dict[str, Any]]:
+    def dir_due(self, done: int) -> bool:
+        """Whether publish.dir gets the weights after `done` completed steps."""
+        return self.root is not None and done % self.dir_every == 0
+
+    def push_due(self, done: int) -> bool:
+        """Whether the engines get the weights after `done` completed steps."""
+        return self.push is not None and done % self.every == 0
+
+    def publish(self, done: int, *, write: bool | None = None, push: bool | None = None
+                ) -> list[dict[str, Any]]:
         """Publish the weights after `done` steps (call on every rank, right after the optimizer
-        step); returns the rows of the publishes that completed meanwhile (meaningful on rank 0),
-        this one's too when it is synchronous."""
+        step): into publish.dir when `write` (default: when due) and into the engines when `push`
+        (default: when due). Returns the rows of the publishes that completed meanwhile
+        (meaningful on rank 0), this one's too when it is synchronous."""
+        write = self.dir_due(done) if write is None else write
+        push = self.push_due(done) if push is None else push
         started = time.perf_counter()
         rows: list[dict[str, Any]] = []
         waited = 0.0
@@ -216,17 +247,18 @@ class Publisher:
             if comm.rank() == 0:
                 logger.info("the publish of step %d waited %.2f s for the write of step %d, "
                             "still in flight (at most one publish is)", done, waited, previous)
-        out = self.root / f"step_{done}"
+        out = self.root / f"step_{done}" if write else None
         if self.adapter is not None or not self.sharded:
             self._publish_on_rank0(done, out)
             self._inflight = _InFlight(done, out, started, waited, None)
             rows += self._settle(wait=True)
             return rows
         plan = self._share_plan()
-        write = ShardedWrite.begin(out, plan, what="published weights",
-                                   replaceable=written_by_publish,
-                                   seal=lambda tmp: self._mark(tmp, done, plan.total_size),
-                                   after=lambda _: self._prune(done))
+        writing = ShardedWrite.begin(
+            out, plan, what="published weights" if out is not None else f"weights of step {done}",
+            replaceable=written_by_publish, seal=lambda tmp: self._mark(tmp, done, plan.total_size),
+            after=lambda _: self._prune(done),
+            push=(lambda share: self.push.push(done, share)) if push else None)
         hf_model = self.module.hf_model
         tensors = saved_tensors(hf_model)
         zero3 = partitioned(self.engine)
@@ -235,6 +267,7 @@ class Publisher:
         def extra(tmp: Path) -> None:
             write_model_config(hf_model, self.source_dir, tmp)
 
+        write = writing
         if self._stages(plan, tensors, zero3, by_modules):
             if self._abandoned is not None:  # the group serves one publish at a time
                 self._abandoned.abandon(None)
@@ -248,7 +281,7 @@ class Publisher:
                                  self._staging if background else None, by_modules=by_modules)
             write.start(share, background=background, extra=extra)
             del share
-        self._inflight = _InFlight(done, out, started, waited, write)
+        self._inflight = _InFlight(done, out, started, waited, write, pushed=push)
         if not self.background:
             rows += self._settle(wait=True)
         else:
@@ -349,24 +382,50 @@ class Publisher:
 
     def _row(self, inflight: _InFlight) -> dict[str, Any]:
         """The publish's row: `publish_s` (this rank's time on the critical path) and in the
-        background `publish_fence_wait_s` on every rank, the rest on rank 0."""
+        background `publish_fence_wait_s` on every rank, the rest on rank 0: the directory's
+        `published`, `publish_bytes`; the push's `pushed` (the engines that serve the step now),
+        `push_failed`, `push_bytes` (one engine's copy), `push_s` (rank 0's thread),
+        `push_downtime_s` (the longest pause-to-resume) and `push_phases_s` (that engine's
+        control plane, per phase)."""
         finished = inflight.write.finished_at if inflight.write is not None else None
         total = (finished or time.perf_counter()) - inflight.started
         background = inflight.critical_s is not None
         critical = inflight.critical_s + inflight.fence_wait_s if background else total
-        row: dict[str, Any] = {"step": inflight.step, "published": str(inflight.out),
-                               "publish_s": critical}
+        row: dict[str, Any] = {"step": inflight.step, "publish_s": critical}
+        if inflight.out is not None:
+            row["published"] = str(inflight.out)
         if background:
             row["publish_fence_wait_s"] = inflight.fence_wait_s
         if comm.rank() != 0:
             return row
-        row.update({"publish_total_s": total, "publish_bytes": dir_size(inflight.out)})
+        row["publish_total_s"] = total
+        if inflight.out is not None:
+            row["publish_bytes"] = dir_size(inflight.out)
         if inflight.waited_s:
             row["publish_wait_s"] = inflight.waited_s
-        logger.info("published the weights of step %d to %s (%d bytes, %.2f s, %.2f s of them "
-                    "on the training's critical path)", inflight.step, inflight.out,
-                    row["publish_bytes"], total, critical)
+        if inflight.pushed:
+            row.update(self._push_fields())
+        logger.info("published the weights of step %d%s%s (%.2f s, %.2f s of them on the "
+                    "training's critical path)", inflight.step,
+                    f" to {inflight.out} ({row['publish_bytes']} bytes)" if inflight.out else "",
+                    f" into {', '.join(row['pushed'])}" if row.get("pushed") else "", total,
+                    critical)
         return row
+
+    def _push_fields(self) -> dict[str, Any]:
+        """Rank 0: the push's part of the row (see `_row`)."""
+        outcomes = self.push.outcomes
+        served = [o for o in outcomes if o.problem is None]
+        fields: dict[str, Any] = {"pushed": [o.url for o in served],
+                                  "push_bytes": self.push.pushed_bytes,
+                                  "push_s": sum(o.seconds for o in outcomes)}
+        if len(served) < len(outcomes):
+            fields["push_failed"] = [o.url for o in outcomes if o.problem is not None]
+        if served:
+            slowest = max(served, key=lambda o: o.downtime_s or 0.0)
+            fields["push_downtime_s"] = slowest.downtime_s
+            fields["push_phases_s"] = slowest.phases
+        return fields
 
     def _share_plan(self) -> SharePlan:
         if self._plan is None:

@@ -17,7 +17,10 @@ final export), with the index and the marker last.
         (publish.keep's pruning)
 
 A rank writes its share on the calling thread, or (`background`) on a thread of its own; on rank 0
-that thread also finishes the directory once every mark is there. With `start_staged` the thread
+that thread also finishes the directory once every mark is there. With `push` (a weight push into
+running engines, training/weights/engine_push.py) each rank first hands its share to the push,
+then writes it; `out_dir` None writes no directory at all: the push alone, complete once rank 0's
+push returned (the engines confirm every rank's part before that). With `start_staged` the thread
 first makes the share itself (training/weights/shards.py: the copy off the live model, `staged` once
 it ended, which `wait_staged` waits for; then under ZeRO-3 the gather over the publisher's own
 group, the only collectives the thread takes part in, which the ranks' threads leave together). The
@@ -56,14 +59,19 @@ def _mark(directory: Path, rank: int) -> Path:
     return directory / f".rank-{rank}.written"
 
 
+class PushFailed(Exception):
+    """A weight push that failed, with its whole problem line (raised by a `push`)."""
+
+
 class ShardedWrite:
     """One directory in the making (see the module docstring). Create it with `begin`."""
 
-    def __init__(self, out_dir: Path, plan: SharePlan, what: str,
-                 seal: Callable[[Path], None] | None, after: Callable[[Path], None] | None):
+    def __init__(self, out_dir: Path | None, plan: SharePlan, what: str,
+                 seal: Callable[[Path], None] | None, after: Callable[[Path], None] | None,
+                 push: Callable[[dict[str, torch.Tensor]], None] | None = None):
         self.out_dir, self.plan, self.what = out_dir, plan, what
-        self.tmp = out_dir.with_name(f".tmp-{out_dir.name}")
-        self._seal, self._after = seal, after
+        self.tmp = out_dir.with_name(f".tmp-{out_dir.name}") if out_dir is not None else None
+        self._seal, self._after, self._push = seal, after, push
         self.rank = comm.rank()
         #: This rank no longer reads the live model, and its thread no longer takes part in a
         #: collective (both at once without `start_staged`).
@@ -84,15 +92,19 @@ class ShardedWrite:
         self.finished_at: float | None = None
 
     @classmethod
-    def begin(cls, out_dir: str | Path, plan: SharePlan, *, what: str,
+    def begin(cls, out_dir: str | Path | None, plan: SharePlan, *, what: str,
               replaceable: Callable[[Path], bool], seal: Callable[[Path], None] | None = None,
-              after: Callable[[Path], None] | None = None) -> ShardedWrite:
+              after: Callable[[Path], None] | None = None,
+              push: Callable[[dict[str, torch.Tensor]], None] | None = None) -> ShardedWrite:
         """Start writing `out_dir` (call on every rank). Rank 0 refuses a non-empty `out_dir`
         that is not `replaceable` (an earlier directory of the same kind) and creates an empty
-        `.tmp-` directory beside it; every rank raises CheckpointError when it could not."""
-        write = cls(Path(out_dir).absolute(), plan, what, seal, after)
+        `.tmp-` directory beside it; every rank raises CheckpointError when it could not.
+        `push(share)`: called on every rank with its share before it writes it (it raises
+        PushFailed); with `out_dir` None nothing is written."""
+        write = cls(Path(out_dir).absolute() if out_dir is not None else None, plan, what, seal,
+                    after, push)
         problems = []
-        if write.rank == 0:
+        if write.rank == 0 and write.out_dir is not None:
             out = write.out_dir
             if out.is_dir() and any(out.iterdir()) and not replaceable(out):
                 problems.append(f"writing the {what}: {out} exists and is not a directory of "
@@ -140,7 +152,7 @@ class ShardedWrite:
         self._launch(run)
 
     def _extra(self, extra: Callable[[Path], None] | None) -> None:
-        if extra is not None and self.rank == 0:
+        if extra is not None and self.rank == 0 and self.tmp is not None:
             try:
                 extra(self.tmp)
             except Exception as exc:  # any failure is agreed, never one rank's alone
@@ -148,7 +160,7 @@ class ShardedWrite:
 
     def _launch(self, target: Callable[[], None]) -> None:
         self._thread = threading.Thread(target=self._guarded, args=(target,), daemon=True,
-                                        name=f"vlmcp-write-{self.out_dir.name}")
+                                        name=f"vlmcp-write-{self._name()}")
         self._thread.start()
 
     def _guarded(self, target: Callable[[], None]) -> None:
@@ -188,8 +200,15 @@ class ShardedWrite:
             self._collected.set()
 
     def _staging_problem(self, doing: str, exc: BaseException) -> str:
-        return (f"writing the {self.what} to {self.out_dir}: {doing} rank {self.rank}'s share in "
-                f"host memory: {type(exc).__name__}: {exc}")
+        return (f"{self._doing()}: {doing} rank {self.rank}'s share in host memory: "
+                f"{type(exc).__name__}: {exc}")
+
+    def _name(self) -> str:
+        return self.out_dir.name if self.out_dir is not None else "push"
+
+    def _doing(self) -> str:
+        return (f"writing the {self.what} to {self.out_dir}" if self.out_dir is not None
+                else f"pushing the {self.what}")
 
     def wait_staged(self) -> bool:
         """Wait until this rank no longer reads the live model (its copy ended, or failed: that
@@ -199,9 +218,12 @@ class ShardedWrite:
         self._staged.wait()
         return True
 
-    def _describe(self, exc: BaseException, path: Path) -> str:
+    def _describe(self, exc: BaseException, path: Path | None) -> str:
         """The problem line of `exc`, raised writing `path`; never raises itself (a filesystem
         that failed the write may fail the look at its free space too)."""
+        if isinstance(exc, PushFailed) or path is None:
+            return str(exc) if isinstance(exc, PushFailed) else \
+                f"{self._doing()}: {type(exc).__name__}: {exc}"
         needed = self.plan.bytes_of(self.rank) or None
         try:
             why = write_error(exc, path, needed)
@@ -218,8 +240,10 @@ class ShardedWrite:
         flush of the mark after it showed failed there, on a directory already published)."""
         path = self.tmp
         try:
+            if self._push is not None and self._problem is None:
+                self._push(share)
             shard = self.plan.shard_of(self.rank)
-            if shard is None or self._problem is not None:
+            if shard is None or self._problem is not None or self.tmp is None:
                 return
             path = self.tmp / self.plan.files[shard]
             write_shard(share, path)
@@ -242,6 +266,9 @@ class ShardedWrite:
         del share
         if self.rank != 0 or self._problem is not None:
             return
+        if self.tmp is None:
+            self._finish()
+            return
         others = [_mark(self.tmp, r) for r in self.plan.writer_of if r != 0]
         while not self._abandoned.is_set():
             if self._all_written.is_set() or all(m.exists() for m in others):
@@ -255,6 +282,9 @@ class ShardedWrite:
             if self._finished or self._abandoned.is_set():
                 return
             self._finished = True
+            if self.tmp is None:
+                self.finished_at = time.perf_counter()
+                return
             try:
                 for mark in self.tmp.glob(".rank-*.written"):
                     mark.unlink()
@@ -320,20 +350,19 @@ class ShardedWrite:
             self._finish()
         if not self.complete:
             self._final_problem = self._final_problem or (
-                f"writing the {self.what} to {self.out_dir}: rank 0's writer ended without "
-                "finishing the directory")
-            remove_quietly(self.tmp)
+                f"{self._doing()}: rank 0's writer ended without finishing")
+            self._remove_tmp()
         return self._final_problem
 
     def _fail(self, problems: list[str]) -> None:
         try:
             fail_together(problems, CheckpointError)
             # no rank had a problem of its own: a rank's thread stopped short, on an abandon
-            raise CheckpointError([f"writing the {self.what} to {self.out_dir}: abandoned on "
+            raise CheckpointError([f"{self._doing()}: abandoned on "
                                    "another rank"] if self.rank == 0 else [])
         finally:
             if self.rank == 0:
-                remove_quietly(self.tmp)
+                self._remove_tmp()
 
     def settle_within(self, wait_s: float) -> bool:
         """Finish the directory if every rank writes its part within `wait_s` seconds, else
@@ -367,8 +396,12 @@ class ShardedWrite:
         self._staged.wait()
         if not self._collected.wait(leave_s):
             logger.warning("rank %d: the publish thread of %s is still in a gather after %g s; "
-                           "it stops at the ranks' next agreement", self.rank, self.out_dir,
+                           "it stops at the ranks' next agreement", self.rank, self._name(),
                            leave_s)
+
+    def _remove_tmp(self) -> None:
+        if self.tmp is not None:
+            remove_quietly(self.tmp)
 
     @property
     def complete(self) -> bool:

@@ -1,0 +1,281 @@
+"""The push into a running vLLM (publish.engines) against the real engine in its own process (the
+engine venv, `make engine`, with vlmcp's gloo backend): `vlmcp train` under torchrun on 2 CPU
+ranks pushes every step into one server, and the server's weights after the last push equal,
+parameter by parameter (vLLM's /weight_checker checksums) and in a prompt's logprobs, those of
+the same step reloaded from publish.dir: dense and MoE, ZeRO 2 and 3. Faults: an unreachable URL at
+the start, an engine killed in the middle of a push, an engine restarted between steps (brought
+to the latest step at the next push), SIGTERM to the trainer in the middle of a push (the resumed
+run pushes its checkpoint's step first). One server per model."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.engine_reference import NEEDS_ENGINE
+from tests.helpers.launching import (assert_ok, launched, run_vlmcp, tiny_job, vlmcp_frames,
+                                     write_job)
+from vlmcp.data.rollouts import STABLE, step_dir
+from vlmcp.engine.venv import engine_python
+from vlmcp.engine.vllm_http import CPU_ARGS, PUSH_ARGS, VllmHttpClient, VllmServer
+from vlmcp.model.tiny import VLLM_CPU_HEADS, build_tiny_checkpoint
+from vlmcp.parallel.comm import free_local_port
+from vlmcp.training.checkpoint import newest_complete
+from vlmcp.training.metrics import read_metrics
+from vlmcp.training.signals import STOP_MARKER
+
+ENGINE = engine_python()
+pytestmark = [pytest.mark.e2e]
+
+IDS = [1, 10, 11, 12, 13, 2]
+LABELS = [-100, -100, 11, 12, 13, 2]
+#: A long generation that holds a wait-mode pause (the push's first step) for many seconds.
+HOLD = {"prompt": [1, 10, 11], "max_tokens": 1900, "ignore_eos": True, "temperature": 1.0}
+
+
+def _line() -> str:
+    return json.dumps({"input_ids": IDS, "labels": LABELS,
+                       "advantages": [None, None, 1.0, 1.0, -0.5, 0.25]})
+
+
+def _write_step(rollouts: Path, number: int) -> None:
+    path = step_dir(rollouts, number)
+    path.mkdir(parents=True)
+    (path / "rollouts.jsonl").write_text("".join(_line() + "\n" for _ in range(4)))
+    (path / "meta.json").write_text('{"policy_step": 0}')
+    (path / STABLE).write_text("")
+
+
+def _rows(out: Path, key: str) -> list[dict]:
+    path = out / "metrics.jsonl"
+    return [row for row in read_metrics(path) if key in row] if path.exists() else []
+
+
+def _wait_for(condition, what: str, proc: subprocess.Popen | None = None,
+              timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and (proc is None or proc.poll() is None):
+        if condition():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{what} did not happen (exit {proc.poll() if proc else None})")
+
+
+def _errors(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("error: ")]
+
+
+class Engine:
+    """A vLLM server with the push backend on `checkpoint`, on a fixed port (a restart keeps its
+    URL)."""
+
+    def __init__(self, checkpoint: Path, log: Path):
+        self.checkpoint, self.log, self.port = checkpoint, log, free_local_port()
+        self.server: VllmServer | None = None
+        #: The checksums of the weights it started with.
+        self.base: dict[str, str] = {}
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.server = VllmServer(ENGINE, self.checkpoint, self.log, port=self.port,
+                                 args=(*CPU_ARGS, *PUSH_ARGS, "--max-model-len", "2048",
+                                       "--seed", "0"))
+        self.server.start()
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+    def client(self, weights: Path, version: int) -> VllmHttpClient:
+        return VllmHttpClient(self.url, weights, self.checkpoint, version=version)
+
+
+def _served_version(engine: Engine) -> str:
+    """The weight-version label the engine reports (GET /weight_info), read without a client
+    (building one labels the engine)."""
+    try:
+        with urllib.request.urlopen(engine.url + "/weight_info", timeout=30) as answer:
+            return str(json.loads(answer.read())["weight_version"])
+    except OSError:  # not answering (restarting)
+        return ""
+
+
+def _paused(engine: Engine) -> bool:
+    try:
+        with urllib.request.urlopen(engine.url + "/is_paused", timeout=5) as answer:
+            return bool(json.loads(answer.read())["is_paused"])
+    except OSError:
+        return False
+
+
+def _checksums(client: VllmHttpClient) -> dict[str, str]:
+    return client.post("/weight_checker", {"action": "checksum"})["checksums"]
+
+
+def _logprobs(client: VllmHttpClient) -> list[float]:
+    out = client.post("/v1/completions", {"model": str(client.served_config.path),
+                                          "prompt": IDS, "max_tokens": 4, "temperature": 0.0,
+                                          "logprobs": 0})
+    return out["choices"][0]["logprobs"]["token_logprobs"]
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def engine(request, tmp_path_factory):
+    if ENGINE is None:
+        pytest.skip(NEEDS_ENGINE.kwargs["reason"])
+    root = tmp_path_factory.mktemp(request.param)
+    checkpoint = build_tiny_checkpoint(root / "checkpoint", moe=request.param == "moe", seed=0,
+                                       **VLLM_CPU_HEADS)
+    served = Engine(checkpoint, root / "server.log")
+    served.start()
+    served.base = _checksums(served.client(root, version=0))
+    yield served
+    served.stop()
+
+
+def _job(engine: Engine, root: Path, zero: int, **publish) -> Path:
+    rollouts = root / "rollouts"
+    job = tiny_job(engine.checkpoint, Path("unused"), root / "out",
+                   data={"max_seq_len": len(IDS), "num_workers": 0},
+                   loss={"type": "policy_gradient"}, optimizer={"type": "adamw", "lr": 5e-2},
+                   deepspeed={"zero_optimization": {"stage": zero}},
+                   rollouts={"dir": str(rollouts), "timeout_s": 300, "poll_s": 0.05},
+                   publish={"dir": str(root / "weights"), "engines": [engine.url], **publish},
+                   train={"max_steps": 2, "collective_timeout_s": 120})
+    del job["data"]["train"]
+    rollouts.mkdir(parents=True, exist_ok=True)
+    return write_job(root / "job.json", job)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_each_pushed_step_is_the_published_steps_weights_in_the_engine(engine, zero, tmp_path):
+    job = _job(engine, tmp_path, zero)
+    for number in (1, 2):
+        _write_step(tmp_path / "rollouts", number)
+    assert_ok(run_vlmcp(["train", str(job)], launcher="torchrun", nproc=2, timeout=600))
+    rows = _rows(tmp_path / "out", "pushed")
+    assert [(r["step"], r["pushed"]) for r in rows] == [(1, [engine.url]), (2, [engine.url])]
+    assert all(r["push_bytes"] > 0 and 0 < r["push_downtime_s"] for r in rows)
+    assert _served_version(engine) == "2"
+    client = engine.client(tmp_path / "weights", version=2)
+    pushed, pushed_logprobs = _checksums(client), _logprobs(client)
+    assert pushed.keys() == engine.base.keys() and pushed != engine.base
+    client.serve(2)  # the same step from the disk, vLLM's own reload
+    assert _checksums(client) == pushed
+    assert _logprobs(client) == pushed_logprobs
+
+
+def test_an_unreachable_engine_at_the_start_is_one_error_naming_it(tmp_path):
+    closed = f"http://127.0.0.1:{free_local_port()}"
+    checkpoint = build_tiny_checkpoint(tmp_path / "checkpoint", seed=0, tokenizer=True)
+    job = tiny_job(checkpoint, Path("unused"), tmp_path / "out",
+                   rollouts={"dir": str(tmp_path / "rollouts")}, loss={"type": "policy_gradient"},
+                   data={"max_seq_len": len(IDS)}, publish={"engines": [closed]})
+    del job["data"]["train"]
+    (tmp_path / "rollouts").mkdir()
+    result = run_vlmcp(["train", str(write_job(tmp_path / "job.json", job))])
+    assert result.returncode == 1
+    errors = _errors(result.stderr)
+    assert len(errors) == 1 and closed in errors[0] and "publish.engines" in errors[0], errors
+    assert vlmcp_frames(result.stderr) == []
+
+
+def _hold_the_pause(engine: Engine) -> threading.Thread:
+    """A long generation in flight: a wait-mode pause waits for it (many seconds)."""
+    request = urllib.request.Request(
+        engine.url + "/v1/completions", headers={"Content-Type": "application/json"},
+        data=json.dumps({"model": str(engine.checkpoint), **HOLD}).encode())
+
+    def generate() -> None:
+        try:
+            urllib.request.urlopen(request, timeout=600).read()
+        except OSError:  # the engine may be killed under it
+            pass
+
+    thread = threading.Thread(target=generate, daemon=True)
+    thread.start()
+    time.sleep(1.0)
+    return thread
+
+
+def test_an_engine_killed_mid_push_stops_the_run_naming_it_and_the_step_after_a_checkpoint(
+        tmp_path):
+    if ENGINE is None:
+        pytest.skip(NEEDS_ENGINE.kwargs["reason"])
+    checkpoint = build_tiny_checkpoint(tmp_path / "checkpoint", seed=0, **VLLM_CPU_HEADS)
+    engine = Engine(checkpoint, tmp_path / "server.log")
+    engine.start()
+    try:
+        job = _job(engine, tmp_path, 2)
+        _write_step(tmp_path / "rollouts", 1)
+        log = tmp_path / "train.log"
+        with launched(["train", str(job)], log, wait_s=300) as proc:
+            _wait_for(lambda: _served_version(engine) == "1", "step 1's push", proc)
+            _hold_the_pause(engine)
+            _write_step(tmp_path / "rollouts", 2)
+            _wait_for(lambda: _paused(engine), "the push of step 2 pausing the engine", proc)
+            os.kill(engine.server.process.pid, signal.SIGKILL)
+        text = log.read_text()
+        assert proc.returncode == 1, text[-3000:]
+        errors = _errors(text)
+        assert len(errors) == 1 and engine.url in errors[0] and "step 2" in errors[0], errors
+        assert newest_complete(tmp_path / "out" / "checkpoints")[0] == "step2"
+        assert (tmp_path / "weights" / "step_1" / STABLE).is_file()
+    finally:
+        engine.stop()
+
+
+def test_a_restarted_engine_gets_the_latest_step_at_the_next_push_and_a_sigterm_mid_push_loses_nothing(
+        tmp_path):
+    if ENGINE is None:
+        pytest.skip(NEEDS_ENGINE.kwargs["reason"])
+    checkpoint = build_tiny_checkpoint(tmp_path / "checkpoint", seed=0, **VLLM_CPU_HEADS)
+    engine = Engine(checkpoint, tmp_path / "server.log")
+    engine.start()
+    out, weights = tmp_path / "out", tmp_path / "weights"
+    try:
+        job = _job(engine, tmp_path, 2)
+        raw = json.loads(job.read_text())
+        raw["train"]["max_steps"] = 4
+        job.write_text(json.dumps(raw))
+        _write_step(tmp_path / "rollouts", 1)
+        log = tmp_path / "train.log"
+        with launched(["train", str(job)], log, wait_s=300) as proc:
+            _wait_for(lambda: _served_version(engine) == "1", "step 1's push", proc)
+            engine.stop()  # restarted between steps: a fresh engine on the base checkpoint
+            engine.start()
+            _write_step(tmp_path / "rollouts", 2)
+            _wait_for(lambda: _served_version(engine) == "2", "step 2's push", proc)
+            client = engine.client(weights, version=2)
+            pushed = _checksums(client)
+            # SIGTERM while step 3's push waits for the engine's pause
+            _hold_the_pause(engine)
+            _write_step(tmp_path / "rollouts", 3)
+            _wait_for(lambda: _paused(engine), "the push of step 3 pausing the engine", proc)
+            proc.send_signal(signal.SIGTERM)
+        text = log.read_text()
+        assert "stopped on a signal while waiting for rollout step 4" in text, text[-3000:]
+        assert json.loads((out / STOP_MARKER).read_text())["step"] == 3
+        assert newest_complete(out / "checkpoints")[0] == "step3"
+        client.serve(2)
+        assert _checksums(client) == pushed
+        # the resumed run pushes its checkpoint's step first, then step 4's
+        raw["train"]["resume"] = True
+        job.write_text(json.dumps(raw))
+        _write_step(tmp_path / "rollouts", 4)
+        assert_ok(run_vlmcp(["train", str(job)], launcher="torchrun", nproc=2, timeout=600))
+        assert _served_version(engine) == "4"
+        assert [r["step"] for r in _rows(out, "pushed")][-2:] == [3, 4]
+    finally:
+        engine.stop()

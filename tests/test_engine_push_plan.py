@@ -1,0 +1,84 @@
+"""The push into engines, without an engine: its buckets, their bytes, its job keys."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vlmcp.config import job_from_dict
+from vlmcp.errors import ConfigError
+from vlmcp.training.weights.engine_push import buckets_of, interleaved, pack
+
+MINIMAL = {"model": {"path": "ckpt"}, "data": {"train": "train.jsonl"}}
+
+
+def _share() -> dict[str, torch.Tensor]:
+    return {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+            "b": torch.arange(3, dtype=torch.bfloat16),
+            "c": torch.ones(40, dtype=torch.float32),
+            "d": torch.full((2,), 7, dtype=torch.float32)}
+
+
+def test_buckets_hold_whole_tensors_in_share_order_and_never_exceed_the_size_but_for_one_tensor():
+    buckets = buckets_of(_share(), src=1, bucket_bytes=32)
+    assert [b.names for b in buckets] == [["a", "b"], ["c"], ["d"]]
+    assert [b.tag for b in buckets] == [0, 1, 2] and {b.src for b in buckets} == {1}
+    assert [b.bytes for b in buckets] == [30, 160, 8]
+    assert buckets[0].dtype_names == ["float32", "bfloat16"]
+    assert buckets[0].shapes == [[2, 3], [3]]
+
+
+def test_a_packed_bucket_slices_back_into_the_exact_tensors():
+    share = _share()
+    for bucket in buckets_of(share, src=0, bucket_bytes=1 << 20):
+        buffer, offset = pack(bucket, share), 0
+        assert buffer.dtype == torch.uint8 and buffer.numel() == bucket.bytes
+        for name, dtype, shape in zip(bucket.names, bucket.dtype_names, bucket.shapes):
+            dtype = getattr(torch, dtype)
+            size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            back = buffer[offset:offset + size].clone().view(dtype).reshape(shape)
+            assert torch.equal(back, share[name])
+            offset += size
+
+
+def test_the_ranks_buckets_interleave_round_robin_keeping_each_ranks_order():
+    share = _share()
+    per_rank = [buckets_of(share, 0, 32), buckets_of({"x": share["a"]}, 1, 32), []]
+    order = [(b.src, b.tag) for b in interleaved(per_rank)]
+    assert order == [(0, 0), (1, 0), (0, 1), (0, 2)]
+
+
+def _problems(publish: dict) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        job_from_dict({**MINIMAL, "publish": publish})
+    return info.value.problems
+
+
+def test_push_keys_without_engines_and_dir_keys_without_dir_are_named():
+    assert _problems({"dir": "w", "bucket_mb": 64}) == [
+        "config key 'publish.bucket_mb' is set but 'publish.engines' is empty"]
+    assert _problems({"engines": ["http://h:1"], "keep": 2}) == [
+        "config key 'publish.keep' is set but 'publish.dir' is not"]
+    assert _problems({"every": 2}) == [
+        "config key 'publish.every' is set but neither 'publish.dir' nor 'publish.engines' is"]
+
+
+def test_an_engine_that_is_not_a_base_url_or_named_twice_is_refused():
+    problems = _problems({"engines": ["localhost:8000", "http://h:1", "http://h:1/"]})
+    assert problems == ["config key 'publish.engines': 'localhost:8000' is not an engine's base "
+                        "URL (http://HOST:PORT)",
+                        "config key 'publish.engines' names 'http://h:1/' twice"]
+
+
+def test_lora_with_engines_is_refused_naming_the_way_that_works():
+    with pytest.raises(ConfigError) as info:
+        job_from_dict({**MINIMAL, "lora": {"r": 4}, "publish": {"engines": ["http://h:1"]}})
+    assert len(info.value.problems) == 1
+    assert "publish the adapter to publish.dir" in info.value.problems[0]
+
+
+def test_engines_alone_publish_with_the_documented_defaults():
+    job = job_from_dict({**MINIMAL, "publish": {"engines": ["http://h:1"]}})
+    assert job.publish.dir is None and job.publish.dir_every is None
+    assert (job.publish.bucket_mb, job.publish.engine_pause, job.publish.on_engine_error) == \
+        (512.0, "wait", "error")

@@ -1,0 +1,214 @@
+"""`vlmcp bench --engine-push`: a published step into a running vLLM, pushed against reloaded.
+
+For each model, the demo's (`DEMO_MODEL` with the head sizes vLLM's CPU kernels take) and a
+widened one of at least 1 GB in bf16 (`LARGE`), one vLLM server from the engine venv (`make
+engine`, with vlmcp's gloo backend) and one fresh world of 2 trainer ranks (gloo, ZeRO-3, SGD,
+bf16, so that the files and the wire carry the same bytes) take turns, after one untimed round
+that allocates what a run's first publish allocates, `--repeats` times:
+
+    files        publish.dir, rank-parallel in the background (today's publish), then the engine
+                 reloads WEIGHTS/step_N in place (`VllmHttpClient.serve`: pause, vLLM's reload
+                 from the files, just written and so in the page cache, the disk's best case here,
+                 the CPU expert repack of an MoE, both caches, the version, resume)
+    push_<B>     publish.engines with publish.bucket_mb B: every rank's publish thread sends its
+                 share over gloo into the paused engine (training/weights/engine_push.py); no
+                 directory
+
+Each sample: `downtime_s`, the engine's time not serving (pause to resume, measured by the client
+that drives it), `critical_s`, what the training waited (the slowest rank's `publish_s`),
+`total_s` (until the engine served the step: rank 0's publish total plus, for files, the
+reload), and the bytes the trainer ranks and the engine process wrote to the disk meanwhile
+(`/proc/PID/io` write_bytes; the push path writes none). Where the push's downtime goes is in
+`phases_s` (the engine's control plane: pause, start, update = the transfer and vLLM's load of
+each bucket as it arrives, finish = vLLM's layerwise finalisation and the CPU expert repack,
+caches, resume). Values are min / median / max over the repeats; `ratios` compare medians with
+the files way, and `best_bucket_mb` is the bucket size of the lowest median downtime.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vlmcp.bench.jobs import scratch_folder, short_job
+from vlmcp.bench.procs import run_fresh
+from vlmcp.parallel import comm
+
+#: The widened model: about 0.55 G parameters, 1.1 GB in bf16.
+LARGE = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 8,
+         "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128,
+         "linear_num_key_heads": 16, "linear_num_value_heads": 16, "linear_head_dim": 128}
+#: Bucket sizes (MiB) the push is timed at.
+BUCKETS_MB = (64, 256, 1024)
+_SAMPLES, _SAMPLE_LEN = 4, 16
+
+
+def _tokens_data(path: Path) -> Path:
+    lines = [json.dumps({"input_ids": list(range(8, 8 + _SAMPLE_LEN)),
+                         "labels": [-100] * (_SAMPLE_LEN // 2) + list(range(8 + _SAMPLE_LEN // 2,
+                                                                            8 + _SAMPLE_LEN))})
+             for _ in range(_SAMPLES)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def written_bytes(pid: int | str = "self") -> int:
+    """Bytes process `pid` caused to be written to storage so far (/proc/PID/io write_bytes)."""
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("write_bytes:"):
+            return int(line.split()[1])
+    raise OSError(f"/proc/{pid}/io has no write_bytes")
+
+
+@dataclass(frozen=True)
+class PushBenchTask:
+    """One world of trainer ranks against one running engine at `url` (see the module
+    docstring); returns rank 0's samples by way."""
+
+    job: dict
+    url: str
+    engine_pid: int
+    model_dir: str
+    scratch: str
+    repeats: int
+
+    def run(self, device: torch.device) -> dict[str, Any]:
+        from vlmcp.config import job_from_dict
+        from vlmcp.engine.vllm_http import VllmHttpClient
+        from vlmcp.training.loop import start_run, train_step
+        from vlmcp.training.weights.publish import Publisher
+
+        job = job_from_dict(self.job)
+        run = start_run(job)
+        run.engine.train()
+        step = 0
+        train_step(run, step)
+        step += 1
+        files_dir = Path(self.scratch, "files")
+        ways = {"files": dataclasses.replace(job.publish, dir=str(files_dir))}
+        ways.update({f"push_{mb}": dataclasses.replace(job.publish, dir=None, engines=[self.url],
+                                                       bucket_mb=float(mb))
+                     for mb in BUCKETS_MB})
+        publishers = {way: Publisher(dataclasses.replace(job, publish=keys), run.engine,
+                                     run.module, start_step=step) for way, keys in ways.items()}
+        client = VllmHttpClient(self.url, files_dir, self.model_dir) if comm.rank() == 0 else None
+        samples: dict[str, list[dict[str, Any]]] = {way: [] for way in ways}
+        for repeat in range(self.repeats + 1):
+            for way, publisher in publishers.items():
+                run.publisher = publisher
+                wrote = torch.tensor([float(-written_bytes())], dtype=torch.float64)
+                engine_wrote = written_bytes(self.engine_pid) if comm.rank() == 0 else 0
+                rows = publisher.publish(step)
+                while not rows:
+                    train_step(run, step)
+                    step += 1
+                    rows = publisher.check()
+                sample = self._sample(rows[0], client, step, way)
+                wrote += written_bytes()
+                comm.all_reduce_sum(wrote)
+                if comm.rank() == 0 and repeat:
+                    sample.update(trainer_disk_write_bytes=int(wrote[0]),
+                                  engine_disk_write_bytes=written_bytes(self.engine_pid)
+                                  - engine_wrote)
+                    samples[way].append(sample)
+                comm.barrier()
+                train_step(run, step)  # the next publish is of other weights
+                step += 1
+        comm.shutdown()
+        return {"ways": samples}
+
+    @staticmethod
+    def _sample(row: dict[str, Any], client: Any, step: int, way: str) -> dict[str, Any]:
+        """The publish's measures (every rank joins the all-reduce; rank 0's are meaningful);
+        for the files way rank 0 then has the engine reload the step."""
+        slowest = torch.tensor([row["publish_s"]], dtype=torch.float64)
+        comm.all_reduce_max(slowest)
+        if comm.rank() != 0:
+            return {}
+        sample: dict[str, Any] = {"critical_s": float(slowest[0])}
+        if way == "files":
+            served = client.serve(step)
+            sample.update(downtime_s=served.seconds,
+                          total_s=row["publish_total_s"] + served.seconds)
+            Path(row["published"]).rename(Path(row["published"]).with_name(f"done-{step}"))
+        else:
+            if row.get("push_failed"):
+                raise RuntimeError(f"the push of step {step} failed: {row['push_failed']}")
+            sample.update(downtime_s=row["push_downtime_s"], total_s=row["publish_total_s"],
+                          phases_s=row["push_phases_s"], push_bytes=row["push_bytes"])
+        return sample
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"min": round(min(values), 4), "median": round(statistics.median(values), 4),
+            "max": round(max(values), 4)}
+
+
+def _summary(ways: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    for way, runs in ways.items():
+        summary[way] = {key: _spread([run[key] for run in runs]) for key in runs[0]
+                        if isinstance(runs[0][key], (int, float))}
+        if "phases_s" in runs[0]:
+            summary[way]["phases_s"] = {phase: _spread([run["phases_s"][phase] for run in runs])
+                                        for phase in runs[0]["phases_s"]}
+    pushes = [way for way in ways if way.startswith("push_")]
+    best = min(pushes, key=lambda way: summary[way]["downtime_s"]["median"])
+    files = summary["files"]
+    summary["best_bucket_mb"] = int(best.removeprefix("push_"))
+    summary["ratios"] = {
+        f"{way}_downtime_vs_files": round(summary[way]["downtime_s"]["median"]
+                                          / files["downtime_s"]["median"], 3) for way in pushes}
+    summary["ratios"]["best_push_critical_vs_files"] = round(
+        summary[best]["critical_s"]["median"] / files["critical_s"]["median"], 3)
+    return summary
+
+
+def _bench_model(name: str, config: dict[str, Any], root: Path, args: argparse.Namespace
+                 ) -> dict[str, Any]:
+    from vlmcp.engine.venv import engine_python, missing_engine, named_engine_python
+    from vlmcp.engine.vllm_http import CPU_ARGS, PUSH_ARGS, VllmServer
+    from vlmcp.model.tiny import VLLM_CPU_HEADS, build_tiny_checkpoint
+
+    python = engine_python()
+    if python is None:
+        raise ValueError(f"--engine-push needs the engine venv: "
+                         f"{missing_engine(named_engine_python())}")
+    model_dir = build_tiny_checkpoint(root / name / "model", seed=0,
+                                      **{**VLLM_CPU_HEADS, **config})
+    server = VllmServer(python, model_dir, root / name / "engine.log",
+                        args=(*CPU_ARGS, *PUSH_ARGS, "--max-model-len", "256"))
+    start_s = server.start()
+    try:
+        job = short_job({"path": str(model_dir), "dtype": "bfloat16"},
+                        {"train": str(_tokens_data(root / name / "train.jsonl")),
+                         "max_seq_len": 2 * _SAMPLE_LEN, "num_workers": 0},
+                        root / name / "out", 10_000, lr=1e-4, zero_stage=3,
+                        publish={"dir": str(root / name / "unused")})
+        row = run_fresh(PushBenchTask(job, server.url, server.process.pid, str(model_dir),
+                                      str(root / name), args.repeats), 2, distributed=False)
+    finally:
+        server.stop()
+    weights = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    return {"model": f"tiny dense Qwen3.5 {config}", "checkpoint_bytes": weights,
+            "engine_start_s": round(start_s, 1), **_summary(row["ways"]), "runs": row["ways"]}
+
+
+def run_engine_push_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """The `--engine-push` report (see the module docstring)."""
+    from vlmcp.demo.image import DEMO_MODEL
+
+    with scratch_folder(args.scratch, "vlmcp-bench-push-") as root:
+        models = {"demo": _bench_model("demo", DEMO_MODEL, root, args),
+                  "large": _bench_model("large", LARGE, root, args)}
+    return {"mode": "engine_push", "world": 2, "zero_stage": 3, "dtype": "bfloat16",
+            "buckets_mb": list(BUCKETS_MB), "repeats": args.repeats, "cpus": os.cpu_count(),
+            "models": models}
