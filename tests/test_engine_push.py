@@ -130,10 +130,9 @@ def _logprobs(client: VllmHttpClient) -> list[float]:
     return out["choices"][0]["logprobs"]["token_logprobs"]
 
 
-@pytest.fixture(scope="module", params=["dense", "moe"])
+@pytest.fixture(scope="module", params=[pytest.param("dense", marks=NEEDS_ENGINE),
+                                        pytest.param("moe", marks=NEEDS_ENGINE)])
 def engine(request, tmp_path_factory):
-    if ENGINE is None:
-        pytest.skip(NEEDS_ENGINE.kwargs["reason"])
     root = tmp_path_factory.mktemp(request.param)
     checkpoint = build_tiny_checkpoint(root / "checkpoint", moe=request.param == "moe", seed=0,
                                        **VLLM_CPU_HEADS)
@@ -209,73 +208,70 @@ def _hold_the_pause(engine: Engine) -> threading.Thread:
     return thread
 
 
+@pytest.fixture
+def fresh_engine(tmp_path):
+    """A server of its own on a fresh dense checkpoint, for a test that kills or restarts it."""
+    checkpoint = build_tiny_checkpoint(tmp_path / "checkpoint", seed=0, **VLLM_CPU_HEADS)
+    engine = Engine(checkpoint, tmp_path / "server.log")
+    engine.start()
+    yield engine
+    engine.stop()
+
+
+@NEEDS_ENGINE
 def test_an_engine_killed_mid_push_stops_the_run_naming_it_and_the_step_after_a_checkpoint(
-        tmp_path):
-    if ENGINE is None:
-        pytest.skip(NEEDS_ENGINE.kwargs["reason"])
-    checkpoint = build_tiny_checkpoint(tmp_path / "checkpoint", seed=0, **VLLM_CPU_HEADS)
-    engine = Engine(checkpoint, tmp_path / "server.log")
-    engine.start()
-    try:
-        job = _job(engine, tmp_path, 2)
-        _write_step(tmp_path / "rollouts", 1)
-        log = tmp_path / "train.log"
-        with launched(["train", str(job)], log, wait_s=300) as proc:
-            _wait_for(lambda: _served_version(engine) == "1", "step 1's push", proc)
-            _hold_the_pause(engine)
-            _write_step(tmp_path / "rollouts", 2)
-            _wait_for(lambda: _paused(engine), "the push of step 2 pausing the engine", proc)
-            os.kill(engine.server.process.pid, signal.SIGKILL)
-        text = log.read_text()
-        assert proc.returncode == 1, text[-3000:]
-        errors = _errors(text)
-        assert len(errors) == 1 and engine.url in errors[0] and "step 2" in errors[0], errors
-        assert newest_complete(tmp_path / "out" / "checkpoints")[0] == "step2"
-        assert (tmp_path / "weights" / "step_1" / STABLE).is_file()
-    finally:
-        engine.stop()
+        fresh_engine, tmp_path):
+    engine = fresh_engine
+    job = _job(engine, tmp_path, 2)
+    _write_step(tmp_path / "rollouts", 1)
+    log = tmp_path / "train.log"
+    with launched(["train", str(job)], log, wait_s=300) as proc:
+        _wait_for(lambda: _served_version(engine) == "1", "step 1's push", proc)
+        _hold_the_pause(engine)
+        _write_step(tmp_path / "rollouts", 2)
+        _wait_for(lambda: _paused(engine), "the push of step 2 pausing the engine", proc)
+        os.kill(engine.server.process.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert proc.returncode == 1, text[-3000:]
+    errors = _errors(text)
+    assert len(errors) == 1 and engine.url in errors[0] and "step 2" in errors[0], errors
+    assert newest_complete(tmp_path / "out" / "checkpoints")[0] == "step2"
+    assert (tmp_path / "weights" / "step_1" / STABLE).is_file()
 
 
-def test_a_restarted_engine_gets_the_latest_step_at_the_next_push_and_a_sigterm_mid_push_loses_nothing(
-        tmp_path):
-    if ENGINE is None:
-        pytest.skip(NEEDS_ENGINE.kwargs["reason"])
-    checkpoint = build_tiny_checkpoint(tmp_path / "checkpoint", seed=0, **VLLM_CPU_HEADS)
-    engine = Engine(checkpoint, tmp_path / "server.log")
-    engine.start()
-    out, weights = tmp_path / "out", tmp_path / "weights"
-    try:
-        job = _job(engine, tmp_path, 2)
-        raw = json.loads(job.read_text())
-        raw["train"]["max_steps"] = 4
-        job.write_text(json.dumps(raw))
-        _write_step(tmp_path / "rollouts", 1)
-        log = tmp_path / "train.log"
-        with launched(["train", str(job)], log, wait_s=300) as proc:
-            _wait_for(lambda: _served_version(engine) == "1", "step 1's push", proc)
-            engine.stop()  # restarted between steps: a fresh engine on the base checkpoint
-            engine.start()
-            _write_step(tmp_path / "rollouts", 2)
-            _wait_for(lambda: _served_version(engine) == "2", "step 2's push", proc)
-            client = engine.client(weights, version=2)
-            pushed = _checksums(client)
-            # SIGTERM while step 3's push waits for the engine's pause
-            _hold_the_pause(engine)
-            _write_step(tmp_path / "rollouts", 3)
-            _wait_for(lambda: _paused(engine), "the push of step 3 pausing the engine", proc)
-            proc.send_signal(signal.SIGTERM)
-        text = log.read_text()
-        assert "stopped on a signal while waiting for rollout step 4" in text, text[-3000:]
-        assert json.loads((out / STOP_MARKER).read_text())["step"] == 3
-        assert newest_complete(out / "checkpoints")[0] == "step3"
-        client.serve(2)
-        assert _checksums(client) == pushed
-        # the resumed run pushes its checkpoint's step first, then step 4's
-        raw["train"]["resume"] = True
-        job.write_text(json.dumps(raw))
-        _write_step(tmp_path / "rollouts", 4)
-        assert_ok(run_vlmcp(["train", str(job)], launcher="torchrun", nproc=2, timeout=600))
-        assert _served_version(engine) == "4"
-        assert [r["step"] for r in _rows(out, "pushed")][-2:] == [3, 4]
-    finally:
-        engine.stop()
+@NEEDS_ENGINE
+def test_a_restarted_engine_gets_the_latest_step_and_a_sigterm_mid_push_loses_nothing(
+        fresh_engine, tmp_path):
+    engine, out, weights = fresh_engine, tmp_path / "out", tmp_path / "weights"
+    job = _job(engine, tmp_path, 2)
+    raw = json.loads(job.read_text())
+    raw["train"]["max_steps"] = 4
+    job.write_text(json.dumps(raw))
+    _write_step(tmp_path / "rollouts", 1)
+    log = tmp_path / "train.log"
+    with launched(["train", str(job)], log, wait_s=300) as proc:
+        _wait_for(lambda: _served_version(engine) == "1", "step 1's push", proc)
+        engine.stop()  # restarted between steps: a fresh engine on the base checkpoint
+        engine.start()
+        _write_step(tmp_path / "rollouts", 2)
+        _wait_for(lambda: _served_version(engine) == "2", "step 2's push", proc)
+        client = engine.client(weights, version=2)
+        pushed = _checksums(client)
+        # SIGTERM while step 3's push waits for the engine's pause
+        _hold_the_pause(engine)
+        _write_step(tmp_path / "rollouts", 3)
+        _wait_for(lambda: _paused(engine), "the push of step 3 pausing the engine", proc)
+        proc.send_signal(signal.SIGTERM)
+    text = log.read_text()
+    assert "stopped on a signal while waiting for rollout step 4" in text, text[-3000:]
+    assert json.loads((out / STOP_MARKER).read_text())["step"] == 3
+    assert newest_complete(out / "checkpoints")[0] == "step3"
+    client.serve(2)
+    assert _checksums(client) == pushed
+    # the resumed run pushes its checkpoint's step first, then step 4's
+    raw["train"]["resume"] = True
+    job.write_text(json.dumps(raw))
+    _write_step(tmp_path / "rollouts", 4)
+    assert_ok(run_vlmcp(["train", str(job)], launcher="torchrun", nproc=2, timeout=600))
+    assert _served_version(engine) == "4"
+    assert [r["step"] for r in _rows(out, "pushed")][-2:] == [3, 4]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vlmcp.cli import main
 from vlmcp.config import job_from_dict
 from vlmcp.errors import ConfigError
 from vlmcp.training.weights.engine_push import buckets_of, interleaved, pack
@@ -82,3 +83,10 @@ def test_engines_alone_publish_with_the_documented_defaults():
     assert job.publish.dir is None and job.publish.dir_every is None
     assert (job.publish.bucket_mb, job.publish.engine_pause, job.publish.on_engine_error) == \
         (512.0, "wait", "error")
+
+
+def test_the_engine_push_bench_refuses_flags_it_does_not_use(tmp_path, capsys):
+    out = tmp_path / "never.json"
+    assert main(["bench", "--engine-push", "--moe", "--hidden-size", "64", "--out", str(out)]) == 1
+    assert "--engine-push does not use --moe, --hidden-size" in capsys.readouterr().err
+    assert not out.exists()

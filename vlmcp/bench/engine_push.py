@@ -4,7 +4,9 @@ For each model, the demo's (`DEMO_MODEL` with the head sizes vLLM's CPU kernels 
 widened one of at least 1 GB in bf16 (`LARGE`), one vLLM server from the engine venv (`make
 engine`, with vlmcp's gloo backend) and one fresh world of 2 trainer ranks (gloo, ZeRO-3, SGD,
 bf16, so that the files and the wire carry the same bytes) take turns, after one untimed round
-that allocates what a run's first publish allocates, `--repeats` times:
+that allocates what a run's first publish allocates, `--repeats` times. No training step runs
+while a step goes out (on this machine the trainer, the engine and the transfer share the
+cores; where they do not, the steps would not slow the engine down either):
 
     files        publish.dir, rank-parallel in the background (today's publish), then the engine
                  reloads WEIGHTS/step_N in place (`VllmHttpClient.serve`: pause, vLLM's reload
@@ -38,7 +40,7 @@ from typing import Any
 
 import torch
 
-from vlmcp.bench.jobs import scratch_folder, short_job
+from vlmcp.bench.jobs import published_after, scratch_folder, short_job, started_run
 from vlmcp.bench.procs import run_fresh
 from vlmcp.parallel import comm
 
@@ -81,37 +83,32 @@ class PushBenchTask:
     repeats: int
 
     def run(self, device: torch.device) -> dict[str, Any]:
-        from vlmcp.config import job_from_dict
         from vlmcp.engine.vllm_http import VllmHttpClient
-        from vlmcp.training.loop import start_run, train_step
+        from vlmcp.training.loop import train_step
         from vlmcp.training.weights.publish import Publisher
 
-        job = job_from_dict(self.job)
-        run = start_run(job)
-        run.engine.train()
-        step = 0
-        train_step(run, step)
-        step += 1
+        run, step = started_run(self.job)
+        job = run.job
         files_dir = Path(self.scratch, "files")
-        ways = {"files": dataclasses.replace(job.publish, dir=str(files_dir))}
-        ways.update({f"push_{mb}": dataclasses.replace(job.publish, dir=None, engines=[self.url],
-                                                       bucket_mb=float(mb))
-                     for mb in BUCKETS_MB})
-        publishers = {way: Publisher(dataclasses.replace(job, publish=keys), run.engine,
-                                     run.module, start_step=step) for way, keys in ways.items()}
+        # Two publishers (each keeps host buffers of its own for the run); the push's bucket
+        # size changes between its ways.
+        files = Publisher(dataclasses.replace(job, publish=dataclasses.replace(
+            job.publish, dir=str(files_dir))), run.engine, run.module, start_step=step)
+        push = Publisher(dataclasses.replace(job, publish=dataclasses.replace(
+            job.publish, dir=None, engines=[self.url])), run.engine, run.module, start_step=step)
+        ways = {"files": (files, None), **{f"push_{mb}": (push, mb) for mb in BUCKETS_MB}}
         client = VllmHttpClient(self.url, files_dir, self.model_dir) if comm.rank() == 0 else None
         samples: dict[str, list[dict[str, Any]]] = {way: [] for way in ways}
         for repeat in range(self.repeats + 1):
-            for way, publisher in publishers.items():
-                run.publisher = publisher
+            for way, (publisher, bucket_mb) in ways.items():
+                if bucket_mb is not None:
+                    publisher.push.settings = dataclasses.replace(
+                        publisher.push.settings, bucket_bytes=bucket_mb * 2**20)
                 wrote = torch.tensor([float(-written_bytes())], dtype=torch.float64)
                 engine_wrote = written_bytes(self.engine_pid) if comm.rank() == 0 else 0
-                rows = publisher.publish(step)
-                while not rows:
-                    train_step(run, step)
-                    step += 1
-                    rows = publisher.check()
-                sample = self._sample(rows[0], client, step, way)
+                published = step
+                rows, step = published_after(run, publisher, published, train_meanwhile=False)
+                sample = self._sample(rows[0], client, published, way)
                 wrote += written_bytes()
                 comm.all_reduce_sum(wrote)
                 if comm.rank() == 0 and repeat:

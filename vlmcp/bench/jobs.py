@@ -49,3 +49,35 @@ def timed_training(job_path: str) -> tuple[Run, float]:
     started = time.perf_counter()
     run = train(load_job(job_path, []))
     return run, time.perf_counter() - started
+
+
+def started_run(job: dict[str, Any]) -> tuple[Run, int]:
+    """The run of the job dict `job` (every rank of the world calls this), in train mode, after
+    its first optimizer step: (the run, 1)."""
+    from vlmcp.config import job_from_dict
+    from vlmcp.training.loop import start_run, train_step
+
+    run = start_run(job_from_dict(job))
+    run.engine.train()
+    train_step(run, 0)
+    return run, 1
+
+
+def published_after(run: Run, publisher: Any, step: int, *, train_meanwhile: bool = True
+                    ) -> tuple[list[dict[str, Any]], int]:
+    """`publisher` publishes the weights after `step` steps, and the run trains on until the
+    publish completed (every rank), or with `train_meanwhile` False waits for it idle: (the
+    rows `publish` and `check` returned, the steps done now)."""
+    from vlmcp.training.loop import train_step
+
+    run.publisher = publisher  # the steps' optimizer steps wait at its fence
+    rows = publisher.publish(step)
+    while not rows:
+        if train_meanwhile:
+            train_step(run, step)
+            step += 1
+        else:
+            time.sleep(0.01)
+        rows = publisher.check()
+    return rows, step
+

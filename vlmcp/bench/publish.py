@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from vlmcp.bench.jobs import scratch_folder, short_job
+from vlmcp.bench.jobs import published_after, scratch_folder, short_job, started_run
 from vlmcp.bench.procs import Memory, run_fresh
 from vlmcp.parallel import comm
 
@@ -82,17 +82,12 @@ class PublishTask:
     repeats: int
 
     def run(self, device: torch.device) -> dict[str, Any]:
-        from vlmcp.config import job_from_dict
-        from vlmcp.training.loop import start_run, train_step
+        from vlmcp.training.loop import train_step
         from vlmcp.training.weights.publish import Publisher
 
-        job = job_from_dict(self.job)
-        run = start_run(job)
-        run.engine.train()
+        run, step = started_run(self.job)
+        job = run.job
         memory = Memory(device)
-        step = 0
-        train_step(run, step)
-        step += 1
         samples: dict[str, list[dict[str, float]]] = {way: [] for way in WAYS}
         publishers = {way: Publisher(dataclasses.replace(job, publish=dataclasses.replace(
             job.publish, dir=str(Path(self.scratch, way)), **keys)), run.engine, run.module,
@@ -100,16 +95,10 @@ class PublishTask:
         weight_bytes = 0
         for repeat in range(self.repeats + 1):  # the first round warms the staging buffers
             for way, publisher in publishers.items():
-                run.publisher = publisher  # the steps' optimizer steps wait at its fence
                 rss_before = memory.current_mb()
                 memory.reset_peak()
-                rows = publisher.publish(step)
-                steps_meanwhile = 0
-                while not rows:
-                    train_step(run, step)
-                    step += 1
-                    steps_meanwhile += 1
-                    rows = publisher.check()
+                rows, after = published_after(run, publisher, step)
+                steps_meanwhile, step = after - step, after
                 peak = memory.peak_mb()
                 slowest = torch.tensor([rows[0]["publish_s"],
                                         rows[0].get("publish_fence_wait_s", 0.0)],

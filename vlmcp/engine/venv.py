@@ -20,7 +20,8 @@ import os
 from pathlib import Path
 
 #: The file a finished engine venv holds (its content: the hash of the constraints it was built
-#: with, which `scripts/engine_venv.py` compares to skip a rebuild).
+#: with and that of the vlmcp engine code installed into it, which `scripts/engine_venv.py`
+#: compares to skip a rebuild).
 STAMP = ".vlmcp-engine-installed"
 #: The engine venv `make engine` builds, beside the checkout's `vlmcp/`.
 CHECKOUT_ENGINE_PYTHON = Path(__file__).resolve().parents[2] / ".venv-engine" / "bin" / "python"

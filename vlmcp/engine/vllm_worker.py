@@ -19,7 +19,8 @@ finds such layers, so that a client refuses the engine up front instead of leavi
 its layers reloaded.
 
 `repack_cpu_moe_experts(worker)` and `padded_cpu_moe_experts(worker)` are the steps, for
-`LLM.collective_rpc(...)`; `VlmcpWorkerExtension` gives the server's workers the same steps as
+`LLM.collective_rpc(...)`; `repack_cpu_moe_experts_of(model)` is the repack on a model itself
+(what the gloo weight push, `vllm_gloo`, runs after its layerwise reload); `VlmcpWorkerExtension` gives the server's workers the same steps as
 methods, for `POST /collective_rpc {"method": "repack_cpu_moe_experts"}` (server flag
 `--worker-extension-cls vlmcp.engine.vllm_worker.VlmcpWorkerExtension`, with vlmcp's checkout on
 the server's PYTHONPATH). Standard library only: it is imported by vLLM's worker.
@@ -27,15 +28,15 @@ the server's PYTHONPATH). Standard library only: it is imported by vLLM's worker
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from typing import Any
 
 #: The module of vLLM's CPU experts, whose weights are prepacked after loading.
 CPU_EXPERTS_MODULE = "vllm.model_executor.layers.fused_moe.experts.cpu_moe"
 
 
-def _cpu_experts(model: Any) -> Iterator[tuple[Any, Any]]:
-    """(MoE layer, its CPU experts) for every layer of vLLM's `model` that runs on vLLM's CPU
+def cpu_moe_experts(model: Any) -> Iterator[tuple[Any, Any]]:
+    """(MoE layer, its CPU experts) for every layer of `model` that runs on vLLM's CPU
     experts."""
     for module in model.modules():
         kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
@@ -50,7 +51,7 @@ def padded_cpu_moe_experts(worker: Any) -> list[str]:
     against the config's I per partition; empty for a dense model, GPU experts, or sizes the
     kernel takes as they are."""
     found = []
-    for module, experts in _cpu_experts(worker.model_runner.model):
+    for module, experts in cpu_moe_experts(worker.model_runner.model):
         size = experts.moe_config.intermediate_size_per_partition
         held = module.w13_weight.shape[-2] // 2
         if held != size:
@@ -59,20 +60,23 @@ def padded_cpu_moe_experts(worker: Any) -> list[str]:
     return found
 
 
-def repack_cpu_moe_experts(worker: Any) -> int:
-    """Prepack the CPU experts of every MoE layer of `worker`'s model again (after a reload);
-    returns how many layers it repacked (0 for a dense model or GPU experts)."""
-    return repack_cpu_moe_experts_of(worker.model_runner.model)
-
-
-def repack_cpu_moe_experts_of(model: Any) -> int:
-    """`repack_cpu_moe_experts` of vLLM's `model` itself (a weight-transfer engine holds the
-    model, not the worker: `vllm_gloo`)."""
+def repack_cpu_moe_experts_of(model: Any, only: Container[Any] | None = None) -> int:
+    """Prepack the CPU experts of every MoE layer of `model` again (after a reload), or of those
+    layers (modules) among `only`: a layer that was not reloaded holds packed weights already, and
+    packing them twice scrambles them. Returns how many layers it repacked (0 for a dense model or
+    GPU experts)."""
     repacked = 0
-    for module, experts in _cpu_experts(model):
+    for module, experts in cpu_moe_experts(model):
+        if only is not None and module not in only:
+            continue
         experts.process_weights_after_loading(module)
         repacked += 1
     return repacked
+
+
+def repack_cpu_moe_experts(worker: Any) -> int:
+    """`repack_cpu_moe_experts_of` on `worker`'s model."""
+    return repack_cpu_moe_experts_of(worker.model_runner.model)
 
 
 class VlmcpWorkerExtension:
