@@ -6,7 +6,8 @@ over HTTP and sends the buckets as the protocol says (each rank its own buckets,
 the list).
 
 For a dense and an MoE tiny engine-compatible Qwen3.5 VLM, one server each, started on
-checkpoint A: B's weights pushed into it give the very weights (`/weight_checker` checksums) and
+checkpoint A: B's weights pushed into it (streamed: received during the update; staged: received
+before it, into the worker's memory) give the very weights (`/weight_checker` checksums) and
 logprobs that vLLM's filesystem reload of B gives (plus the CPU expert repack, as
 `VllmHttpClient` does; for the MoE the push's own repack after finishing makes it exact). A bucket
 naming a parameter the model lacks is one error naming it, and the server serves on with the
@@ -93,15 +94,18 @@ def _buckets(weights: dict[str, torch.Tensor]) -> list[tuple[dict[str, Any], tor
     return buckets
 
 
-def _trainer_groups(url: str, prefix: str) -> list[dist.ProcessGroupGloo]:
+def _trainer_groups(url: str, prefix: str, staged: list[dict[str, Any]] | None = None
+                    ) -> list[dist.ProcessGroupGloo]:
     """Trainer ranks 0..TRAINERS-1 of a fresh push group with the server's worker (init_info
-    sent to the server while the ranks join)."""
+    sent to the server while the ranks join; `staged`: the buckets of a staged update)."""
     timeout = datetime.timedelta(seconds=TIMEOUT_S)
     store = dist.TCPStore("127.0.0.1", free_local_port(), is_master=True, timeout=timeout,
                           wait_for_workers=False)
     init_info = {"master_address": "127.0.0.1", "master_port": store.port,
                  "store_prefix": prefix, "rank_offset": TRAINERS,
                  "world_size": TRAINERS + 1, "timeout_s": TIMEOUT_S}
+    if staged is not None:
+        init_info["buckets"] = staged
     groups: list[Any] = [None] * TRAINERS
     errors: list[BaseException] = []
 
@@ -127,18 +131,21 @@ def _trainer_groups(url: str, prefix: str) -> list[dist.ProcessGroupGloo]:
     return groups
 
 
-def _push(url: str, weights: dict[str, torch.Tensor], version: str, prefix: str) -> float:
-    """Push `weights` into the server as the trainer does; returns the seconds it took."""
+def _push(url: str, weights: dict[str, torch.Tensor], version: str, prefix: str,
+          staged: bool) -> float:
+    """Push `weights` into the server as the trainer does, streamed (received during the
+    update) or staged (received before it); returns the seconds it took."""
     started = datetime.datetime.now()
-    groups = _trainer_groups(url, prefix)
     buckets = _buckets(weights)
-    _post(url, "/start_weight_update")
+    listed = [b for b, _ in buckets]
+    groups = _trainer_groups(url, prefix, listed if staged else None)
     answer: dict[str, Any] = {}
 
     def update() -> None:
+        _post(url, "/start_weight_update")
         try:
-            answer["ok"] = _post(url, "/update_weights",
-                                 {"update_info": {"buckets": [b for b, _ in buckets]}})
+            answer["ok"] = _post(url, "/update_weights", {"update_info": (
+                {"staged": True} if staged else {"buckets": listed})})
         except BaseException as exc:  # noqa: BLE001 (asserted below)
             answer["error"] = exc
 
@@ -147,12 +154,14 @@ def _push(url: str, weights: dict[str, torch.Tensor], version: str, prefix: str)
             if bucket["src"] == rank:
                 groups[rank].send([buffer], TRAINERS, bucket["tag"]).wait()
 
-    threads = [threading.Thread(target=update)] + \
-        [threading.Thread(target=send, args=(rank,)) for rank in range(TRAINERS)]
+    senders = [threading.Thread(target=send, args=(rank,)) for rank in range(TRAINERS)]
+    threads = senders if staged else [threading.Thread(target=update), *senders]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=2 * TIMEOUT_S)
+    if staged:  # every byte is in the worker's memory before the update starts
+        update()
     assert "error" not in answer, answer["error"]
     _post(url, "/finish_weight_update", {"weight_version": version})
     _post(url, "/shutdown_weight_transfer_engine")
@@ -206,9 +215,12 @@ def served(request, tmp_path_factory):
     server.stop()
 
 
-def test_pushing_b_over_gloo_gives_the_weights_and_logprobs_of_vllms_own_reload_of_b(served):
+@pytest.mark.parametrize("staged", [False, True], ids=["streamed", "staged"])
+def test_pushing_b_over_gloo_gives_the_weights_and_logprobs_of_vllms_own_reload_of_b(served,
+                                                                                       staged):
     url, moe, a, b = served["url"], served["moe"], served["A"], served["B"]
     sample = lambda: _logprobs(url, a, served["prompt"], served["allowed"])  # noqa: E731
+    _reload_from_disk(url, a, moe)  # A, also after the other way's push of B
     on_a = _checksums(url)
     sampled_a = sample()
     _reload_from_disk(url, b, moe)
@@ -218,13 +230,13 @@ def test_pushing_b_over_gloo_gives_the_weights_and_logprobs_of_vllms_own_reload_
     _reload_from_disk(url, a, moe)
     assert _checksums(url) == on_a and sample() == sampled_a  # back to A exactly
 
-    seconds = _push(url, load_file(b / "model.safetensors"), "B", "push1")
+    seconds = _push(url, load_file(b / "model.safetensors"), "B", f"push-{staged}", staged)
     assert _get(url, "/weight_info")["weight_version"] == "B"
     pushed = _checksums(url)
     assert sorted(n for n in pushed if pushed[n] != on_b[n]) == []
     assert sample() == sampled_b
     print(f"{'moe' if moe else 'dense'}: server start {served['start_s']:.1f} s, "
-          f"push {seconds:.2f} s")
+          f"push ({'staged' if staged else 'streamed'}) {seconds:.2f} s")
 
 
 def test_a_bucket_naming_a_parameter_the_model_lacks_is_one_error_and_the_server_serves_on(

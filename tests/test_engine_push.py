@@ -5,7 +5,8 @@ parameter by parameter (vLLM's /weight_checker checksums) and in a prompt's logp
 the same step reloaded from publish.dir: dense and MoE, ZeRO 2 and 3. Faults: an unreachable URL at
 the start, an engine killed in the middle of a push, an engine restarted between steps (brought
 to the latest step at the next push), SIGTERM to the trainer in the middle of a push (the resumed
-run pushes its checkpoint's step first). One server per model."""
+run pushes its checkpoint's step first), and under publish.on_engine_error "warn" an engine that
+went down reported in the row while training goes on. One server per model."""
 
 from __future__ import annotations
 
@@ -157,15 +158,18 @@ def _job(engine: Engine, root: Path, zero: int, **publish) -> Path:
     return write_job(root / "job.json", job)
 
 
-@pytest.mark.parametrize("zero", [2, 3])
-def test_each_pushed_step_is_the_published_steps_weights_in_the_engine(engine, zero, tmp_path):
-    job = _job(engine, tmp_path, zero)
+@pytest.mark.parametrize("zero,staged", [(2, True), (3, False)],
+                         ids=["zero2-staged", "zero3-streamed"])
+def test_each_pushed_step_is_the_published_steps_weights_in_the_engine(engine, zero, staged,
+                                                                       tmp_path):
+    job = _job(engine, tmp_path, zero, push_staged=staged)
     for number in (1, 2):
         _write_step(tmp_path / "rollouts", number)
     assert_ok(run_vlmcp(["train", str(job)], launcher="torchrun", nproc=2, timeout=600))
     rows = _rows(tmp_path / "out", "pushed")
     assert [(r["step"], r["pushed"]) for r in rows] == [(1, [engine.url]), (2, [engine.url])]
     assert all(r["push_bytes"] > 0 and 0 < r["push_downtime_s"] for r in rows)
+    assert all(("stage" in r["push_phases_s"]) == staged for r in rows)
     assert _served_version(engine) == "2"
     client = engine.client(tmp_path / "weights", version=2)
     pushed, pushed_logprobs = _checksums(client), _logprobs(client)
@@ -275,3 +279,22 @@ def test_a_restarted_engine_gets_the_latest_step_and_a_sigterm_mid_push_loses_no
     assert_ok(run_vlmcp(["train", str(job)], launcher="torchrun", nproc=2, timeout=600))
     assert _served_version(engine) == "4"
     assert [r["step"] for r in _rows(out, "pushed")][-2:] == [3, 4]
+
+
+@NEEDS_ENGINE
+def test_under_warn_an_engine_that_went_down_is_reported_in_the_row_and_training_goes_on(
+        fresh_engine, tmp_path):
+    engine = fresh_engine
+    job = _job(engine, tmp_path, 2, on_engine_error="warn")
+    _write_step(tmp_path / "rollouts", 1)
+    log = tmp_path / "train.log"
+    with launched(["train", str(job)], log, wait_s=300) as proc:
+        _wait_for(lambda: _served_version(engine) == "1", "step 1's push", proc)
+        engine.stop()
+        _write_step(tmp_path / "rollouts", 2)
+    text = log.read_text()
+    assert proc.returncode == 0, text[-3000:]
+    assert "training on" in text and engine.url in text
+    rows = {r["step"]: r for r in _rows(tmp_path / "out", "push_failed")}
+    assert rows[2]["push_failed"] == [engine.url] and rows[2]["pushed"] == []
+    assert 1 not in rows and (tmp_path / "weights" / "step_2" / STABLE).is_file()

@@ -12,18 +12,21 @@ cores; where they do not, the steps would not slow the engine down either):
                  reloads WEIGHTS/step_N in place (`VllmHttpClient.serve`: pause, vLLM's reload
                  from the files, just written and so in the page cache, the disk's best case here,
                  the CPU expert repack of an MoE, both caches, the version, resume)
-    push_<B>     publish.engines with publish.bucket_mb B: every rank's publish thread sends its
-                 share over gloo into the paused engine (training/weights/engine_push.py); no
+    push_<B>     publish.engines with publish.bucket_mb B, staged (the default): every rank's
+                 publish thread sends its share over gloo into the engine's host memory while it
+                 serves, then the engine pauses to load it (training/weights/engine_push.py); no
                  directory
+    streamed_<B> the same with publish.push_staged false: the engine pauses first and loads each
+                 bucket as it arrives (B: the bucket size of STREAMED_MB)
 
 Each sample: `downtime_s`, the engine's time not serving (pause to resume, measured by the client
 that drives it), `critical_s`, what the training waited (the slowest rank's `publish_s`),
 `total_s` (until the engine served the step: rank 0's publish total plus, for files, the
 reload), and the bytes the trainer ranks and the engine process wrote to the disk meanwhile
 (`/proc/PID/io` write_bytes; the push path writes none). Where the push's downtime goes is in
-`phases_s` (the engine's control plane: pause, start, update = the transfer and vLLM's load of
-each bucket as it arrives, finish = vLLM's layerwise finalisation and the CPU expert repack,
-caches, resume). Values are min / median / max over the repeats; `ratios` compare medians with
+`phases_s`: stage (staged: the transfer, while the engine serves, outside the downtime), then the
+engine's control plane: pause, start, update (vLLM's load of every bucket; streamed, also the
+transfer), finish (vLLM's layerwise finalisation and the CPU expert repack), caches, resume. Values are min / median / max over the repeats; `ratios` compare medians with
 the files way, and `best_bucket_mb` is the bucket size of the lowest median downtime.
 """
 
@@ -50,6 +53,8 @@ LARGE = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 8,
          "linear_num_key_heads": 16, "linear_num_value_heads": 16, "linear_head_dim": 128}
 #: Bucket sizes (MiB) the push is timed at.
 BUCKETS_MB = (64, 256, 1024)
+#: The bucket size (MiB) the streamed push (publish.push_staged false) is timed at.
+STREAMED_MB = 256
 _SAMPLES, _SAMPLE_LEN = 4, 16
 
 
@@ -96,14 +101,16 @@ class PushBenchTask:
             job.publish, dir=str(files_dir))), run.engine, run.module, start_step=step)
         push = Publisher(dataclasses.replace(job, publish=dataclasses.replace(
             job.publish, dir=None, engines=[self.url])), run.engine, run.module, start_step=step)
-        ways = {"files": (files, None), **{f"push_{mb}": (push, mb) for mb in BUCKETS_MB}}
+        ways = {"files": (files, None, True),
+                **{f"push_{mb}": (push, mb, True) for mb in BUCKETS_MB},
+                f"streamed_{STREAMED_MB}": (push, STREAMED_MB, False)}
         client = VllmHttpClient(self.url, files_dir, self.model_dir) if comm.rank() == 0 else None
         samples: dict[str, list[dict[str, Any]]] = {way: [] for way in ways}
         for repeat in range(self.repeats + 1):
-            for way, (publisher, bucket_mb) in ways.items():
+            for way, (publisher, bucket_mb, staged) in ways.items():
                 if bucket_mb is not None:
                     publisher.push.settings = dataclasses.replace(
-                        publisher.push.settings, bucket_bytes=bucket_mb * 2**20)
+                        publisher.push.settings, bucket_bytes=bucket_mb * 2**20, staged=staged)
                 wrote = torch.tensor([float(-written_bytes())], dtype=torch.float64)
                 engine_wrote = written_bytes(self.engine_pid) if comm.rank() == 0 else 0
                 published = step
@@ -163,7 +170,8 @@ def _summary(ways: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     summary["best_bucket_mb"] = int(best.removeprefix("push_"))
     summary["ratios"] = {
         f"{way}_downtime_vs_files": round(summary[way]["downtime_s"]["median"]
-                                          / files["downtime_s"]["median"], 3) for way in pushes}
+                                          / files["downtime_s"]["median"], 3)
+        for way in ways if way != "files"}
     summary["ratios"]["best_push_critical_vs_files"] = round(
         summary[best]["critical_s"]["median"] / files["critical_s"]["median"], 3)
     return summary
@@ -207,5 +215,5 @@ def run_engine_push_bench(args: argparse.Namespace) -> dict[str, Any]:
         models = {"demo": _bench_model("demo", DEMO_MODEL, root, args),
                   "large": _bench_model("large", LARGE, root, args)}
     return {"mode": "engine_push", "world": 2, "zero_stage": 3, "dtype": "bfloat16",
-            "buckets_mb": list(BUCKETS_MB), "repeats": args.repeats, "cpus": os.cpu_count(),
+            "buckets_mb": list(BUCKETS_MB), "streamed_mb": STREAMED_MB, "repeats": args.repeats, "cpus": os.cpu_count(),
             "models": models}

@@ -403,6 +403,11 @@ class PublishSection:
         "bfloat16) halves an fp32 trainer's bytes and changes nothing the engine ends up "
         "holding, as vLLM casts each loaded tensor to its dtype in the same way; null: as "
         "trained (the bytes of publish.dir's files)", choices=[None, "bfloat16", "float16", "float32"]))
+    push_staged: bool = field(default=True, metadata=_key(
+        "publish.engines: send step N into the engine's host memory while it still serves, and "
+        "pause it only to load that copy (its downtime: the load, not the transfer; it holds one "
+        "more copy of the pushed bytes meanwhile, and a failed send leaves it serving, "
+        "unpaused); false: pause first and receive during the pause (no extra engine memory)"))
     push_host: str | None = field(default=None, metadata=_key(
         "publish.engines: the address the engines reach trainer rank 0 at (it hosts the push's "
         "rendezvous); null: this host's address on the interface that reaches each engine"))

@@ -19,8 +19,8 @@ group under the store prefix `{store_prefix}/gloo`. `init_info`:
     {"master_address": str, "master_port": int, "store_prefix": str,
      "rank_offset": int (W), "world_size": int (W + n), "timeout_s": float}
 
-One update: `/start_weight_update` begins vLLM's layerwise reload; `/update_weights` with
-`{"update_info": {"buckets": [B0, B1, ...]}}`, each bucket
+One update, streamed: `/start_weight_update` begins vLLM's layerwise reload; `/update_weights`
+with `{"update_info": {"buckets": [B0, B1, ...]}}`, each bucket
 
     {"src": trainer rank, "tag": int, "names": [HF checkpoint names], "dtype_names": ["bfloat16", ...],
      "shapes": [[...], ...], "bytes": the buffer's size (optional; checked when given)}
@@ -35,6 +35,16 @@ layerwise reload and, on a CPU, prepacks the experts of the MoE layers it reload
 (`vllm_worker`: vLLM's reload leaves the CPU experts in the loader's plain layout; a layer it did
 not reload still holds packed weights, which a second packing would scramble).
 
+One update, staged (the engine's downtime is the load alone, not the transfer): `init_info` also
+lists the buckets (`"buckets": [B0, B1, ...]`, as above). Once in the group, the worker receives
+them on a thread of its own into host buffers, one per bucket, while the engine goes on serving
+its current weights; the trainer sends them right after joining. Then `/pause`,
+`/start_weight_update`, and `/update_weights` with `{"update_info": {"staged": true}}` waits for
+that thread and loads the buffers in list order; the rest as above. It costs the engine one more
+copy of the pushed bytes in host memory, until the update ends. A failed or timed-out receive
+fails that `/update_weights` (the engine was not paused for it by a trainer that saw its own send
+fail).
+
 A failed update (a bad bucket list, a receive that fails or times out, a name the model does not
 have) is one error naming the bucket, its src and the peer; the group is dropped (its stream is out
 of step: init again) and the layerwise reload is finalised at once, so that the engine serves on
@@ -48,7 +58,9 @@ imports it.
 from __future__ import annotations
 
 import logging
+import threading
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -77,8 +89,12 @@ class GlooInitInfo(WeightTransferInitInfo):
     rank_offset: int
     world_size: int
     timeout_s: float
+    #: A staged update's buckets (received right after joining), None: updates stream.
+    buckets: list[GlooBucket] | None = None
 
     def __post_init__(self) -> None:
+        if self.buckets is not None:
+            self.buckets = _parse_buckets(self.buckets, "init_info")
         _expect(self.master_address, str, "master_address")
         _expect(self.store_prefix, str, "store_prefix")
         for name in ("master_port", "rank_offset", "world_size"):
@@ -164,27 +180,43 @@ class GlooBucket:
 
 @dataclass
 class GlooUpdateInfo(WeightTransferUpdateInfo):
-    """One update: the buckets in the order the worker waits for them."""
+    """One update: the buckets in the order the worker waits for them (streamed), or `staged`:
+    those of init_info, already received or under way."""
 
-    buckets: list[GlooBucket]
+    buckets: list[GlooBucket] | None = None
+    staged: bool = False
 
     def __post_init__(self) -> None:
-        _expect(self.buckets, list, "update_info: buckets")
-        if not self.buckets:
-            raise ValueError("update_info: buckets is empty")
-        parsed = []
-        for index, bucket in enumerate(self.buckets):
-            if isinstance(bucket, GlooBucket):
-                parsed.append(bucket)
-                continue
-            if not isinstance(bucket, dict):
-                raise ValueError(f"update_info: bucket {index} is {type(bucket).__name__}, "
-                                 "not an object")
-            try:
-                parsed.append(GlooBucket(**bucket))
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"update_info: bucket {index}: {exc}") from None
-        self.buckets = parsed
+        if not isinstance(self.staged, bool):
+            raise ValueError(f"update_info: staged {self.staged!r} is not true or false")
+        if self.staged:
+            if self.buckets is not None:
+                raise ValueError("update_info: a staged update lists no buckets (init_info "
+                                 "did)")
+            return
+        if self.buckets is None:
+            raise ValueError("update_info: no buckets (and not staged)")
+        self.buckets = _parse_buckets(self.buckets, "update_info")
+
+
+def _parse_buckets(buckets: Any, where: str) -> list[GlooBucket]:
+    """`buckets` (a JSON list of bucket objects) as GlooBuckets; ValueError naming `where` and
+    the bucket."""
+    _expect(buckets, list, f"{where}: buckets")
+    if not buckets:
+        raise ValueError(f"{where}: buckets is empty")
+    parsed = []
+    for index, bucket in enumerate(buckets):
+        if isinstance(bucket, GlooBucket):
+            parsed.append(bucket)
+            continue
+        if not isinstance(bucket, dict):
+            raise ValueError(f"{where}: bucket {index} is {type(bucket).__name__}, not an object")
+        try:
+            parsed.append(GlooBucket(**bucket))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: bucket {index}: {exc}") from None
+    return parsed
 
 
 def _expect(value: Any, kind: type | tuple[type, ...], name: str) -> None:
@@ -207,6 +239,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.init_info: GlooInitInfo | None = None
         self._reloading = False
         self._processed_moe: list[Any] = []
+        self._staging: _Staging | None = None
 
     # -- the group --------------------------------------------------------------------------
 
@@ -243,10 +276,13 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.group, self.rank, self.init_info = group, rank, init_info
         logger.info("vlmcp_gloo: joined push group %r at %s as rank %d of %d",
                     init_info.store_prefix, peer, rank, init_info.world_size)
+        if init_info.buckets is not None:
+            self._staging = _Staging(self._received(init_info.buckets))
 
     def shutdown(self) -> None:
-        """Drop the push group (the model and the engine stay)."""
-        self.group = self.rank = self.init_info = None
+        """Drop the push group and a staged update's buffers (the model and the engine stay; a
+        staging thread still receiving ends with the group's timeout)."""
+        self.group = self.rank = self.init_info = self._staging = None
 
     # -- one update -------------------------------------------------------------------------
 
@@ -316,56 +352,106 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
-        """One posted recv per src; the buckets waited for in list order, each loaded before
-        that src's next recv is posted."""
+        """Load one update: streamed (each bucket loaded as it arrives), or the staged buffers
+        once the staging thread has them all."""
         if self.group is None or self.init_info is None:
             raise RuntimeError("no push group: POST /init_weight_transfer_engine first")
-        group, offset = self.group, self.init_info.rank_offset
-        buckets = update_info.buckets
-        for index, bucket in enumerate(buckets):
-            if bucket.src >= offset:
-                raise ValueError(f"{bucket.describe(index)}: src {bucket.src} is not a trainer "
-                                 f"rank (0..{offset - 1})")
-        queues: dict[int, deque[int]] = {}
-        for index, bucket in enumerate(buckets):
-            queues.setdefault(bucket.src, deque()).append(index)
-        posted: dict[int, tuple[int, torch.Tensor, Any]] = {}
-
-        def post(src: int) -> None:
-            if queues[src]:
-                index = queues[src].popleft()
-                buffer = torch.empty(buckets[index].size, dtype=torch.uint8)
-                try:
-                    work = group.recv([buffer], src, buckets[index].tag)
-                except Exception as exc:
-                    raise RuntimeError(f"{buckets[index].describe(index)}: posting the receive "
-                                       f"from trainer rank {src} failed: {exc}") from exc
-                posted[src] = (index, buffer, work)
-
-        for src in queues:
-            post(src)
+        if update_info.staged:
+            if self._staging is None:
+                raise RuntimeError("a staged update, but init_info listed no buckets")
+            arrived = self._staging.result(self.init_info.timeout_s)
+        else:
+            arrived = self._received(update_info.buckets)
 
         from vllm.model_executor.model_loader.mtp_validation import (
             disable_mtp_completeness_check,
         )
 
         with disable_mtp_completeness_check():
-            for index, bucket in enumerate(buckets):
-                posted_index, buffer, work = posted.pop(bucket.src)
-                assert posted_index == index, (posted_index, index)
-                try:
-                    work.wait()
-                except Exception as exc:
-                    raise RuntimeError(
-                        f"{bucket.describe(index)}: receiving from trainer rank {bucket.src} "
-                        f"(this worker is rank {self.rank} of push group "
-                        f"{self.init_info.store_prefix!r}) failed: {exc}") from exc
+            for index, bucket, buffer in arrived:
                 pairs = bucket.tensors(buffer)
-                del buffer, work
+                del buffer
                 try:
                     self.model.load_weights(pairs)
                 except Exception as exc:
                     raise RuntimeError(f"{bucket.describe(index)}: loading it into the model "
                                        f"failed: {type(exc).__name__}: {exc}") from exc
                 del pairs
-                post(bucket.src)
+        self._staging = None
+
+    def _received(self, buckets: list[GlooBucket]
+                  ) -> Iterator[tuple[int, GlooBucket, torch.Tensor]]:
+        """(index, bucket, its `[bytes]` uint8 buffer) in list order, as they arrive: one posted
+        recv per src, that src's next posted once the consumer asks for the next bucket. The
+        buckets' srcs are checked here, the receives start at the first look."""
+        offset = self.init_info.rank_offset
+        for index, bucket in enumerate(buckets):
+            if bucket.src >= offset:
+                raise ValueError(f"{bucket.describe(index)}: src {bucket.src} is not a trainer "
+                                 f"rank (0..{offset - 1})")
+        return _arrivals(self.group, buckets, f"rank {self.rank} of push group "
+                         f"{self.init_info.store_prefix!r}")
+
+
+def _arrivals(group: dist.ProcessGroupGloo, buckets: list[GlooBucket], member: str
+              ) -> Iterator[tuple[int, GlooBucket, torch.Tensor]]:
+    """GlooWeightTransferEngine._received's receives (`member`: this worker, for errors)."""
+    queues: dict[int, deque[int]] = {}
+    for index, bucket in enumerate(buckets):
+        queues.setdefault(bucket.src, deque()).append(index)
+    posted: dict[int, tuple[int, torch.Tensor, Any]] = {}
+
+    def post(src: int) -> None:
+        if queues[src]:
+            index = queues[src].popleft()
+            buffer = torch.empty(buckets[index].size, dtype=torch.uint8)
+            try:
+                work = group.recv([buffer], src, buckets[index].tag)
+            except Exception as exc:
+                raise RuntimeError(f"{buckets[index].describe(index)}: posting the receive "
+                                   f"from trainer rank {src} failed: {exc}") from exc
+            posted[src] = (index, buffer, work)
+
+    for src in queues:
+        post(src)
+    for index, bucket in enumerate(buckets):
+        posted_index, buffer, work = posted.pop(bucket.src)
+        assert posted_index == index, (posted_index, index)
+        try:
+            work.wait()
+        except Exception as exc:
+            raise RuntimeError(
+                f"{bucket.describe(index)}: receiving from trainer rank {bucket.src} "
+                f"(this worker is {member}) failed: {exc}") from exc
+        del work
+        yield index, bucket, buffer
+        del buffer
+        post(bucket.src)
+
+
+class _Staging:
+    """A staged update's receive: a thread that drains `arrivals` (`_received`) into memory
+    while the engine serves on."""
+
+    def __init__(self, arrivals: Iterator[tuple[int, GlooBucket, torch.Tensor]]):
+        self._arrived: list[tuple[int, GlooBucket, torch.Tensor]] = []
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._drain, args=(arrivals,), daemon=True,
+                                        name="vlmcp-gloo-staging")
+        self._thread.start()
+
+    def _drain(self, arrivals: Iterator[tuple[int, GlooBucket, torch.Tensor]]) -> None:
+        try:
+            self._arrived.extend(arrivals)
+        except BaseException as exc:  # handed to the update that waits for it
+            self._error = exc
+
+    def result(self, timeout_s: float) -> list[tuple[int, GlooBucket, torch.Tensor]]:
+        """Every bucket, once received (its error, raised here, when a receive failed)."""
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the staged buckets did not all arrive within {timeout_s:g} s "
+                               f"({len(self._arrived)} had)")
+        if self._error is not None:
+            raise RuntimeError(f"staging the update failed: {self._error}") from self._error
+        return self._arrived

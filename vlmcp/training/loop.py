@@ -473,7 +473,7 @@ def _publishing(run: Run, done: int, watchdog: Watchdog, saver: _Saver,
         with watchdog.watch(f"publishing after step {done}"):
             actions(rows)
     except CheckpointError as exc:
-        _write_rows(run, rows)
+        _write_rows(run, rows + run.publisher.unreturned_rows())
         kept = _keep_trained_steps(run, done, saver)
         if run.publisher.due(done):
             kept += f" (the resumed run publishes step {done} first)"
@@ -558,7 +558,7 @@ def _train_loop(run: Run, stop: StopSignals, watchdog: Watchdog) -> None:
         # One rank may fail alone here: no collective, the write in flight is abandoned (a stop
         # has settled it already, in `_stop`); rank 0 still records one it saw complete.
         if run.publisher is not None:
-            for row in run.publisher.close(agreed=False):
+            for row in run.publisher.unreturned_rows() + run.publisher.close(agreed=False):
                 with contextlib.suppress(OSError):
                     run.metrics.write(row)
         raise

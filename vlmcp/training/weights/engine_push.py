@@ -17,18 +17,28 @@ a rank holds), from its publish thread, straight from the host copy of step N:
                    ready/<k> and join a gloo group of W + n: trainer r is member r, worker k
                    member W + k
       every rank   waits for ready/0 (or abort), joins the group
-      rank 0       reads every meta, POST /pause, /start_weight_update, sets send = ok (or error)
-      every rank   waits for send; sends each of its buckets to every worker: one [bytes] uint8
-                   buffer, its tensors' bytes in `names` order (tag: its index on that rank)
-      rank 0       POST /update_weights {buckets of all ranks, interleaved} (side thread, returns
-                   once every bucket is loaded), then /finish_weight_update {version N} (the
-                   engine repacks CPU experts there), prefix and encoder caches reset, /resume,
-                   then POST /shutdown_weight_transfer_engine after the resume
+    staged (publish.push_staged, the default; init_info listed every rank's buckets, interleaved,
+    and the workers receive them into host buffers while the engine serves on):
+      every rank   sends each of its buckets to every worker: one [bytes] uint8 buffer, its
+                   tensors' bytes in `names` order (tag: its index on that rank); sets sent/<r>
+                   (ok, or its error)
+      rank 0       once every sent/<r> is ok: POST /pause, /start_weight_update,
+                   /update_weights {staged: true} (loads the received buffers)
+    streamed (push_staged false: no extra engine memory, the transfer inside the pause):
+      rank 0       POST /pause, /start_weight_update, sets send = ok (or error), then POST
+                   /update_weights {buckets of all ranks, interleaved} (side thread, returns once
+                   every bucket is loaded)
+      every rank   waits for send; sends its buckets as above
+    then
+      rank 0       POST /finish_weight_update {version N} (the engine repacks CPU experts there),
+                   prefix and encoder caches reset, /resume, then POST
+                   /shutdown_weight_transfer_engine after the resume
 
-So the engine serves step N whole or not at all: it is paused before the first byte lands and
-resumed only after the last was loaded and labelled N; a failure after /start_weight_update leaves
-it paused (never serving a half-updated model) and the next push brings it to the latest step,
-also after a restart, since every push makes its group anew. A rank that waits gives up after
+So the engine serves step N whole or not at all: it is paused before the first byte is loaded
+and resumed only after the last was loaded and labelled N; a failure after /start_weight_update
+leaves it paused (never serving a half-updated model) and the next push brings it to the latest
+step, also after a restart, since every push makes its group anew. Staged, a send that fails
+fails the push before the pause: the engine serves on, unpaused. A rank that waits gives up after
 publish.engine_timeout_s; so do the gloo sends and the HTTP requests: nothing hangs. Failures are
 PushFailed naming the engine and the step (publish.on_engine_error "error": the run stops after a
 checkpoint, as for a failed write), or logged and reported in the publish's row ("warn").
@@ -151,6 +161,8 @@ class PushSettings:
     host: str | None
     #: The dtype floating tensors travel in (publish.push_dtype), None: as trained.
     dtype: torch.dtype | None = None
+    #: publish.push_staged: the bytes go into the engine's host memory before its pause.
+    staged: bool = True
 
 
 class EnginePush:
@@ -204,12 +216,18 @@ class EnginePush:
                 if driver is not None:
                     outcome.problem = driver.problem
                 return outcome
-            if driver is not None:
-                driver.begin()
-            elif store.get(prefix + "send", self.settings.timeout_s) != "ok":
-                return outcome
             workers = int(store.get(prefix + "workers", self.settings.timeout_s))
-            self._send(group, buckets, share, workers)
+            if self.settings.staged:
+                self._send(group, buckets, share, workers)
+                store.put(prefix + f"sent/{self.rank}", "ok")
+                if driver is not None:
+                    driver.begin()
+            else:
+                if driver is not None:
+                    driver.begin()
+                elif store.get(prefix + "send", self.settings.timeout_s) != "ok":
+                    return outcome
+                self._send(group, buckets, share, workers)
             if driver is not None:
                 driver.finish()
         except (EngineError, PushFailed, RuntimeError, TimeoutError) as exc:
@@ -218,6 +236,8 @@ class EnginePush:
                                f"{type(exc).__name__}: {exc}")
             if driver is not None:
                 driver.fail(outcome.problem)
+            else:
+                store.put(prefix + f"sent/{self.rank}", outcome.problem)
         finally:
             if driver is not None:
                 outcome.phases, outcome.downtime_s = driver.phases(), driver.downtime_s()
@@ -264,25 +284,36 @@ class _Driver:
         self._side = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlmcp-push-http")
         self._init: Future | None = None
         self._update: Future | None = None
+        self._joined_at = 0.0
+        #: Seconds from joining the group to the last rank's sends done (staged).
+        self._stage_s: float | None = None
+        self._buckets: list[Bucket] = []
 
     def start(self) -> int:
         """Probe the engine and start its workers' side of the group (on a side thread);
         returns how many workers it has. Sets `abort` for every rank when it cannot."""
-        store = self.push.rendezvous
+        store, settings = self.push.rendezvous, self.push.settings
+        per_rank = [[Bucket(**b) for b in json.loads(store.get(self.prefix + f"meta/{r}",
+                                                               settings.timeout_s))]
+                    for r in range(self.push.world)]
+        self._buckets = interleaved(per_rank)
+        self.push.pushed_bytes = sum(b.bytes for b in self._buckets)
         try:
             workers = self.control.probe()
         except EngineError as exc:
             self.fail(f"engine {self.url}, step {self.step}: {exc}")
             raise
         store.put(self.prefix + "workers", str(workers))
-        settings = self.push.settings
         parsed = urllib.parse.urlsplit(self.url)
         host = settings.host or comm.local_address_towards(parsed.hostname or "127.0.0.1",
                                                            parsed.port or 80)
         init_info = {"master_address": host, "master_port": store.port,
                      "store_prefix": self.prefix + "group", "rank_offset": self.push.world,
                      "world_size": self.push.world + workers, "timeout_s": settings.timeout_s}
+        if settings.staged:
+            init_info["buckets"] = [asdict(b) for b in self._buckets]
         self._init = self._side.submit(self._init_or_abort, init_info)
+        self._joined_at = time.perf_counter()
         return workers
 
     def _init_or_abort(self, init_info: dict[str, Any]) -> None:
@@ -293,22 +324,35 @@ class _Driver:
             raise
 
     def begin(self) -> None:
-        """After the group formed: pause the engine and start its update, then let the ranks
-        send; POST /update_weights with every rank's buckets goes on on the side thread."""
+        """After the group formed (staged: after every rank's sends): pause the engine and
+        start its update; streamed, then let the ranks send. POST /update_weights goes on on the
+        side thread."""
         store, settings = self.push.rendezvous, self.push.settings
+        if settings.staged:
+            self._wait_sent()
         self._init.result()
-        per_rank = [[Bucket(**b) for b in json.loads(store.get(self.prefix + f"meta/{r}",
-                                                               settings.timeout_s))]
-                    for r in range(self.push.world)]
-        self.push.pushed_bytes = sum(b.bytes for buckets in per_rank for b in buckets)
         try:
             self.control.begin(self.step)
         except EngineError as exc:
             self.fail(f"engine {self.url}, step {self.step}: {exc}")
             raise
-        store.put(self.prefix + "send", "ok")
-        info = {"buckets": [asdict(b) for b in interleaved(per_rank)]}
+        if settings.staged:
+            info: dict[str, Any] = {"staged": True}
+        else:
+            store.put(self.prefix + "send", "ok")
+            info = {"buckets": [asdict(b) for b in self._buckets]}
         self._update = self._side.submit(self.control.update, info)
+
+    def _wait_sent(self) -> None:
+        """Wait until every rank's sends of a staged push are done (rank 0's are); PushFailed
+        with the first rank's own error when one failed."""
+        store, timeout = self.push.rendezvous, self.push.settings.timeout_s
+        for rank in range(1, self.push.world):
+            said = store.get(self.prefix + f"sent/{rank}", timeout)
+            if said != "ok":
+                self.fail(said)
+                raise PushFailed(said)
+        self._stage_s = time.perf_counter() - self._joined_at
 
     def finish(self) -> None:
         """After this rank's own sends: wait for the engine to load every bucket, then finish,
@@ -328,7 +372,10 @@ class _Driver:
         store.put(self.prefix + "send", "error")
 
     def phases(self) -> dict[str, float]:
-        return dict(self.control.times)
+        """{phase: seconds}: `stage` (staged: the group formed and every rank's bytes sent,
+        while the engine served on), then the control plane's (pause .. resume)."""
+        staged = {"stage": self._stage_s} if self._stage_s is not None else {}
+        return {**staged, **self.control.times}
 
     def downtime_s(self) -> float | None:
         return self.control.downtime_s

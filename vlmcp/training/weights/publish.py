@@ -173,13 +173,16 @@ class Publisher:
         self._inflight: _InFlight | None = None
         #: An abandoned write whose thread may still be in a gather on `_group`.
         self._abandoned: ShardedWrite | None = None
+        #: Rows of publishes that completed but were not returned yet (`unreturned_rows`).
+        self._unreturned: list[dict[str, Any]] = []
         self._warned_buffer = False
         publish = job.publish
         #: The push into publish.engines (training/weights/engine_push.py), None without.
         self.push = EnginePush(PushSettings(
             tuple(url.rstrip("/") for url in publish.engines), int(publish.bucket_mb * 2**20),
             publish.engine_timeout_s, publish.engine_pause, publish.on_engine_error,
-            publish.push_host, getattr(torch, publish.push_dtype) if publish.push_dtype else None)
+            publish.push_host, getattr(torch, publish.push_dtype) if publish.push_dtype else None,
+            publish.push_staged)
             ) if publish.engines else None
         problems = []
         if comm.rank() == 0 and self.root is not None:
@@ -238,11 +241,10 @@ class Publisher:
         write = self.dir_due(done) if write is None else write
         push = self.push_due(done) if push is None else push
         started = time.perf_counter()
-        rows: list[dict[str, Any]] = []
         waited = 0.0
         if self._inflight is not None:
             previous = self._inflight.step
-            rows += self._settle(wait=True)
+            self._unreturned += self._settle(wait=True)
             waited = time.perf_counter() - started
             if comm.rank() == 0:
                 logger.info("the publish of step %d waited %.2f s for the write of step %d, "
@@ -251,8 +253,8 @@ class Publisher:
         if self.adapter is not None or not self.sharded:
             self._publish_on_rank0(done, out)
             self._inflight = _InFlight(done, out, started, waited, None)
-            rows += self._settle(wait=True)
-            return rows
+            self._unreturned += self._settle(wait=True)
+            return self.unreturned_rows()
         plan = self._share_plan()
         writing = ShardedWrite.begin(
             out, plan, what="published weights" if out is not None else f"weights of step {done}",
@@ -283,9 +285,16 @@ class Publisher:
             del share
         self._inflight = _InFlight(done, out, started, waited, write, pushed=push)
         if not self.background:
-            rows += self._settle(wait=True)
+            self._unreturned += self._settle(wait=True)
         else:
             self._inflight.critical_s = time.perf_counter() - started
+        return self.unreturned_rows()
+
+    def unreturned_rows(self) -> list[dict[str, Any]]:
+        """The rows of the publishes that completed but were not returned yet: after a
+        `publish` that raised once it had settled the publish before it (that one's row), so
+        that the caller still writes them; then none until the next such failure."""
+        rows, self._unreturned = self._unreturned, []
         return rows
 
     def _stages(self, plan: SharePlan, tensors: dict[str, torch.Tensor], zero3: bool,
