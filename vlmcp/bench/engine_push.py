@@ -26,8 +26,9 @@ reload), and the bytes the trainer ranks and the engine process wrote to the dis
 (`/proc/PID/io` write_bytes; the push path writes none). Where the push's downtime goes is in
 `phases_s`: stage (staged: the transfer, while the engine serves, outside the downtime), then the
 engine's control plane: pause, start, update (vLLM's load of every bucket; streamed, also the
-transfer), finish (vLLM's layerwise finalisation and the CPU expert repack), caches, resume. Values are min / median / max over the repeats; `ratios` compare medians with
-the files way, and `best_bucket_mb` is the bucket size of the lowest median downtime.
+transfer), finish (vLLM's layerwise finalisation and the CPU expert repack), caches, resume.
+Values are min / median / max over the repeats; `ratios` compare medians with the files way, and
+`best_bucket_mb` is the bucket size of the lowest median downtime.
 """
 
 from __future__ import annotations
@@ -215,5 +216,5 @@ def run_engine_push_bench(args: argparse.Namespace) -> dict[str, Any]:
         models = {"demo": _bench_model("demo", DEMO_MODEL, root, args),
                   "large": _bench_model("large", LARGE, root, args)}
     return {"mode": "engine_push", "world": 2, "zero_stage": 3, "dtype": "bfloat16",
-            "buckets_mb": list(BUCKETS_MB), "streamed_mb": STREAMED_MB, "repeats": args.repeats, "cpus": os.cpu_count(),
-            "models": models}
+            "buckets_mb": list(BUCKETS_MB), "streamed_mb": STREAMED_MB, "repeats": args.repeats,
+            "cpus": os.cpu_count(), "models": models}

@@ -236,7 +236,7 @@ class EnginePush:
                                f"{type(exc).__name__}: {exc}")
             if driver is not None:
                 driver.fail(outcome.problem)
-            else:
+            elif self.settings.staged:  # rank 0 waits for it before the pause
                 store.put(prefix + f"sent/{self.rank}", outcome.problem)
         finally:
             if driver is not None:
@@ -284,8 +284,8 @@ class _Driver:
         self._side = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlmcp-push-http")
         self._init: Future | None = None
         self._update: Future | None = None
-        self._joined_at = 0.0
-        #: Seconds from joining the group to the last rank's sends done (staged).
+        self._init_at = 0.0
+        #: Seconds from the workers' init request to every rank's sends done (staged).
         self._stage_s: float | None = None
         self._buckets: list[Bucket] = []
 
@@ -313,7 +313,7 @@ class _Driver:
         if settings.staged:
             init_info["buckets"] = [asdict(b) for b in self._buckets]
         self._init = self._side.submit(self._init_or_abort, init_info)
-        self._joined_at = time.perf_counter()
+        self._init_at = time.perf_counter()
         return workers
 
     def _init_or_abort(self, init_info: dict[str, Any]) -> None:
@@ -352,7 +352,7 @@ class _Driver:
             if said != "ok":
                 self.fail(said)
                 raise PushFailed(said)
-        self._stage_s = time.perf_counter() - self._joined_at
+        self._stage_s = time.perf_counter() - self._init_at
 
     def finish(self) -> None:
         """After this rank's own sends: wait for the engine to load every bucket, then finish,
@@ -372,8 +372,9 @@ class _Driver:
         store.put(self.prefix + "send", "error")
 
     def phases(self) -> dict[str, float]:
-        """{phase: seconds}: `stage` (staged: the group formed and every rank's bytes sent,
-        while the engine served on), then the control plane's (pause .. resume)."""
+        """{phase: seconds}: `stage` (staged: from the workers' init request until the group
+        formed and every rank's bytes were sent, while the engine served on), then the control
+        plane's (pause .. resume)."""
         staged = {"stage": self._stage_s} if self._stage_s is not None else {}
         return {**staged, **self.control.times}
 
