@@ -7,8 +7,8 @@ with fp32's own error (`assert_within_fp32_error`).
 
 Layouts (SP, EP) over world W: (1, 2) the EP group within DP, with another pack on each DP rank;
 (2, 2) the EP group on the SP group; (2, 4) with DP 2, the EP group spanning both SP groups; (4, 2)
-two EP groups inside one SP group. ZeRO 2 at every layout, ZeRO 3 at SP 1 (DeepSpeed refuses
-AutoEP with ZeRO 3 under SP; vlmcp refuses the combination at validate); native routing and
+two EP groups inside one SP group. ZeRO 2 and ZeRO 3 at every layout (under SP, ZeRO 3 runs
+through training/ds/initialize.py, which lifts DeepSpeed's refusal of AutoEP there); native routing and
 replayed routes, `ppo_clip`, routes that send every token to one EP rank's experts (the other
 receives none), a pack whose shard on one rank has no route at all, and DeltaNet's heads mode
 with gradient checkpointing (AutoEP's all-to-all runs again in the recompute) and DeepSpeed's
@@ -55,9 +55,10 @@ CASES = {
     "sp1_ep2_zero3_every_token_to_one_ranks_experts": dict(
         world=2, sp=1, ep=2, stage=3, model={},
         packs=[[(17, [], "ep_rank0"), (12, [], "ep_rank0")], [(21, [(1, 4, 4)], "ep_rank0")]]),
-    # the EP group is the SP group; routes replayed across the shard edge, ppo_clip
-    "sp2_ep2_zero2_replayed_routes_ppo_clip": dict(
-        world=2, sp=2, ep=2, stage=2, model={}, objective=PPO,
+    # the EP group is the SP group; routes replayed across the shard edge, ppo_clip; ZeRO-3
+    # (DeepSpeed refuses AutoEP with ZeRO-3 under SP: vlmcp lifts that, training/ds/initialize.py)
+    "sp2_ep2_zero3_replayed_routes_ppo_clip": dict(
+        world=2, sp=2, ep=2, stage=3, model={}, objective=PPO,
         packs=[[(19, [], "nested"), (28, [(1, 4, 4)], "holes"), (9, [], "none")]]),
     # [24] rank 0's shard replays routes, rank 1's holds none (native routing there)
     "sp2_ep2_zero2_one_shard_without_routes": dict(
@@ -78,10 +79,19 @@ CASES = {
     "sp2_ep4_dp2_zero2_replayed_routes": dict(
         world=4, sp=2, ep=4, stage=2, model={"num_key_value_heads": 2},
         packs=[[(22, [(1, 4, 4)], "holes"), (13, [], "none")], [(18, [], "nested"), (15, [], "none")]]),
+    # the same layout at ZeRO-3, native routing
+    "sp2_ep4_dp2_zero3_native_routing": dict(
+        world=4, sp=2, ep=4, stage=3, model={"num_key_value_heads": 2},
+        packs=[[(14, [], "none"), (21, [(1, 4, 4)], "none")], [(26, [], "none"), (11, [], "none")]]),
     # two EP groups inside one SP group of 4
     "sp4_ep2_zero2_native_routing": dict(
         world=4, sp=4, ep=2, stage=2, model={"num_key_value_heads": 2},
         packs=[[(9, [], "none"), (44, [(1, 8, 8)], "none"), (13, [], "none")]]),
+    # the same at ZeRO-3 (each expert partitioned over its 2-rank expert-data-parallel group),
+    # routes replayed
+    "sp4_ep2_zero3_replayed_routes": dict(
+        world=4, sp=4, ep=2, stage=3, model={"num_key_value_heads": 2},
+        packs=[[(30, [(1, 4, 4)], "nested"), (17, [], "holes")]]),
 }
 
 

@@ -64,10 +64,11 @@ def test_an_expert_parallel_section_that_disagrees_with_the_job_is_one_error_nam
     assert len(problems) == 1 and expected in problems[0], problems
 
 
-def test_zero3_with_sequence_parallelism_under_ep_is_refused_naming_the_keys():
-    problems = _problems({"zero_optimization": {"stage": 3}}, sp_size=2)
-    assert len(problems) == 1 and "'parallel.ep_size' (2) with ZeRO stage 3" in problems[0]
-    assert _fill({"zero_optimization": {"stage": 3}}, sp_size=1)["expert_parallel"]["enabled"]
+def test_zero3_with_sequence_parallelism_under_ep_is_accepted_but_not_with_the_hybrid_engine():
+    assert _fill({"zero_optimization": {"stage": 3}}, sp_size=2)["expert_parallel"]["enabled"]
+    problems = _problems({"zero_optimization": {"stage": 3}, "hybrid_engine": {"enabled": True}},
+                         sp_size=2)
+    assert len(problems) == 1 and "'deepspeed.hybrid_engine.enabled' is true" in problems[0]
 
 
 def test_a_deepspeed_optimizer_block_under_ep_is_refused():

@@ -1,4 +1,5 @@
-"""`vlmcp train` under expert parallelism (`parallel.ep_size` 2, world 2, the tiny MoE model, AdamW):
+"""`vlmcp train` under expert parallelism (`parallel.ep_size` 2 on the SP group of `parallel.sp_size`
+2, world 2, the tiny MoE model, AdamW):
 the run trains as the same job without EP does (losses and final weights to fp32 rounding),
 SIGTERM then resume at the same E is bit-exact, the final model, every published step and
 `vlmcp export` of a checkpoint are Hugging Face models with every expert, written by the ranks
@@ -29,7 +30,7 @@ STEPS = 4
 
 
 def _job(checkpoint: Path, digits: Path, out: Path, *, ep: int = 2, zero: int = 2) -> dict:
-    return tiny_job(checkpoint, digits / "train.jsonl", out, parallel={"ep_size": ep},
+    return tiny_job(checkpoint, digits / "train.jsonl", out, parallel={"sp_size": 2, "ep_size": ep},
                     data={"max_seq_len": 64, "shuffle": True},
                     deepspeed={"zero_optimization": {"stage": zero}},
                     publish={"dir": str(out / "weights"), "every": 2},
@@ -61,7 +62,7 @@ def _experts_per_shard(model_dir: Path) -> list[set[int]]:
 
 @pytest.fixture(scope="module")
 def ep_run(tiny_moe_checkpoint, digits_jsonl, tmp_path_factory) -> Path:
-    """The job at EP 2, ZeRO 2, four steps straight."""
+    """The job at SP 2 and EP 2, ZeRO 2, four steps straight."""
     root = tmp_path_factory.mktemp("ep_run")
     return _train(_job(tiny_moe_checkpoint, digits_jsonl, root / "out"), root / "job.json")
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 
-import deepspeed
 import torch
 from deepspeed.utils import safe_get_full_grad
 from transformers import AutoConfig, Qwen3_5ForConditionalGeneration
@@ -21,6 +20,7 @@ from vlmcp.model.router_loss import router_objective
 from vlmcp.parallel import comm
 from vlmcp.training.ds.edits import DeepSpeedEdits
 from vlmcp.training.ds.expert_comms import expert_a2a_row, fill_comms_logger
+from vlmcp.training.ds.initialize import initialize_engine
 from vlmcp.training.ds.expert_parallel import fill_expert_parallel, moe_optimizer_factory
 from vlmcp.training.ds.zero3_sp import largest_tensor_numel, sp_exact_zero_settings
 from vlmcp.parallel.groups import SequenceParallel
@@ -129,7 +129,7 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
         params = [p for p in module.parameters() if p.requires_grad]
         optimizer = moe_optimizer_factory(lambda groups: torch.optim.SGD(groups, lr=0.0)) \
             if ep_size > 1 else torch.optim.SGD(params, lr=0.0)
-        engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=config, mpu=sp.mpu)
+        engine = initialize_engine(module, config, sp.mpu, optimizer=optimizer)
         if ep_size > 1:
             module.adopt_expert_parallel()
         engine.train()

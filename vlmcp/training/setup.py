@@ -29,6 +29,7 @@ from vlmcp.parallel.agree import fail_together
 from vlmcp.parallel.groups import SequenceParallel
 from vlmcp.training.ds.config import zero_stage
 from vlmcp.training.ds.engine import describe_engine, engine_optim_args
+from vlmcp.training.ds.initialize import initialize_engine
 from vlmcp.training.objective_step import objective_of
 from vlmcp.training.preflight import Preflight, load_eval_index, load_train_index, run_preflight
 
@@ -77,7 +78,6 @@ def build_engine(job: JobConfig, preflight: Preflight,
     only adapter weights (and modules_to_save copies) enter the optimizer; under ZeRO-3 the new
     adapter weights are partitioned by deepspeed.initialize next to the frozen base weights.
     """
-    import deepspeed
     from transformers.integrations import HfDeepSpeedConfig
 
     ds_config = preflight.ds_config
@@ -100,9 +100,8 @@ def build_engine(job: JobConfig, preflight: Preflight,
                        tiled_mlp=job.train.tiled_mlp,
                        offload_activations=job.train.offload_activations)
     trainable = [p for p in module.parameters() if p.requires_grad]
-    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=trainable,
-                                           config=ds_config, mpu=sp.mpu,
-                                           **engine_optim_args(job, ds_config, trainable))
+    engine = initialize_engine(module, ds_config, sp.mpu, model_parameters=trainable,
+                               **engine_optim_args(job, ds_config, trainable))
     if job.parallel.ep_size > 1:
         module.adopt_expert_parallel()
     del hf_ds_config

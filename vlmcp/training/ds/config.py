@@ -268,10 +268,13 @@ def fill_deepspeed_config(raw: dict[str, Any], job: JobConfig, *, dp_size: int,
         fill_expert_parallel(config, job.parallel.ep_size, moe_top_k, edits)
     fill_comms_logger(config, job.parallel.ep_size, edits)
     if job.parallel.ep_size > 1 and job.parallel.sp_size > 1 and \
-            get_path(config, "zero_optimization.stage") == 3:
-        edits.problem(f"config key 'parallel.ep_size' ({job.parallel.ep_size}) with ZeRO stage 3 "
-                      f"and parallel.sp_size={job.parallel.sp_size}: DeepSpeed's AutoEP refuses "
-                      "ZeRO-3 under sequence parallelism; use ZeRO stage 2, or sp_size 1")
+            get_path(config, "zero_optimization.stage") == 3 and \
+            get_path(config, "hybrid_engine.enabled") is True:
+        edits.problem(f"config key 'deepspeed.hybrid_engine.enabled' is true with "
+                      f"parallel.ep_size={job.parallel.ep_size}, parallel.sp_size="
+                      f"{job.parallel.sp_size} and ZeRO stage 3: vlmcp builds that engine itself "
+                      "(training/ds/initialize.py) and does not run DeepSpeed's hybrid engine; "
+                      "remove the section")
     if job.parallel.ep_size > 1 and "optimizer" in config:
         edits.problem("config key 'deepspeed.optimizer' with parallel.ep_size > 1: DeepSpeed "
                       "builds its optimizer without the expert parameters' own param groups, "
