@@ -12,7 +12,6 @@ checkpoint at `model.path`.
 from __future__ import annotations
 
 import logging
-import re
 from pathlib import Path
 
 import torch
@@ -23,7 +22,7 @@ from vlmcp.config import JobConfig
 from vlmcp.model.load import load_model
 from vlmcp.parallel import comm
 from vlmcp.training.checkpoint import checkpoint_dir, newest_complete
-from vlmcp.training.ds.expert_parallel import hf_expert_tensors, hf_name
+from vlmcp.training.weights.expert_checkpoint import expert_parallel_state
 from vlmcp.training.weights.hf_format import (hf_key_prefixes, save_hf, to_hf_keys,
                                               write_model_config)
 from vlmcp.training.weights.lora_export import export_lora
@@ -81,7 +80,8 @@ def read_checkpoint_state(checkpoint_dir: str | Path, tag: str) -> tuple[dict[st
 
     ZeRO 1-3 checkpoints are consolidated from their fp32 optimizer partitions; a ZeRO-0
     checkpoint holds the whole module state; one saved under expert parallelism is read from its
-    model states and expert files (`_expert_parallel_state`).
+    model states and expert files, or at ZeRO-3 by DeepSpeed's universal
+    conversion (training/weights/expert_checkpoint.py).
     """
     tag_dir = Path(checkpoint_dir) / tag
     candidates = [tag_dir / name for name in _MODEL_STATES_FILES]
@@ -92,7 +92,7 @@ def read_checkpoint_state(checkpoint_dir: str | Path, tag: str) -> tuple[dict[st
     saved = torch.load(model_states, map_location="cpu", weights_only=False)
     client = {k: v for k, v in saved.items() if k in ("step", "hf_key_prefixes")}
     if saved.get("ds_config", {}).get("expert_parallel", {}).get("enabled"):
-        return _expert_parallel_state(tag_dir, saved), client
+        return expert_parallel_state(tag_dir, saved), client
     if saved.get("ds_config", {}).get("zero_optimization", {}).get("stage", 0) > 0:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -100,44 +100,6 @@ def read_checkpoint_state(checkpoint_dir: str | Path, tag: str) -> tuple[dict[st
     else:
         state = {k: v.float() for k, v in saved["module"].items()}
     return dict(state), client
-
-
-_EXPERT_FILE = re.compile(r"layer_\d+_expert_\d+_mp_rank_00_model_states\.pt")
-_EXPERT_KEY = re.compile(r"(.*\.experts)\.(w1|w2|w3)\.(\d+)")
-
-
-def _expert_parallel_state(tag_dir: Path, saved: dict) -> dict[str, torch.Tensor]:
-    """The module state dict (fp32, transformers' names and fused expert layout) of a checkpoint
-    saved under expert parallelism (`parallel.ep_size` > 1) at ZeRO 0-2: the dense parameters
-    from rank 0's model states, every expert from DeepSpeed's per-expert files
-    (`layer_L_expert_E_mp_rank_00_model_states.pt`, keys `...experts.w1.E`). Both hold the
-    weights the optimizer wrote after its step (for fp32 training the master weights
-    themselves). ValueError for a ZeRO-3 one, whose weights live in the optimizer's partitions
-    per expert-data-parallel group, which this reader does not consolidate."""
-    if saved["ds_config"].get("zero_optimization", {}).get("stage", 0) == 3:
-        raise ValueError(f"{tag_dir} was saved under expert parallelism at ZeRO-3; vlmcp export "
-                         "reads ZeRO 0-2 ones: use the run's final model (output_dir/final) or a "
-                         "published step, or resume it at the same parallel.ep_size")
-    state = {hf_name(k): v.float() for k, v in saved["module"].items()}
-    experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
-    for path in sorted(tag_dir.iterdir()):
-        if not _EXPERT_FILE.fullmatch(path.name):
-            continue
-        for key, value in torch.load(path, map_location="cpu", weights_only=True).items():
-            found = _EXPERT_KEY.fullmatch(key)
-            if found is None:
-                raise ValueError(f"{path}: unexpected key {key!r} in an expert file")
-            module, weight, expert = found.group(1), found.group(2), int(found.group(3))
-            experts.setdefault(module, {}).setdefault(weight, {})[expert] = value.float()
-    for module, weights in experts.items():
-        stacked = {}
-        for weight, by_expert in weights.items():
-            if sorted(by_expert) != list(range(len(by_expert))):
-                raise ValueError(f"{tag_dir}: the expert files of {module} hold experts "
-                                 f"{sorted(by_expert)}, not 0..{len(by_expert) - 1}")
-            stacked[weight] = torch.stack([by_expert[e] for e in range(len(by_expert))])
-        state.update(hf_expert_tensors(module, stacked["w1"], stacked["w2"], stacked["w3"]))
-    return state
 
 
 def export_checkpoint(job: JobConfig, tag: str | None = None,

@@ -1,0 +1,94 @@
+"""The module state of a DeepSpeed checkpoint saved under expert parallelism (`parallel.ep_size`
+> 1), with every expert, in transformers' names and fused expert layout, read on CPU.
+
+ZeRO 0-2: the dense parameters come from rank 0's model states, every expert from DeepSpeed's
+per-expert files (`layer_L_expert_E_mp_rank_00_model_states.pt`, keys `...experts.w1.E`). Both
+hold the weights the optimizer wrote after its step (for fp32 training the master weights
+themselves).
+
+ZeRO-3: the weights live only in the optimizer's fp32 partitions, the dense ones over all ranks
+and each expert tensor over its expert-data-parallel group. DeepSpeed's own universal-checkpoint
+conversion (`deepspeed.checkpoint.ds_to_universal`, which knows AutoEP's partition-native ZeRO-3
+layout) consolidates them into one fp32 file per parameter, the experts as their logical
+`[num_experts, ...]` tensors; this reads those. The conversion writes the fp32 weights and the
+two AdamW moments of every parameter (about 3x the fp32 model) into a temporary directory beside
+the checkpoint, removed afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import logging
+import re
+import tempfile
+from pathlib import Path
+
+import torch
+
+from vlmcp.training.ds.expert_parallel import hf_expert_tensors, hf_name
+
+logger = logging.getLogger(__name__)
+
+_EXPERT_FILE = re.compile(r"layer_\d+_expert_\d+_mp_rank_00_model_states\.pt")
+_EXPERT_KEY = re.compile(r"(.*\.experts)\.(w1|w2|w3)\.(\d+)")
+#: AutoEP's grouped expert tensor of a universal checkpoint: (the experts module, w1/w2/w3).
+_GROUPED_EXPERT = re.compile(r"(.*\.experts)\.(w1|w2|w3)")
+
+
+def expert_parallel_state(tag_dir: Path, saved: dict) -> dict[str, torch.Tensor]:
+    """The module state dict (fp32, transformers' names, fused experts) of the checkpoint tag
+    directory `tag_dir`, whose rank-0 model states are `saved` (module docstring)."""
+    if saved["ds_config"].get("zero_optimization", {}).get("stage", 0) == 3:
+        return _zero3_state(tag_dir, {name: shape for group in saved["param_shapes"]
+                                      for name, shape in group.items()})
+    state = {hf_name(k): v.float() for k, v in saved["module"].items()}
+    experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    for path in sorted(tag_dir.iterdir()):
+        if not _EXPERT_FILE.fullmatch(path.name):
+            continue
+        for key, value in torch.load(path, map_location="cpu", weights_only=True).items():
+            found = _EXPERT_KEY.fullmatch(key)
+            if found is None:
+                raise ValueError(f"{path}: unexpected key {key!r} in an expert file")
+            module, weight, expert = found.group(1), found.group(2), int(found.group(3))
+            experts.setdefault(module, {}).setdefault(weight, {})[expert] = value.float()
+    for module, weights in experts.items():
+        stacked = {}
+        for weight, by_expert in weights.items():
+            if sorted(by_expert) != list(range(len(by_expert))):
+                raise ValueError(f"{tag_dir}: the expert files of {module} hold experts "
+                                 f"{sorted(by_expert)}, not 0..{len(by_expert) - 1}")
+            stacked[weight] = torch.stack([by_expert[e] for e in range(len(by_expert))])
+        state.update(hf_expert_tensors(module, stacked["w1"], stacked["w2"], stacked["w3"]))
+    return state
+
+
+def _zero3_state(tag_dir: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """A ZeRO-3 tag directory's weights, through DeepSpeed's universal conversion. `shapes`: every
+    dense parameter's shape (the conversion writes them flat, ZeRO's padding included)."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    with tempfile.TemporaryDirectory(prefix=f".{tag_dir.name}-universal-",
+                                     dir=tag_dir.parent) as scratch:
+        args = argparse.Namespace(input_folder=str(tag_dir), output_folder=scratch,
+                                  num_extract_workers=1, num_merge_workers=1,
+                                  keep_temp_folder=False, strict=True, inject_missing_state=False)
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            ds_to_universal.main(args)
+        logger.debug("deepspeed ds_to_universal on %s:\n%s", tag_dir, printed.getvalue())
+        state: dict[str, torch.Tensor] = {}
+        experts: dict[str, dict[str, torch.Tensor]] = {}
+        for param_dir in sorted(p for p in (Path(scratch) / "zero").iterdir() if p.is_dir()):
+            saved = torch.load(param_dir / "fp32.pt", map_location="cpu", weights_only=False)
+            found = _GROUPED_EXPERT.fullmatch(param_dir.name)
+            if found is None:
+                shape = torch.Size(shapes[param_dir.name])
+                state[hf_name(param_dir.name)] = saved[:shape.numel()].view(shape).float()
+            else:
+                experts.setdefault(found.group(1), {})[found.group(2)] = saved["param"].float()
+    for module, weights in experts.items():
+        state.update(hf_expert_tensors(module, weights["w1"], weights["w2"], weights["w3"]))
+    return state
