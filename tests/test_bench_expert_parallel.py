@@ -23,6 +23,18 @@ def test_the_ep_bench_refuses_an_ep_size_not_dividing_its_world_of_2_and_its_exp
     assert not out.exists()
 
 
+def test_the_ep_bench_world_must_hold_2_ranks_divide_by_e_and_belongs_to_ep_size(tmp_path, capsys):
+    out = tmp_path / "never.json"
+    assert main(["bench", "--ep-size", "4", "--ep-world", "6", "--out", str(out)]) == 1
+    assert "--ep-size 4: the experts split over E >= 2 ranks, E dividing the bench's world (6)" in \
+        capsys.readouterr().err
+    assert main(["bench", "--ep-size", "2", "--ep-world", "1", "--out", str(out)]) == 1
+    assert "--ep-world 1: the bench's world needs at least 2 ranks" in capsys.readouterr().err
+    assert main(["bench", "--ep-world", "8", "--out", str(out)]) == 1
+    assert "--ep-world: a flag of --ep-size" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_the_ep_bench_refuses_other_modes_and_step_flags_in_one_error(tmp_path, capsys):
     out = tmp_path / "never.json"
     assert main(["bench", "--ep-size", "3", "--compare-alst", "--moe", "--sp-size", "2", "--tiled-mlp",
@@ -77,24 +89,27 @@ def test_a_way_row_times_each_step_by_its_slowest_rank_and_keeps_each_ranks_memo
     assert row["step_time_s"] == {"min": 3.0, "median": 3.5, "max": 4.0, "each": [3.0, 4.0]}
     assert row["phase_s"] == {"forward": 1.5, "backward": 1.0, "optimizer": 1.0}
     assert row["step_cpu_s"] == 2.75 and row["peak_rss_mb"] == 1600 and row["expert_state_bytes"] == 12
+    assert row["peak_above_process_mb"] == 1090
     assert [r["saved_activation_mb"] for r in row["per_rank"]] == [1.0, 2.0]
     assert row["per_rank"][1]["expert_bytes"]["params"] == 4
     assert set(row["per_rank"][0]["collective_s"]) == set(COLLECTIVES)
 
 
 def test_the_ratios_set_ep_against_zero2_state_and_zero3_peak_and_time_with_their_targets():
+    """And the peak again above each rank's process floor (what a GPU's allocator counts)."""
     ways = {"zero3": {"ran": True, "expert_state_bytes": 10, "peak_rss_mb": 2000.0,
-                      "step_time_s": {"median": 8.0}},
+                      "peak_above_process_mb": 1500.0, "step_time_s": {"median": 8.0}},
             "zero2": {"ran": True, "expert_state_bytes": 12, "peak_rss_mb": 1900.0,
-                      "step_time_s": {"median": 6.0}},
+                      "peak_above_process_mb": 1400.0, "step_time_s": {"median": 6.0}},
             "ep_zero2": {"ran": True, "expert_state_bytes": 6, "peak_rss_mb": 1800.0,
-                         "step_time_s": {"median": 2.0}},
+                         "peak_above_process_mb": 1200.0, "step_time_s": {"median": 2.0}},
             "autoep_alone": {"ran": False, "why": "TypeError: no", "failed_attempts": {"a": "no"}}}
     ratios = _ratios(ways)
     assert [name for name, *_ in TARGETS] == list(ratios)
     assert ratios["expert_state_ep_over_zero2"] == {"value": 0.5, "target": 0.55, "met": True}
     assert ratios["peak_rss_ep_over_zero3"] == {"value": 0.9, "target": 0.8, "met": False}
     assert ratios["step_time_ep_over_zero3"] == {"value": 0.25, "target": 0.8, "met": True}
+    assert ratios["peak_above_process_ep_over_zero3"] == {"value": 0.8, "target": 0.8, "met": True}
     assert _ratios({**ways, "zero3": {"ran": False}})["step_time_ep_over_zero3"]["value"] is None
     assert "autoep_alone  did not run (a): no" in _table({"ways": {"autoep_alone": ways["autoep_alone"]},
                                                          "ratios": ratios})

@@ -254,7 +254,7 @@ def _add_bench_other_measures(bench: argparse.ArgumentParser) -> None:
                        help="--compare-alst: interleaved vlmcp/ALST pairs per length; --publish: "
                             "interleaved rounds of the three ways; --ep-size: timed steps a way")
     bench.add_argument("--ep-size", type=int, default=None, metavar="E",
-                       help="instead of a step benchmark: on 2 ranks (gloo) and a MoE of 64 "
+                       help="instead of a step benchmark: on 2 ranks (gloo; --ep-world) and a MoE of 64 "
                             "experts top 8 (Qwen3.5-35B-A3B's layout cut to --hidden-size, "
                             "default 512), train AdamW steps four ways, ZeRO 3 and ZeRO 2 without "
                             "EP, ZeRO 2 at parallel.ep_size E, and DeepSpeed's AutoEP alone on "
@@ -262,6 +262,9 @@ def _add_bench_other_measures(bench: argparse.ArgumentParser) -> None:
                             "the experts' params/grads/optimizer state a rank holds, its peak RSS "
                             "and the ratios to the targets; one --seq-lens length (tokens a rank, "
                             "default 512)")
+    bench.add_argument("--ep-world", type=int, default=None, metavar="W",
+                       help="--ep-size: the ranks each way runs on (default 2); above the machine's "
+                            "cores the step times are not comparable, the memory figures are")
     bench.add_argument("--publish", action="store_true",
                        help="instead of a step benchmark: publish the weights of a tiny Qwen3.5 "
                             "widened to --hidden-size (default 2048, about 0.8 GB in fp32) on "

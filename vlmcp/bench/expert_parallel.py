@@ -1,6 +1,6 @@
 """`vlmcp bench --ep-size E`: expert parallelism against ZeRO without it, on an expert-heavy MoE.
 
-World 2 (fresh rank processes over gloo, one thread each), DP 2, SP 1, one `--seq-lens` pack of
+World `--ep-world` W, default 2 (fresh rank processes over gloo, one thread each), DP W, SP 1, one `--seq-lens` pack of
 random text per rank, fp32, torch AdamW (so that optimizer state exists) under DeepSpeed's engine.
 The model (`ep_layout`) is Qwen3.5-35B-A3B's MoE layout cut to a CPU: 64 routed experts, top 8,
 a shared expert, expert width a quarter of the hidden size, 3 DeltaNet layers then one attention
@@ -31,6 +31,8 @@ Memory per rank, read after one more, untimed step (`probe`):
   * `peak_rss_mb`: the resident set's peak (VmHWM) over the warmup and timed steps, reset after
     the engine is built (`model_rss_mb`: the resident set then; `process_rss_mb`: before the
     model loads, torch and DeepSpeed imported, the part of every peak that no way changes);
+    `peak_above_process_mb`: the peak less `process_rss_mb`, the part a GPU's allocator would
+    count (the interpreter and the libraries' code are not device memory);
   * `saved_activation_mb`: the bytes autograd saves for backward in the probe's forward (each
     storage once, parameters' storages excluded: a ZeRO 3 layer's gathered weights are
     parameters), the part of activation memory a CPU measures exactly;
@@ -40,7 +42,16 @@ Memory per rank, read after one more, untimed step (`probe`):
 `loss`: rank 0's probe-step loss as backward gets it (vlmcp: scaled as `vlmcp train` scales it).
 `ratios` holds the issue's three targets with their measured values: expert state at EP E over
 ZeRO 2 without EP (<= 0.55), peak resident set at EP E over ZeRO 3 without EP (<= 0.8), step time
-(medians) at EP E over ZeRO 3 without EP (<= 0.8).
+(medians) at EP E over ZeRO 3 without EP (<= 0.8); and the peak target again on
+`peak_above_process_mb`.
+
+Why W matters (docs/expert-parallelism.md#measured): with AdamW a rank holds, per routed-expert
+element, a parameter, a gradient, a master copy and two moments (5 numbers in fp32). ZeRO 2
+without EP keeps the parameters whole and partitions the rest over W: 1 + 4/W; EP at E = W with
+ZeRO 2 holds 1/W of the experts whole (their expert-data-parallel group is the rank alone): 5/W.
+The expert-state ratio is 5 / (W + 4): 0.83 at W = 2, 0.55 at W = 5.1, 0.42 at W = 8, whatever
+the model or the device. Above 2 CPU cores a larger W oversubscribes them: its step times are not
+comparable, its memory figures are.
 """
 
 from __future__ import annotations
@@ -62,8 +73,9 @@ from vlmcp.bench.procs import Memory, run_fresh
 from vlmcp.bench.saved_bytes import counting_saved_bytes
 from vlmcp.parallel import comm
 
-#: The world every way runs on, and the tokens a rank's pack holds unless --seq-lens says.
-WORLD = 2
+#: The world every way runs on unless --ep-world says, and the tokens a rank's pack holds
+#: unless --seq-lens says.
+DEFAULT_WORLD = 2
 DEFAULT_TOKENS = 512
 DEFAULT_HIDDEN = 512
 #: The ways compared: (ZeRO stage, EP on, transformers' own model instead of vlmcp's module).
@@ -72,7 +84,8 @@ WAYS = {"zero3": (3, False, False), "zero2": (2, False, False), "ep_zero2": (2, 
 #: The issue's targets: (ratio name, numerator way, denominator way, measure, bound).
 TARGETS = (("expert_state_ep_over_zero2", "ep_zero2", "zero2", "expert_state_bytes", 0.55),
            ("peak_rss_ep_over_zero3", "ep_zero2", "zero3", "peak_rss_mb", 0.8),
-           ("step_time_ep_over_zero3", "ep_zero2", "zero3", "step_time_s", 0.8))
+           ("step_time_ep_over_zero3", "ep_zero2", "zero3", "step_time_s", 0.8),
+           ("peak_above_process_ep_over_zero3", "ep_zero2", "zero3", "peak_above_process_mb", 0.8))
 #: The real model the layout is cut from.
 REAL_LAYOUT = ("Qwen3.5-35B-A3B: hidden 2048, 40 layers (3 DeltaNet then 1 attention), 256 routed "
                "experts top 8 of width 512, one shared expert of width 512, vocabulary 248320")
@@ -117,7 +130,7 @@ def _ds_config(stage: int, hidden: int) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class EpTask:
-    """One way on every rank of a world of `WORLD`: build the engine, time the steps, probe."""
+    """One way on every rank of a world of `world` ranks: build the engine, time the steps, probe."""
 
     way: str
     model_dir: str
@@ -194,6 +207,8 @@ def _row(table: torch.Tensor, expert_keys: list[str], collective_keys: list[str]
                         for i, name in enumerate(("forward", "backward", "optimizer"), start=1)},
             "step_cpu_s": statistics.median(timed[:, :, 4].sum(dim=0).tolist()),
             "peak_rss_mb": max(r["peak_rss_mb"] for r in per_rank),
+            "peak_above_process_mb": round(max(r["peak_rss_mb"] - r["process_rss_mb"]
+                                               for r in per_rank), 1),
             "expert_state_bytes": max(r["expert_bytes"]["total"] for r in per_rank),
             "loss": loss, "per_rank": per_rank}
 
@@ -349,9 +364,12 @@ def flag_problems(args: argparse.Namespace) -> list[str]:
     modes), one line each."""
     problems = []
     experts = ep_layout(8)["num_experts"]
-    if args.ep_size < 2 or WORLD % args.ep_size or experts % args.ep_size:
+    world = args.ep_world or DEFAULT_WORLD
+    if world < 2:
+        problems.append(f"--ep-world {world}: the bench's world needs at least 2 ranks")
+    elif args.ep_size < 2 or world % args.ep_size or experts % args.ep_size:
         problems.append(f"--ep-size {args.ep_size}: the experts split over E >= 2 ranks, E dividing "
-                        f"the bench's world ({WORLD}) and its {experts} experts")
+                        f"the bench's world ({world}) and its {experts} experts")
     lengths = (args.seq_lens or str(DEFAULT_TOKENS)).split(",")
     if len(lengths) != 1 or not lengths[0].strip().isdigit() or int(lengths[0]) < 2:
         problems.append(f"--ep-size takes one --seq-lens length >= 2 (tokens a rank), not "
@@ -393,7 +411,7 @@ def _ratios(ways: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def _table(report: dict[str, Any]) -> str:
     """The report as a readable table (one line per way, then the ratios)."""
     lines = [f"{'way':<13} {'step s (min/med/max)':>22} {'tok/s':>7} {'mfu':>6} {'peak RSS MB':>11} "
-             f"{'expert MB p/g/m/s':>23} {'saved MB':>8}"]
+             f"{'above process':>13} {'expert MB p/g/m/s':>23} {'saved MB':>8}"]
     for way, row in report["ways"].items():
         if not row.get("ran"):
             whys = row.get("failed_attempts") or {"": row.get("why")}
@@ -407,7 +425,8 @@ def _table(report: dict[str, Any]) -> str:
         mfu = "-" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
         lines.append(f"{way:<13} {spread['min']:>6.2f}/{spread['median']:.2f}/{spread['max']:.2f}"
                      f"{'':>7} {row['tokens_per_s']:>7.0f} {mfu:>6} {row['peak_rss_mb']:>11.0f} "
-                     f"{mb:>23} {row['per_rank'][0]['saved_activation_mb']:>8.1f}")
+                     f"{row['peak_above_process_mb']:>13.0f} {mb:>23} "
+                     f"{row['per_rank'][0]['saved_activation_mb']:>8.1f}")
     for name, ratio in report["ratios"].items():
         lines.append(f"{name}: {ratio['value']} (target <= {ratio['target']}, met: {ratio['met']})")
     return "\n".join(lines)
@@ -423,7 +442,7 @@ def run_expert_parallel(args: argparse.Namespace) -> dict[str, Any]:
     problems = flag_problems(args)
     if problems:
         raise ValueError("; ".join(problems))
-    ep_size, tokens = args.ep_size, int(args.seq_lens or DEFAULT_TOKENS)
+    ep_size, tokens, world = args.ep_size, int(args.seq_lens or DEFAULT_TOKENS), args.ep_world or DEFAULT_WORLD
     layout = ep_layout(args.hidden_size or DEFAULT_HIDDEN, args.intermediate_size)
     vocab = args.vocab_size or 512
     ways: dict[str, dict[str, Any]] = {}
@@ -433,14 +452,14 @@ def run_expert_parallel(args: argparse.Namespace) -> dict[str, Any]:
         config = load_config(str(model_dir))
         total, experts = _parameters(model_dir)
         peak = device_peak(torch.device("cpu"), torch.float32, gemm_shapes(config), tokens, 1)
-        flops = step_flops(config, [tokens] * WORLD, lm_head_tokens=WORLD * (tokens - 1)).total
+        flops = step_flops(config, [tokens] * world, lm_head_tokens=world * (tokens - 1)).total
         for way in WAYS:
             row = run_fresh(EpTask(way, str(model_dir), ep_size, tokens, args.warmup,
-                                   args.repeats), WORLD) if way != "autoep_alone" else {}
+                                   args.repeats), world) if way != "autoep_alone" else {}
             failed = {}
             for attempt in AUTOEP_ATTEMPTS if way == "autoep_alone" else ():
                 row = {"attempt": attempt, **run_fresh(EpTask(
-                    way, str(model_dir), ep_size, tokens, args.warmup, args.repeats, attempt), WORLD)}
+                    way, str(model_dir), ep_size, tokens, args.warmup, args.repeats, attempt), world)}
                 if row["ran"]:
                     break
                 failed[attempt] = row["why"]
@@ -448,12 +467,12 @@ def run_expert_parallel(args: argparse.Namespace) -> dict[str, Any]:
                 row["failed_attempts"] = failed
             if row["ran"]:
                 median = row["step_time_s"]["median"]
-                row.update(tokens_per_s=WORLD * tokens / median,
-                           **utilisation(flops, median, WORLD, peak.tflops))
+                row.update(tokens_per_s=world * tokens / median,
+                           **utilisation(flops, median, world, peak.tflops))
             stage, ep_on, plain = WAYS[way]
             ways[way] = {"zero_stage": stage, "ep_size": ep_size if ep_on else 1,
                          "module": "transformers" if plain else "vlmcp PackedVLM", **row}
-    report = {"mode": "expert_parallel", "world": WORLD, "sp_size": 1, "ep_size": ep_size,
+    report = {"mode": "expert_parallel", "world": world, "sp_size": 1, "ep_size": ep_size,
               "tokens_per_rank": tokens, "warmup": args.warmup, "repeats": args.repeats,
               "dtype": "float32", "optimizer": "torch AdamW (DeepSpeed ZeRO's partitions)",
               "threads_per_rank": 1,

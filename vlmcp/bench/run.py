@@ -677,6 +677,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     mix_flags = [_flag(name) for name in MIX_FLAGS if getattr(args, name) not in (None, False)]
     if mix_flags and not args.length_mix:
         raise ValueError(f"{', '.join(mix_flags)}: flags of --length-mix")
+    if args.ep_world is not None and args.ep_size is None:
+        raise ValueError("--ep-world: a flag of --ep-size")
     if args.ep_size is not None:
         from vlmcp.bench.expert_parallel import flag_problems, run_expert_parallel
 
