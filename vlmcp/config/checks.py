@@ -201,9 +201,6 @@ def _expert_parallel_checks(job: JobConfig) -> list[str]:
         (job.lora.r, f"'lora.r' is {job.lora.r}",
          "AutoEP replaces the MoE blocks PEFT's adapters sit in (the router's and the routed "
          "experts'); train LoRA with parallel.ep_size 1"),
-        (job.eval.generate, "'eval.generate' is true",
-         "each rank decodes its own samples for its own number of tokens, while every decoding "
-         "step's MoE layers exchange tokens with the EP group; turn one off"),
         (job.publish.dir and not job.publish.sharded, "'publish.sharded' is false",
          "rank 0 would gather every expert; keep it true (each rank writes the experts it holds)"),
     ]

@@ -10,7 +10,10 @@ eval_accuracy: for each held-out sample, the prompt is everything before its fir
 the sample counts as correct when plain Hugging Face greedy `generate` on that prompt reproduces
 the sample's first run of target tokens exactly (for chat data: the first assistant reply and its
 `<|im_end|>`), up to `eval.max_new_tokens` tokens. Samples are spread over all ranks; under
-ZeRO-3 every rank runs the same number of `generate` calls with `synced_gpus`.
+ZeRO-3 (each forward gathers the partitioned weights) and under expert parallelism (each MoE
+layer's forward exchanges tokens with the EP group) every rank runs the same number of `generate`
+calls with `synced_gpus`, so that every decoding step runs on every rank: a rank whose sample is
+done keeps stepping until the last one is.
 
 Nothing is decoded up front: packs and prompts are read back from data.eval's length index
 (`SampleReader`) when they are needed, by the rank that needs them. A sample that fails to load
@@ -151,7 +154,7 @@ def generation_accuracy(hf_model: nn.Module, reader: SampleReader, count: int,
     """(fraction of the first `count` samples of `reader.index` whose greedy continuation
     matches, samples), identical on every rank; each rank loads only its own samples.
 
-    `synced`: every rank must take part in every forward (ZeRO-3).
+    `synced`: every rank must take part in every forward (ZeRO-3, expert parallelism).
     """
     world, rank = comm.world_size(), comm.rank()
     device = next(hf_model.lm_head.parameters()).device

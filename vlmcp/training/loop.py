@@ -342,7 +342,7 @@ def evaluation_row(run: Run, step: int) -> dict[str, Any]:
             count = min(count, job.eval.max_samples)
         accuracy, count = generation_accuracy(
             run.module.hf_model, reader, count, job.eval.max_new_tokens,
-            synced=zero_stage(run.preflight.ds_config) == 3)
+            synced=zero_stage(run.preflight.ds_config) == 3 or job.parallel.ep_size > 1)
         row.update({"eval_accuracy": accuracy, "eval_samples": count})
     engine.train()
     return row
