@@ -69,6 +69,11 @@ CASES = {
     "sp2_ep2_zero2_heads_mode_checkpointing_activation_offload": dict(
         world=2, sp=2, ep=2, stage=2, model={}, mode="heads", checkpointing=True, offload=True,
         packs=[[(21, [(1, 4, 4)], "holes"), (16, [], "nested")]]),
+    # DeepSpeed's TiledMLP over AutoEP's blocks (hidden 16: at least two tiles a shard, each tile
+    # and its recompute running the all-to-all), routes replayed through the tiles, ZeRO-3
+    "sp2_ep2_zero3_tiled_mlp_replayed_routes": dict(
+        world=2, sp=2, ep=2, stage=3, model={"hidden_size": 16}, tiled_mlp=True,
+        packs=[[(30, [], "nested"), (27, [(1, 4, 4)], "holes"), (11, [], "none")]]),
     # the router load-balancing loss (its coefficient raised so that it matters) beside the CE:
     # AutoEP's router captured, its logits from its gate (native routing: the batched reference
     # of the aux loss forwards the pack's samples together)
@@ -167,7 +172,7 @@ def _materialise(name: str, tmp_root):
                 checkpointing=spec.get("checkpointing", False),
                 offload_activations=spec.get("offload", False), grad_accum=1,
                 loss_chunk_mb=DEFAULT_LOSS_CHUNK_MB, objective=objective, ep=spec["ep"],
-                router_aux=spec.get("router_aux", False),
+                router_aux=spec.get("router_aux", False), tiled_mlp=spec.get("tiled_mlp", False),
                 packs=[[batch_of(rank)] for rank in range(len(per_rank))])
     return case, reference(exact=False), reference(exact=True)
 
@@ -224,6 +229,8 @@ def test_expert_parallel_step_equals_transformers_per_sample_with_every_expert_o
                                      name="router aux loss")
         grads = hf_named_grads(result["grads"])
         assert grads.keys() == {n for n in ref_grads if not n.startswith("model.visual")}
+        if spec.get("tiled_mlp"):  # every layer's live (AutoEP) block tiled, in two tiles or more
+            assert result["tiled_shards"] >= 2 and result["tiled_layers"] == SPEC.layers
         held = slice((rank % spec["ep"]) * local, (rank % spec["ep"] + 1) * local)
         for pname, grad in grads.items():
             ref, truth = ref_grads[pname], truth_grads[pname]

@@ -100,7 +100,6 @@ def test_ep_constraints_name_the_key_for_a_dense_model_and_sizes_that_do_not_div
 
 
 @pytest.mark.parametrize("keys, expected", [
-    ({"train": {"tiled_mlp": True}}, "'train.tiled_mlp' is true with parallel.ep_size=2"),
     ({"lora": {"r": 4, "target_modules": ["q_proj"]}},
      "'lora.r' is 4 with parallel.ep_size=2"),
     ({"publish": {"dir": "weights", "sharded": False}},

@@ -204,6 +204,9 @@ def _one_step(engine, module: PackedVLM, objective: Loss, micro_batches: list, c
         "grads": grads,
         "layer0_mlp_calls": len(calls),
         "tiled_shards": module.tiled_mlps.shards if module.tiled_mlps is not None else None,
+        "tiled_layers": None if module.tiled_mlps is None else sum(
+            any(layer.mlp is tiled for tiled in module.tiled_mlps.modules) and "forward" in vars(layer.mlp)
+            for layer in module.language_model.layers),
         "offloaded": offloaded,
         "tower_calls": tower_calls,
         "replay": module.replay_metrics(),

@@ -195,9 +195,6 @@ def _expert_parallel_checks(job: JobConfig) -> list[str]:
     if job.parallel.ep_size == 1:
         return []
     refused = [
-        (job.train.tiled_mlp, "'train.tiled_mlp' is true",
-         "a MoE layer's tiles would each run an expert all-to-all, and ranks with other shard "
-         "lengths run other numbers of tiles; turn one off"),
         (job.lora.r, f"'lora.r' is {job.lora.r}",
          "AutoEP replaces the MoE blocks PEFT's adapters sit in (the router's and the routed "
          "experts'); train LoRA with parallel.ep_size 1"),

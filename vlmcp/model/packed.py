@@ -196,10 +196,12 @@ class PackedVLM(nn.Module):
     def adopt_expert_parallel(self) -> None:
         """After `deepspeed.initialize` under expert parallelism (its AutoEP replaced every MoE
         block, router and experts included): hook the new routers for routing replay and the
-        router loss, and let go of the replaced experts modules the recompute hooks held (each
-        held every expert)."""
+        router loss, tile the new blocks under `tiled_mlp`, and let go of the replaced experts
+        modules the recompute hooks held (each held every expert)."""
         live = {id(m) for m in self.language_model.modules()}
         self.recomputed = [m for m in self.recomputed if id(m) in live]
+        if self.tiled_mlps is not None:
+            self.tiled_mlps.rebind()
         if self.router_replay is not None:
             self.router_replay.rebind()
         if self.router_loss is not None:

@@ -9,6 +9,9 @@ last shard. vlmcp installs it per layer instance (the transformers class is left
   * a MoE layer's whole sparse block (router, routed experts, shared expert): everything in it is
     per token, so the block tiles as a whole. DeepSpeed's function shards one input only, and the
     routed experts take the router's per-token choices next to it, so they cannot tile alone.
+    Under expert parallelism the block is AutoEP's `AutoEPMoELayer` (`rebind`), and each tile's
+    forward and recompute run its all-to-all: the agreed shard count below keeps the ranks' calls
+    in step.
 
 Shard count, agreed once per micro-batch (`TiledMLPs.plan`): ceil(S_local / hidden) as DeepSpeed's
 example and ArcticTraining derive it, the largest over the world (one max all-reduce), then
@@ -74,9 +77,18 @@ class TiledMLPs:
 
     def __init__(self, language_model: nn.Module, replay: RouterReplay | None = None) -> None:
         self.replay = replay
+        self.language_model = language_model
         self.hidden_size = language_model.config.hidden_size
         self.shards = 1
-        self.modules = [layer.mlp for layer in language_model.layers]
+        self.modules: list[nn.Module] = []
+        self.rebind()
+
+    def rebind(self) -> None:
+        """Tile every decoder layer's MLP as it is now: again after DeepSpeed's AutoEP replaced
+        the MoE blocks (`parallel.ep_size`), whose `AutoEPMoELayer`s then tile as the blocks did
+        (every rank runs the same number of tiles, so each tile's expert all-to-all meets its
+        peers'), and the replaced blocks are let go."""
+        self.modules = [layer.mlp for layer in self.language_model.layers]
         for mlp in self.modules:
             mlp.forward = functools.partial(self._tiled_forward, mlp)
 
