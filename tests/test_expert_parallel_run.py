@@ -129,10 +129,12 @@ def test_at_zero3_the_final_model_published_steps_and_export_hold_every_expert_a
     zero2 = _weights(ep_run / "final")
     for key, value in final.items():
         torch.testing.assert_close(value, zero2[key], rtol=1e-4, atol=1e-5, msg=key)
-    exported = tmp_path / "exported"
+    exported, checkpoints = tmp_path / "exported", out / "checkpoints"
+    before = sorted(path.name for path in checkpoints.iterdir())
     assert main(["export", str(tmp_path / "job.json"), "--tag", f"step{STEPS}",
                  "--out", str(exported)]) == 0
     _assert_equal(_weights(exported), final)
+    assert sorted(path.name for path in checkpoints.iterdir()) == before  # the scratch is gone
 
 
 def test_score_routes_under_ep_equal_those_without_and_replay_with_agreement_one(

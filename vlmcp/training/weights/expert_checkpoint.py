@@ -71,8 +71,10 @@ def _zero3_state(tag_dir: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str,
     from deepspeed.checkpoint import ds_to_universal
 
     with tempfile.TemporaryDirectory(prefix=f".{tag_dir.name}-universal-",
-                                     dir=tag_dir.parent) as scratch:
-        args = argparse.Namespace(input_folder=str(tag_dir), output_folder=scratch,
+                                     dir=tag_dir.parent) as parent:
+        # the conversion also writes `latest_universal` beside its output folder: inside `parent`
+        scratch = Path(parent) / "universal"
+        args = argparse.Namespace(input_folder=str(tag_dir), output_folder=str(scratch),
                                   num_extract_workers=1, num_merge_workers=1,
                                   keep_temp_folder=False, strict=True, inject_missing_state=False)
         printed = io.StringIO()
@@ -81,7 +83,7 @@ def _zero3_state(tag_dir: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str,
         logger.debug("deepspeed ds_to_universal on %s:\n%s", tag_dir, printed.getvalue())
         state: dict[str, torch.Tensor] = {}
         experts: dict[str, dict[str, torch.Tensor]] = {}
-        for param_dir in sorted(p for p in (Path(scratch) / "zero").iterdir() if p.is_dir()):
+        for param_dir in sorted(p for p in (scratch / "zero").iterdir() if p.is_dir()):
             saved = torch.load(param_dir / "fp32.pt", map_location="cpu", weights_only=False)
             found = _GROUPED_EXPERT.fullmatch(param_dir.name)
             if found is None:
