@@ -254,8 +254,8 @@ def _add_bench_other_measures(bench: argparse.ArgumentParser) -> None:
                        help="--compare-alst: interleaved vlmcp/ALST pairs per length; --publish: "
                             "interleaved rounds of the three ways; --ep-size: timed steps a way")
     bench.add_argument("--ep-size", type=int, default=None, metavar="E",
-                       help="instead of a step benchmark: on 2 ranks (gloo; --ep-world) and a MoE of 64 "
-                            "experts top 8 (Qwen3.5-35B-A3B's layout cut to --hidden-size, "
+                       help="instead of a step benchmark: on 2 ranks (gloo; --ep-world) and a MoE "
+                            "of 64 experts top 8 (Qwen3.5-35B-A3B's layout cut to --hidden-size, "
                             "default 512), train AdamW steps four ways, ZeRO 3 and ZeRO 2 without "
                             "EP, ZeRO 2 at parallel.ep_size E, and DeepSpeed's AutoEP alone on "
                             "transformers' model, and report each way's step time, tokens/s, mfu, "

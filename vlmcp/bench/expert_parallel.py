@@ -1,7 +1,7 @@
 """`vlmcp bench --ep-size E`: expert parallelism against ZeRO without it, on an expert-heavy MoE.
 
-World `--ep-world` W, default 2 (fresh rank processes over gloo, one thread each), DP W, SP 1, one `--seq-lens` pack of
-random text per rank, fp32, torch AdamW (so that optimizer state exists) under DeepSpeed's engine.
+World `--ep-world` W, default 2 (fresh rank processes over gloo, one thread each), DP W, SP 1,
+one `--seq-lens` pack of random text per rank, fp32, torch AdamW (so that optimizer state exists) under DeepSpeed's engine.
 The model (`ep_layout`) is Qwen3.5-35B-A3B's MoE layout cut to a CPU: 64 routed experts, top 8,
 a shared expert, expert width a quarter of the hidden size, 3 DeltaNet layers then one attention
 layer; the report gives its numbers and the routed experts' share of the parameters. The ways
@@ -85,7 +85,8 @@ WAYS = {"zero3": (3, False, False), "zero2": (2, False, False), "ep_zero2": (2, 
 TARGETS = (("expert_state_ep_over_zero2", "ep_zero2", "zero2", "expert_state_bytes", 0.55),
            ("peak_rss_ep_over_zero3", "ep_zero2", "zero3", "peak_rss_mb", 0.8),
            ("step_time_ep_over_zero3", "ep_zero2", "zero3", "step_time_s", 0.8),
-           ("peak_above_process_ep_over_zero3", "ep_zero2", "zero3", "peak_above_process_mb", 0.8))
+           ("peak_above_process_ep_over_zero3", "ep_zero2", "zero3", "peak_above_process_mb",
+            0.8))
 #: The real model the layout is cut from.
 REAL_LAYOUT = ("Qwen3.5-35B-A3B: hidden 2048, 40 layers (3 DeltaNet then 1 attention), 256 routed "
                "experts top 8 of width 512, one shared expert of width 512, vocabulary 248320")
@@ -130,7 +131,7 @@ def _ds_config(stage: int, hidden: int) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class EpTask:
-    """One way on every rank of a world of `world` ranks: build the engine, time the steps, probe."""
+    """One way on every rank of the world: build the engine, time the steps, probe."""
 
     way: str
     model_dir: str
@@ -442,7 +443,8 @@ def run_expert_parallel(args: argparse.Namespace) -> dict[str, Any]:
     problems = flag_problems(args)
     if problems:
         raise ValueError("; ".join(problems))
-    ep_size, tokens, world = args.ep_size, int(args.seq_lens or DEFAULT_TOKENS), args.ep_world or DEFAULT_WORLD
+    ep_size, tokens = args.ep_size, int(args.seq_lens or DEFAULT_TOKENS)
+    world = args.ep_world or DEFAULT_WORLD
     layout = ep_layout(args.hidden_size or DEFAULT_HIDDEN, args.intermediate_size)
     vocab = args.vocab_size or 512
     ways: dict[str, dict[str, Any]] = {}

@@ -12,10 +12,11 @@ float64 truth (plain transformers, each sample alone) at (SP, EP) = (2, 2), (2, 
 experts and routers included, within fp32's own error.
 
 So for that one combination the engine is built from `_AutoEPSequenceParallelEngine`, DeepSpeed's
-engine with every other ZeRO-3 MoE check kept, by the same steps `deepspeed.initialize` takes for a
-plain (non-pipeline) module; `fill_deepspeed_config` refuses DeepSpeed's hybrid engine there. `deepspeed.initialize` has no way to name the engine
-class, and patching `DeepSpeedEngine` itself would change every engine of the process.
-Everything else goes through `deepspeed.initialize` unchanged.
+engine with every other ZeRO-3 MoE check kept, by the same steps `deepspeed.initialize` takes for
+a plain (non-pipeline) module (`fill_deepspeed_config` refuses DeepSpeed's hybrid engine there).
+`deepspeed.initialize` has no way to name the engine class, and patching `DeepSpeedEngine` itself
+would change every engine of the process. Everything else goes through `deepspeed.initialize`
+unchanged.
 """
 
 from __future__ import annotations
