@@ -130,7 +130,9 @@ def loop_run(tiny_checkpoint, digits_jsonl, tmp_path_factory):
     root = tmp_path_factory.mktemp("rl_loop")
     rollouts, weights, out = root / "rollouts", root / "weights", root / "out"
     job = write_job(root / "job.json", _rl_job(
-        tiny_checkpoint, out, rollouts, weights, train={"max_steps": 5},
+        tiny_checkpoint, out, rollouts, weights,
+        # a hang ends through the watchdog, its line naming where, well before the 600 s run limit
+        train={"max_steps": 5, "collective_timeout_s": 120},
         rollouts={"max_staleness": 2, "on_stale": "skip", "on_bad_sample": "skip"},
         publish={"keep": 2}))
     producer = _producer(root, tiny_checkpoint, digits_jsonl, rollouts, weights, LOOP_STEPS)
