@@ -580,7 +580,8 @@ def _run_steps(run: Run, stop: StopSignals, watchdog: Watchdog, progress: Any) -
             _wait_for_rollout(run, step, stop, watchdog, saver)
         else:
             # a signal during the previous step's publish or evaluation, or during the start
-            signum = stop.agreed()
+            with watchdog.watch(f"agreeing on a stop signal before step {step + 1}"):
+                signum = stop.agreed()
             if signum:
                 _stop(run, signum, step, saver, f"after step {step}")
         try:
@@ -609,8 +610,10 @@ def _run_steps(run: Run, stop: StopSignals, watchdog: Watchdog, progress: Any) -
             if "loss" in row:
                 progress.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
             progress.update(1)
-        # the stop comes first: a stopped run checkpoints before anything optional
-        signum = stop.agreed()
+        # the stop comes first: a stopped run checkpoints before anything optional (the
+        # agreement is a collective: a rank frozen after its step must not hang this one)
+        with watchdog.watch(f"agreeing on a stop signal after step {done}"):
+            signum = stop.agreed()
         if signum:
             _stop(run, signum, done, saver, f"after step {done}")
         if run.publisher is not None:
