@@ -25,10 +25,12 @@ from typing import Any
 
 from torch import nn
 
+from vlmcp.training.ds.config import zero_stage
+
 
 def _lifts_sp_refusal(config: dict[str, Any], mpu: Any) -> bool:
     """ZeRO-3 with AutoEP on (the filled `expert_parallel` section) under SP > 1."""
-    return (int(config.get("zero_optimization", {}).get("stage", 0)) == 3
+    return (zero_stage(config) == 3
             and bool(config.get("expert_parallel", {}).get("enabled"))
             and mpu is not None and mpu.get_sequence_parallel_world_size() > 1)
 

@@ -27,20 +27,19 @@ from pathlib import Path
 
 import torch
 
-from vlmcp.training.ds.expert_parallel import hf_expert_tensors, hf_name
+from vlmcp.training.ds.config import zero_stage
+from vlmcp.training.ds.expert_parallel import expert_weight, hf_expert_tensors, hf_name
 
 logger = logging.getLogger(__name__)
 
 _EXPERT_FILE = re.compile(r"layer_\d+_expert_\d+_mp_rank_00_model_states\.pt")
 _EXPERT_KEY = re.compile(r"(.*\.experts)\.(w1|w2|w3)\.(\d+)")
-#: AutoEP's grouped expert tensor of a universal checkpoint: (the experts module, w1/w2/w3).
-_GROUPED_EXPERT = re.compile(r"(.*\.experts)\.(w1|w2|w3)")
 
 
 def expert_parallel_state(tag_dir: Path, saved: dict) -> dict[str, torch.Tensor]:
     """The module state dict (fp32, transformers' names, fused experts) of the checkpoint tag
     directory `tag_dir`, whose rank-0 model states are `saved` (module docstring)."""
-    if saved["ds_config"].get("zero_optimization", {}).get("stage", 0) == 3:
+    if zero_stage(saved["ds_config"]) == 3:
         return _zero3_state(tag_dir, {name: shape for group in saved["param_shapes"]
                                       for name, shape in group.items()})
     state = {hf_name(k): v.float() for k, v in saved["module"].items()}
@@ -85,12 +84,12 @@ def _zero3_state(tag_dir: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str,
         experts: dict[str, dict[str, torch.Tensor]] = {}
         for param_dir in sorted(p for p in (scratch / "zero").iterdir() if p.is_dir()):
             saved = torch.load(param_dir / "fp32.pt", map_location="cpu", weights_only=False)
-            found = _GROUPED_EXPERT.fullmatch(param_dir.name)
+            found = expert_weight(param_dir.name)
             if found is None:
                 shape = torch.Size(shapes[param_dir.name])
                 state[hf_name(param_dir.name)] = saved[:shape.numel()].view(shape).float()
             else:
-                experts.setdefault(found.group(1), {})[found.group(2)] = saved["param"].float()
+                experts.setdefault(found[0], {})[found[1]] = saved["param"].float()
     for module, weights in experts.items():
         state.update(hf_expert_tensors(module, weights["w1"], weights["w2"], weights["w3"]))
     return state
