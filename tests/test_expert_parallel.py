@@ -23,11 +23,12 @@ import functools
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
 
 from tests.helpers.distributed import run_ranks
 from tests.helpers.objective_reference import reference_step, target_logprobs
 from tests.helpers.parity import (assert_within_fp32_error, build_model, float64_reference,
-                                  make_sample, pack, reference_loss_and_grads)
+                                  make_sample, pack, reference_loss_and_grads, seed_adapter_weights)
 from tests.helpers.replay_reference import force_routes, random_routes
 from tests.helpers.router_reference import add_grads, reference_router_aux_and_grads
 from tests.helpers.sp_cases import engine_step
@@ -41,6 +42,9 @@ pytestmark = pytest.mark.e2e
 
 TOL = 1e-5
 SPEC = RouteSpec(layers=4, top_k=2, num_experts=4)
+LORA_R, LORA_ALPHA = 4, 8.0
+#: The routed experts' fused weights (lora.target_parameters).
+ROUTED_EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 PPO = LossTerm("ppo_clip", clip_low=0.2, clip_high=0.25)
 
 # A sample is (length, image grids, routes): "none" (native routing), "nested" (a route for every
@@ -88,6 +92,19 @@ CASES = {
     "sp2_ep4_dp2_zero3_native_routing": dict(
         world=4, sp=2, ep=4, stage=3, model={"num_key_value_heads": 2},
         packs=[[(14, [], "none"), (21, [(1, 4, 4)], "none")], [(26, [], "none"), (11, [], "none")]]),
+    # LoRA (PEFT's, on plain transformers, is the reference): the routed experts' fused weights
+    # (lora.target_parameters: each rank trains its experts' adapter pairs) and the shared
+    # expert's and attention's Linear layers; the experts' base weights frozen; routes replayed
+    "sp2_ep2_zero2_lora_on_routed_experts_replayed_routes": dict(
+        world=2, sp=2, ep=2, stage=2, model={},
+        lora=dict(target_modules=["q_proj", "down_proj"], target_parameters=ROUTED_EXPERTS),
+        packs=[[(21, [(1, 4, 4)], "holes"), (16, [], "nested")]]),
+    # the same under ZeRO-3 (the adapters partitioned over their expert-data-parallel group),
+    # every expert's adapters trained, native routing, DP 2: the EP group spans the DP ranks
+    "sp1_ep2_zero3_lora_on_routed_experts_other_pack_per_rank": dict(
+        world=2, sp=1, ep=2, stage=3, model={},
+        lora=dict(target_modules=[], target_parameters=ROUTED_EXPERTS),
+        packs=[[(18, [], "none"), (13, [(1, 4, 4)], "none")], [(25, [], "none")]]),
     # two EP groups inside one SP group of 4
     "sp4_ep2_zero2_native_routing": dict(
         world=4, sp=4, ep=2, stage=2, model={"num_key_value_heads": 2},
@@ -137,6 +154,12 @@ def _materialise(name: str, tmp_root):
     reference_model = copy.deepcopy(model)
     force_routes(reference_model, {tuple(s.input_ids.tolist()): r for s, r in
                                    zip(samples, (r for rank in routes for r in rank)) if r is not None})
+    lora = spec.get("lora") and dict(r=LORA_R, alpha=LORA_ALPHA, **spec["lora"])
+    if lora:
+        reference_model = get_peft_model(reference_model, LoraConfig(
+            r=LORA_R, lora_alpha=LORA_ALPHA, target_modules=lora["target_modules"] or None,
+            target_parameters=lora["target_parameters"]))
+        seed_adapter_weights(reference_model)
     objective = spec.get("objective")
     arrays = None
     if objective is not None:
@@ -163,6 +186,8 @@ def _materialise(name: str, tmp_root):
             result = run(reference_step, samples, arrays, [objective])
             return result.loss, result.grads, None
         loss, grads = run(reference_loss_and_grads, samples)
+        if lora:
+            grads = per_expert_adapter_grads(reference_model, grads)
         if not spec.get("router_aux"):
             return loss, grads, None
         aux, aux_grads = run(reference_router_aux_and_grads, per_rank)
@@ -173,8 +198,27 @@ def _materialise(name: str, tmp_root):
                 offload_activations=spec.get("offload", False), grad_accum=1,
                 loss_chunk_mb=DEFAULT_LOSS_CHUNK_MB, objective=objective, ep=spec["ep"],
                 router_aux=spec.get("router_aux", False), tiled_mlp=spec.get("tiled_mlp", False),
+                lora=lora,
                 packs=[[batch_of(rank)] for rank in range(len(per_rank))])
     return case, reference(exact=False), reference(exact=True)
+
+
+def per_expert_adapter_grads(peft_model, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """PEFT's gradients under the plain model's names, its routed-expert adapters' in the per-expert
+    form an EP rank holds: `<experts>.lora_A_<weight>` [E, r, in] from `lora_A.default.weight`
+    [r*E, in] (expert e's rows e*r..), `<experts>.lora_B_<weight>` [E, out, r] from
+    `lora_B.default.weight` [out, r*E] (expert e's columns e, E+e, ...)."""
+    grads = {name.removeprefix("base_model.model."): grad for name, grad in grads.items()}
+    for name, module in peft_model.base_model.model.named_modules():
+        if not hasattr(module, "parameter_name"):
+            continue
+        experts, weight = name.split(".base_layer")[0], module.parameter_name
+        count = SPEC.num_experts
+        grad_a = grads.pop(f"{name}.lora_A.default.weight")
+        grad_b = grads.pop(f"{name}.lora_B.default.weight")
+        grads[f"{experts}.lora_A_{weight}"] = grad_a.reshape(count, LORA_R, -1)
+        grads[f"{experts}.lora_B_{weight}"] = grad_b.reshape(-1, LORA_R, count).permute(2, 0, 1)
+    return grads
 
 
 @functools.cache

@@ -10,9 +10,6 @@ another E is one error naming `parallel.ep_size`.
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -20,10 +17,9 @@ import torch
 from transformers import AutoTokenizer
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForConditionalGeneration
 
-from tests.helpers.launching import (REPO, assert_ok, launcher_prefix, run_vlmcp, tiny_job,
-                                     train_losses, vlmcp_env, write_job)
+from tests.helpers.launching import (assert_ok, run_vlmcp, tiny_job, train_losses,
+                                     stop_by_sigterm_then_resume, write_job)
 from vlmcp.cli import main
-from vlmcp.training.checkpoint import newest_complete
 
 pytestmark = pytest.mark.e2e
 
@@ -90,22 +86,7 @@ def test_sigterm_then_resume_at_the_same_ep_size_is_bit_exact(
         ep_run, tiny_moe_checkpoint, digits_jsonl, tmp_path):
     out = tmp_path / "out"
     job = write_job(tmp_path / "job.json", _job(tiny_moe_checkpoint, digits_jsonl, out))
-    log = tmp_path / "log"
-    proc = subprocess.Popen([*launcher_prefix("torchrun", 2), "train", str(job)], cwd=REPO,
-                            env=vlmcp_env(), stdout=log.open("w"), stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 120
-        while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text()):
-            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-3000:]
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    tag, _ = newest_complete(out / "checkpoints")
-    assert tag is not None and int(tag.removeprefix("step")) < STEPS, log.read_text()[-3000:]
-    _train(json.loads(job.read_text()), job, "--set", "train.resume=true")
+    stop_by_sigterm_then_resume(job, out, tmp_path / "log")
     assert train_losses(out) == train_losses(ep_run)
     _assert_equal(_weights(out / "final"), _weights(ep_run / "final"))
 

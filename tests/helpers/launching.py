@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.helpers.distributed import rank_threads
+from vlmcp.training.checkpoint import newest_complete
 
 REPO = Path(__file__).resolve().parents[2]
 ACCELERATE_YAML = REPO / "launch" / "accelerate" / "deepspeed_2proc.yaml"
@@ -91,6 +92,24 @@ def launched(args: list[str], log: Path, *, launcher: str = "torchrun", nproc: i
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def stop_by_sigterm_then_resume(job: Path, out: Path, log: Path) -> None:
+    """`vlmcp train JOB` on two torchrun ranks (output in `log`), sent SIGTERM once its first
+    metrics row (`out`/metrics.jsonl) is written; its newest checkpoint must come before
+    `train.max_steps`; then the same job with `train.resume=true` runs to the end."""
+    with launched(["train", str(job)], log, wait_s=60) as proc:
+        rows = out / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while not (rows.exists() and rows.read_text()):
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+    tag, _ = newest_complete(out / "checkpoints")
+    steps = json.loads(job.read_text())["train"]["max_steps"]
+    assert tag is not None and int(tag.removeprefix("step")) < steps, log.read_text()[-3000:]
+    assert_ok(run_vlmcp(["train", str(job), "--set", "train.resume=true"], launcher="torchrun",
+                        nproc=2))
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:

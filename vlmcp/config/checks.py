@@ -195,10 +195,13 @@ def _expert_parallel_checks(job: JobConfig) -> list[str]:
     if job.parallel.ep_size == 1:
         return []
     refused = [
-        (job.lora.r, f"'lora.r' is {job.lora.r}",
-         "AutoEP replaces the MoE blocks PEFT's adapters sit in (the router's and the routed "
-         "experts'); train LoRA with parallel.ep_size 1"),
-        (job.publish.dir and not job.publish.sharded, "'publish.sharded' is false",
+        (job.lora.r and not job.lora.target_parameters, "'lora.target_parameters' is empty",
+         "under expert parallelism LoRA trains the routed experts' adapters (name "
+         "mlp.experts.gate_up_proj and/or mlp.experts.down_proj there): DeepSpeed's ZeRO refuses "
+         "an EP run with no trainable expert parameter (\"The model has moe layers, but None of "
+         "the param groups are marked as MoE\")"),
+        (job.publish.dir and not job.publish.sharded and not job.lora.r,
+         "'publish.sharded' is false",
          "rank 0 would gather every expert; keep it true (each rank writes the experts it holds)"),
     ]
     return [f"config key {what} with parallel.ep_size={job.parallel.ep_size}: {why}"

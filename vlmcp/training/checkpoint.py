@@ -34,10 +34,14 @@ import re
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from vlmcp.config import JobConfig
 from vlmcp.errors import CheckpointError
 from vlmcp.parallel import comm
 from vlmcp.parallel.agree import fail_together
+from vlmcp.training.ds.expert_lora import (EXPERT_ADAPTER_FILE, local_adapter_state,
+                                           restore_local_adapters)
 from vlmcp.training.atomic import (dir_size, remove_quietly, replace_dir, write_error,
                                    write_text_atomic)
 
@@ -142,6 +146,17 @@ def _prune(directory: Path, keep: int) -> None:
             logger.info("removed checkpoint %s (train.keep_checkpoints=%d)", directory / tag, keep)
 
 
+def _save_expert_adapters(module: Any, tmp: Path, ep_size: int) -> None:
+    """Under expert parallelism with LoRA on the routed experts: global ranks 0..E-1 (EP group
+    0, one of each EP rank) each write their experts' adapter factors to
+    `expert_adapters_ep_rank_<r>.pt`. DeepSpeed's expert files hold only AutoEP's `w1`/`w2`/`w3`,
+    and its model states only rank 0's experts' adapters; `vlmcp export` reads these (resume
+    restores every rank's own from its optimizer partition)."""
+    state = local_adapter_state(module)
+    if state and comm.rank() < ep_size:
+        torch.save(state, tmp / EXPERT_ADAPTER_FILE.format(rank=comm.rank()))
+
+
 def save_checkpoint(engine: Any, job: JobConfig, step: int, hf_key_prefixes: dict[str, str]) -> Path:
     """Save the engine after `step` completed optimizer steps (call on every rank)."""
     directory = checkpoint_dir(job)
@@ -156,6 +171,7 @@ def save_checkpoint(engine: Any, job: JobConfig, step: int, hf_key_prefixes: dic
         engine.save_checkpoint(str(directory), tag=tmp_tag, save_latest=False,
                                client_state={"step": step, "hf_key_prefixes": hf_key_prefixes},
                                exclude_frozen_parameters=bool(job.lora.r))
+        _save_expert_adapters(engine.module, tmp, job.parallel.ep_size)
     except Exception as exc:  # any failure is agreed: the other ranks wait in the barrier below
         problem = f"saving checkpoint {directory / tag}: {write_error(exc, tmp, needed)}"
         # The others wait in the barrier that closes DeepSpeed's save; join it before agreeing.
@@ -209,6 +225,7 @@ def load_latest(engine: Any, job: JobConfig) -> int:
                                                 load_module_strict=not job.lora.r)
     if path is None:
         raise CheckpointError([f"train.resume: DeepSpeed could not load {directory / tag}"])
+    restore_local_adapters(engine.module, directory / tag)
     step = int(client_state["step"])
     logger.info("resumed from %s at step %d", path, step)
     return step

@@ -100,7 +100,11 @@ def build_engine(job: JobConfig, preflight: Preflight,
                        tiled_mlp=job.train.tiled_mlp,
                        offload_activations=job.train.offload_activations)
     trainable = [p for p in module.parameters() if p.requires_grad]
-    engine = initialize_engine(module, ds_config, sp.mpu, model_parameters=trainable,
+    # Under EP, DeepSpeed lists the module's parameters itself, after AutoEP's replacement (which
+    # drops the replaced blocks' parameters, PEFT's expert adapters among them), and the
+    # optimizer factory keeps the trainable ones.
+    engine = initialize_engine(module, ds_config, sp.mpu,
+                               model_parameters=None if job.parallel.ep_size > 1 else trainable,
                                **engine_optim_args(job, ds_config, trainable))
     if job.parallel.ep_size > 1:
         module.adopt_expert_parallel()

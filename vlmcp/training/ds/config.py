@@ -267,14 +267,17 @@ def fill_deepspeed_config(raw: dict[str, Any], job: JobConfig, *, dp_size: int,
     if moe_top_k or job.parallel.ep_size == 1:
         fill_expert_parallel(config, job.parallel.ep_size, moe_top_k, edits)
     fill_comms_logger(config, job.parallel.ep_size, edits)
-    if job.parallel.ep_size > 1 and job.parallel.sp_size > 1 and \
-            get_path(config, "zero_optimization.stage") == 3 and \
-            get_path(config, "hybrid_engine.enabled") is True:
+    if job.parallel.ep_size > 1 and get_path(config, "hybrid_engine.enabled") is True:
         edits.problem(f"config key 'deepspeed.hybrid_engine.enabled' is true with "
-                      f"parallel.ep_size={job.parallel.ep_size}, parallel.sp_size="
-                      f"{job.parallel.sp_size} and ZeRO stage 3: vlmcp builds that engine itself "
-                      "(training/ds/initialize.py) and does not run DeepSpeed's hybrid engine; "
-                      "remove the section")
+                      f"parallel.ep_size={job.parallel.ep_size}: vlmcp builds the expert-parallel "
+                      "engine itself (training/ds/initialize.py) and does not run DeepSpeed's "
+                      "hybrid engine; remove the section")
+    if job.parallel.ep_size > 1 and job.lora.r and get_path(config, "zero_optimization.stage") == 3:
+        edits.problem(f"config key 'deepspeed.zero_optimization.stage' is 3 with "
+                      f"parallel.ep_size={job.parallel.ep_size} and LoRA (lora.r={job.lora.r}): "
+                      "DeepSpeed 0.19.8 cannot checkpoint AutoEP's frozen expert weights under "
+                      "ZeRO-3 (\"AutoEP with ZeRO Stage 3 checkpointing does not support frozen "
+                      "expert parameters yet\"); use ZeRO stage 1 or 2")
     if job.parallel.ep_size > 1 and "optimizer" in config:
         edits.problem("config key 'deepspeed.optimizer' with parallel.ep_size > 1: DeepSpeed "
                       "builds its optimizer without the expert parameters' own param groups, "

@@ -4,7 +4,8 @@
 ZeRO 0-2: the dense parameters come from rank 0's model states, every expert from DeepSpeed's
 per-expert files (`layer_L_expert_E_mp_rank_00_model_states.pt`, keys `...experts.w1.E`). Both
 hold the weights the optimizer wrote after its step (for fp32 training the master weights
-themselves).
+themselves). LoRA on the routed experts: their adapter factors from vlmcp's per-EP-rank files
+(`expert_adapters_ep_rank_R.pt`, stacked in rank order), still per expert.
 
 ZeRO-3: the weights live only in the optimizer's fp32 partitions, the dense ones over all ranks
 and each expert tensor over its expert-data-parallel group. DeepSpeed's own universal-checkpoint
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import itertools
 import logging
 import re
 import tempfile
@@ -28,6 +30,7 @@ from pathlib import Path
 import torch
 
 from vlmcp.training.ds.config import zero_stage
+from vlmcp.training.ds.expert_lora import EXPERT_ADAPTER_FILE
 from vlmcp.training.ds.expert_parallel import expert_weight, hf_expert_tensors, hf_name
 
 logger = logging.getLogger(__name__)
@@ -61,7 +64,21 @@ def expert_parallel_state(tag_dir: Path, saved: dict) -> dict[str, torch.Tensor]
                                  f"{sorted(by_expert)}, not 0..{len(by_expert) - 1}")
             stacked[weight] = torch.stack([by_expert[e] for e in range(len(by_expert))])
         state.update(hf_expert_tensors(module, stacked["w1"], stacked["w2"], stacked["w3"]))
+    state.update(_expert_adapters(tag_dir))
     return state
+
+
+def _expert_adapters(tag_dir: Path) -> dict[str, torch.Tensor]:
+    """The routed experts' LoRA factors of every expert ([E, ...], stacked over the EP ranks'
+    files, training/ds/expert_lora.py), under transformers' names; empty without LoRA."""
+    parts: dict[str, list[torch.Tensor]] = {}
+    for rank in itertools.count():
+        path = tag_dir / EXPERT_ADAPTER_FILE.format(rank=rank)
+        if not path.is_file():
+            break
+        for key, value in torch.load(path, map_location="cpu", weights_only=True).items():
+            parts.setdefault(key, []).append(value.float())
+    return {hf_name(key): torch.cat(values) for key, values in parts.items()}
 
 
 def _zero3_state(tag_dir: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:

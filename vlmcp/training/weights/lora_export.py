@@ -10,17 +10,20 @@ name and renamed into place when complete.
 
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
 
 import torch
-from peft import PeftModel
+from peft import PeftModel, get_peft_model
 from torch import nn
 
 from vlmcp.config import JobConfig
 from vlmcp.model.load import load_model
 from vlmcp.model.lora import apply_lora
 from vlmcp.parallel import comm
+from vlmcp.training.ds.expert_lora import gathered_expert_adapters, peft_layout
+from vlmcp.training.ds.expert_parallel import hf_name
 from vlmcp.training.weights.hf_format import (copy_processor_files, hf_key_prefixes, save_hf,
                                               state_bytes, to_hf_keys, write_dir_atomically,
                                               write_on_rank0)
@@ -35,11 +38,14 @@ PEFT_PREFIX = "base_model.model."
 def trained_state_dict(module: nn.Module, hf_model: nn.Module) -> dict[str, torch.Tensor] | None:
     """The trainable parameters of the live training module (adapters, modules_to_save copies)
     under the HF model's names, on rank 0 (None elsewhere). Call on every rank: a ZeRO-3
-    partitioned parameter is gathered one at a time, in the same order everywhere."""
+    partitioned parameter is gathered one at a time, in the same order everywhere; under expert
+    parallelism the routed experts' adapters are gathered from the ranks holding them, in PEFT's
+    layout (training/ds/expert_lora.py), and AutoEP's names of the shared expert are
+    transformers' (`expert_parallel.hf_name`)."""
     prefixes = hf_key_prefixes(module, hf_model)
-    state = {}
+    state, experts = gathered_expert_adapters(module)
     for name, param in module.named_parameters():
-        if not param.requires_grad:
+        if not param.requires_grad or id(param) in experts:
             continue
         if hasattr(param, "ds_id"):
             import deepspeed
@@ -48,7 +54,7 @@ def trained_state_dict(module: nn.Module, hf_model: nn.Module) -> dict[str, torc
                 value = param.detach().cpu().clone()
         else:
             value = param.detach().cpu().clone()
-        state[name] = value
+        state[hf_name(name)] = value
     if comm.rank() != 0:
         return None
     return to_hf_keys(state, prefixes)
@@ -70,9 +76,22 @@ def write_adapter_files(peft_model: PeftModel, state: dict[str, torch.Tensor],
                         source_dir: str | Path, out_dir: Path) -> None:
     """PEFT's adapter files of `state` (trainable tensors under HF model names) and the processor
     files of `source_dir` into the existing directory `out_dir`."""
-    peft_model.save_pretrained(str(out_dir), state_dict={
+    _saving_model(peft_model).save_pretrained(str(out_dir), state_dict={
         PEFT_PREFIX + k: v.detach().cpu().contiguous() for k, v in state.items()})
     copy_processor_files(source_dir, out_dir)
+
+
+def _saving_model(peft_model: PeftModel) -> PeftModel:
+    """The PeftModel whose `save_pretrained` writes the adapter: `peft_model`, or, where AutoEP
+    replaced its MoE blocks (expert parallelism), a twin with its config and adapter config on
+    the meta device: PEFT picks the keys it saves by the model's own adapter modules, which
+    AutoEP's blocks no longer hold."""
+    base = peft_model.base_model.model
+    if not any(getattr(module, "_is_autoep_layer", False) for module in base.modules()):
+        return peft_model
+    with torch.device("meta"):
+        twin = type(base)._from_config(base.config)
+    return get_peft_model(twin, copy.deepcopy(peft_model.peft_config[peft_model.active_adapter]))
 
 
 def save_final_adapter(module: nn.Module, peft_model: PeftModel, source_dir: str | Path,
@@ -91,11 +110,13 @@ def save_final_adapter(module: nn.Module, peft_model: PeftModel, source_dir: str
 
 def export_lora(job: JobConfig, state: dict[str, torch.Tensor], out: Path, merge: bool) -> Path:
     """Write a LoRA checkpoint's module `state` (training-module keys already mapped to HF
-    names) as an adapter directory, or with `merge` as a merged HF model
+    names; the routed experts' adapters of an expert-parallel run per expert, put back into
+    PEFT's layout here) as an adapter directory, or with `merge` as a merged HF model
     (`merge_and_unload`). The base weights come from `model.path`."""
     model_dir = job.resolve_input(job.model.path)
     model = load_model(model_dir, job.model.dtype, freeze_vision=True)
     peft_model = apply_lora(model, job.lora, model_dir)
+    state = peft_layout(model, state)
     trained = {k for k, p in model.named_parameters() if p.requires_grad}
     missing = sorted(trained - set(state))
     if missing:
