@@ -301,9 +301,10 @@ def _tokens_line(advantage: str = "1.0", width: int = 600) -> str:
 @pytest.mark.e2e
 def test_a_pack_that_fails_with_any_exception_on_one_rank_stops_every_rank_with_one_line(
         tiny_checkpoint, tmp_path):
-    """DP 2: the last sample (rank 1's last pack) is rewritten in place after the index was built,
-    with a finite integer too large for a float: loading it raises an OverflowError on rank 1
-    alone. Every rank stops with one error line naming the sample, no traceback, no watchdog."""
+    """DP 2: the last sample (rank 1's last pack) is rewritten after the index was built, with a
+    finite integer too large for a float: loading it raises an OverflowError on rank 1 alone.
+    Every rank stops with one error line naming the sample, no traceback, no watchdog. The new
+    file is swapped in whole (a rename), so the live run never reads a half-written file."""
     data = tmp_path / "train.jsonl"
     data.write_text("".join(_tokens_line() + "\n" for _ in range(32)))
     out = tmp_path / "out"
@@ -316,7 +317,9 @@ def test_a_pack_that_fails_with_any_exception_on_one_rank_stops_every_rank_with_
         _wait_for_rows(out, 1, proc)
         lines = data.read_text().splitlines(keepends=True)
         lines[-1] = _tokens_line("9" * 400) + "\n"
-        data.write_text("".join(lines))
+        rewritten = tmp_path / "train.jsonl.new"
+        rewritten.write_text("".join(lines))
+        os.replace(rewritten, data)
     text = log.read_text()
     assert proc.returncode == 1, text[-3000:]
     errors = [line for line in text.splitlines() if line.startswith("error: ")]
