@@ -227,6 +227,44 @@ def test_a_frozen_rank_ends_the_whole_job_naming_the_collective(checkpoint, para
 
 
 @pytest.mark.e2e
+def test_a_rank_killed_mid_run_ends_its_peer_at_once_with_one_line_naming_the_collective(
+        tiny_moe_checkpoint, digits_jsonl, tmp_path):
+    """MoE at EP 2, so every step's MoE layers exchange tokens by all-to-all. Rank 1 is killed
+    (SIGKILL, as the OOM killer does): rank 0's collective with it fails, and rank 0 exits 1 by
+    itself (torchrun never has to SIGKILL it, its loader worker included, which ignores SIGTERM)
+    with one error line naming the step, the collective and its group; no traceback."""
+    out = tmp_path / "out"
+    job = write_job(tmp_path / "job.json", _job(tiny_moe_checkpoint, digits_jsonl, out,
+                                                parallel={"ep_size": 2}, max_steps=100000,
+                                                collective_timeout_s=60))
+    log = tmp_path / "log"
+    proc = _start(job, log)
+    workers: list[psutil.Process] = []
+    try:
+        _wait_for_rows(out, 1, proc)
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        next(w for w in workers if w.environ().get("RANK") == "1").kill()
+        proc.wait(timeout=120)
+        assert not psutil.wait_procs(workers, timeout=30)[1]
+    finally:
+        for worker in workers:
+            if worker.is_running():
+                worker.kill()
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    survivor = text.split("rank      : 0 (local_rank: 0)")[1].splitlines()[1]
+    assert "exitcode  : 1 " in survivor and "Unable to shutdown" not in text, text[-3000:]
+    errors = [line for line in text.splitlines() if line.startswith("error: ")]
+    # the phase: a step, or the agreement on a stop signal between two steps
+    assert len(errors) == 1 and errors[0].startswith("error: rank 0: "), text[-3000:]
+    assert "step " in errors[0].split(": collective ")[0], errors
+    assert "failed: " in errors[0] and "collective torch.distributed." in errors[0]
+    assert "on group of ranks [0, 1]" in errors[0] or "the default group" in errors[0], errors
+    assert vlmcp_frames(text) == [] and "Traceback" not in text.split("error: ")[0], text[-3000:]
+
+
+@pytest.mark.e2e
 def test_a_full_disk_is_named_and_the_previous_checkpoint_stays_intact(
         tiny_checkpoint, digits_jsonl, tmp_path):
     # One checkpoint of this job takes about 3.7 MB: the first fits, the second does not.

@@ -108,3 +108,9 @@ class RolloutError(JobError):
 class EngineError(JobError):
     """An inference engine that cannot serve a published step (`vlmcp.engine`): unreachable, a
     step that is not (or no longer) published, another architecture, a reload that failed."""
+
+
+class CollectiveError(JobError):
+    """A torch.distributed collective that failed on this rank (a peer rank ended, was killed or
+    lost its connection); raised by the rank that saw it, which exits without waiting for its
+    peers."""

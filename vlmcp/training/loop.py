@@ -363,7 +363,8 @@ def train(job: JobConfig) -> Run:
 
     Raises StopRequested after a stop signal (a checkpoint is saved first), NonFiniteError on a
     non-finite step (`train.nonfinite`), CheckpointError when a checkpoint or the export cannot
-    be written. Each watched phase must end within `train.collective_timeout_s`.
+    be written, CollectiveError when a collective fails (a peer rank is gone). Each watched phase
+    must end within `train.collective_timeout_s`.
     """
     from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -373,9 +374,12 @@ def train(job: JobConfig) -> Run:
     timeout = job.train.collective_timeout_s
     with StopSignals() as stop, Watchdog(timeout, rank=comm.rank()) as watchdog, \
             logging_redirect_tqdm():
-        _train_loop(run, stop, watchdog)
-        if run.step_packs is not None:
-            run.step_packs.close()
+        try:
+            _train_loop(run, stop, watchdog)
+        finally:
+            # Also on an error: a loader worker ignores the stop signals, so one left running
+            # would hold this process's exit (multiprocessing joins it) until a SIGKILL.
+            run.steps.close()
         with watchdog.watch("the final export"):
             if run.adapter is not None:
                 save_final_adapter(run.module, run.adapter, job.resolve_input(job.model.path),

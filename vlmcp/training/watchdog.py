@@ -15,19 +15,29 @@ innermost vlmcp frame), logs one line naming them and the phase, and ends the pr
 `EXIT_HUNG`. The peers' launcher then ends the rest: torchrun stops the other ranks when one
 exits non-zero (SIGTERM, then SIGKILL after its --shutdown-timeout, which also ends a frozen
 rank). No state is kept outside the `Watchdog` object the loop owns.
+
+A collective that fails instead of hanging (a peer rank was killed or its connection dropped:
+gloo's "Connection reset by peer", NCCL's backend errors) raises a RuntimeError from inside
+torch.distributed; `watch` turns it into one `CollectiveError` line naming the phase, the
+collective, its group and the backend's reason, in place of a traceback through DeepSpeed and
+torch. The rank then exits like any rank failing alone (the CLI does not wait for its peers), and
+the launcher ends the rest.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from types import FrameType
+from types import FrameType, TracebackType
+
+from vlmcp.errors import CollectiveError
 
 logger = logging.getLogger(__name__)
 
@@ -48,24 +58,58 @@ def _describe_group(group: object) -> str:
         return f"group {group!r}"
 
 
-def where_it_waits(frame: FrameType | None) -> str:
-    """The collective (and its group) and the vlmcp code a thread's `frame` is stuck in."""
-    collective, vlmcp_frame = None, None
-    while frame is not None:
+def _collective_and_caller(frames: Iterator[tuple[FrameType, int]]) -> tuple[str | None, str]:
+    """From (frame, line) pairs, innermost first: the innermost public torch.distributed
+    collective with its group ("torch.distributed.NAME on GROUP", None if there is none) and
+    " (from FILE:LINE in FUNCTION)" for the innermost vlmcp frame ("" if none)."""
+    collective, vlmcp_frame = None, ""
+    for frame, line in frames:
         code = frame.f_code
         if collective is None and code.co_filename.endswith(_C10D_FILE) \
                 and not code.co_name.startswith("_") and code.co_name != "wrapper":
-            collective = (code.co_name, frame.f_locals.get("group"))
-        if vlmcp_frame is None and code.co_filename.startswith(_VLMCP_DIR):
-            vlmcp_frame = f"{Path(code.co_filename).relative_to(Path(_VLMCP_DIR).parent)}:" \
-                          f"{frame.f_lineno} in {code.co_name}"
+            collective = (f"torch.distributed.{code.co_name} on "
+                          f"{_describe_group(frame.f_locals.get('group'))}")
+        if not vlmcp_frame and code.co_filename.startswith(_VLMCP_DIR):
+            vlmcp_frame = f" (from {Path(code.co_filename).relative_to(Path(_VLMCP_DIR).parent)}" \
+                          f":{line} in {code.co_name})"
+    return collective, vlmcp_frame
+
+
+def _stack(frame: FrameType | None) -> Iterator[tuple[FrameType, int]]:
+    while frame is not None:
+        yield frame, frame.f_lineno
         frame = frame.f_back
-    called_from = f" (from {vlmcp_frame})" if vlmcp_frame else ""
+
+
+def _raised_at(traceback: TracebackType | None) -> Iterator[tuple[FrameType, int]]:
+    entries = []
+    while traceback is not None:
+        entries.append((traceback.tb_frame, traceback.tb_lineno))
+        traceback = traceback.tb_next
+    return reversed(entries)
+
+
+def where_it_waits(frame: FrameType | None) -> str:
+    """The collective (and its group) and the vlmcp code a thread's `frame` is stuck in."""
+    collective, called_from = _collective_and_caller(_stack(frame))
     if collective is None:
         return f"no collective in flight{called_from}"
-    name, group = collective
-    return (f"waiting in collective torch.distributed.{name} on {_describe_group(group)}"
-            f"{called_from}")
+    return f"waiting in collective {collective}{called_from}"
+
+
+def failed_collective(exc: BaseException) -> str | None:
+    """For an exception raised inside a torch.distributed collective: that collective, its
+    group and the vlmcp code that called it; None for any other exception."""
+    collective, called_from = _collective_and_caller(_raised_at(exc.__traceback__))
+    return None if collective is None else f"{collective}{called_from}"
+
+
+def _reason(exc: BaseException) -> str:
+    """The first sentence of a backend's error, without the source location gloo puts first
+    ("[.../pair.cc:537] Read error [127.0.0.1]:12002: Connection reset by peer. This is ...")."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", str(exc).strip())
+    first = text.splitlines()[0].split(". ")[0] if text else type(exc).__name__
+    return first[:300]
 
 
 class Watchdog:
@@ -92,11 +136,19 @@ class Watchdog:
 
     @contextmanager
     def watch(self, label: str) -> Iterator[None]:
-        """Watch the phase `label` (e.g. "step 12"): it must end within the timeout."""
+        """Watch the phase `label` (e.g. "step 12"): it must end within the timeout. A collective
+        that fails in it raises CollectiveError (the module docstring)."""
         with self._lock:
             self._phase = (label, time.monotonic() + self.timeout_s)
         try:
             yield
+        except RuntimeError as exc:
+            collective = failed_collective(exc)
+            if collective is None:
+                raise
+            raise CollectiveError(
+                f"rank {self._rank}: {label}: collective {collective} failed: {_reason(exc)} "
+                "(a peer rank ended or lost its connection: its own log says why)") from exc
         finally:
             with self._lock:
                 self._phase = None

@@ -162,6 +162,12 @@ class RolloutSteps:
         self._last = (step, fetched)
         return fetched
 
+    def close(self) -> None:
+        """Stop loading the micro-batches of the last step handed out (its loader's workers)."""
+        if self._last is not None:
+            self._last[1].close()
+            self._last = None
+
     def _index_agreed(self, number: int) -> _Indexed:
         """Rank 0: `_index`, with anything it raises as the step's problem line."""
         path = step_dir(self.root, number)
