@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -61,6 +62,29 @@ def _wait_for_rows(out: Path, rows: int, proc: subprocess.Popen, timeout: float 
             return
         time.sleep(0.05)
     raise AssertionError(f"no {rows} metrics rows in {metrics} (exit {proc.poll()})")
+
+
+@contextlib.contextmanager
+def _after_the_first_row(job: Path, out: Path, log: Path
+                         ) -> Iterator[tuple[subprocess.Popen, list[psutil.Process]]]:
+    """`_start(job, log)`, waited for until its first metrics row: yields the launcher and its
+    descendants (ranks, loader workers); kills whatever of them is left on the way out."""
+    proc = _start(job, log)
+    workers: list[psutil.Process] = []
+    try:
+        _wait_for_rows(out, 1, proc)
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        yield proc, workers
+    finally:
+        for worker in workers:
+            if worker.is_running():
+                worker.kill()
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _rank(processes: list[psutil.Process], rank: int) -> psutil.Process:
+    return next(p for p in processes if p.environ().get("RANK") == str(rank))
 
 
 def _strict_rows(path: Path) -> list[dict]:
@@ -193,24 +217,13 @@ def test_a_frozen_rank_ends_the_whole_job_naming_the_collective(checkpoint, para
                                                 collective_timeout_s=30))
     log = tmp_path / "log"
     # After the first rank exits, torchrun SIGTERMs the others and SIGKILLs them 30 s later.
-    proc = _start(job, log)
-    workers: list[psutil.Process] = []
-    try:
-        _wait_for_rows(out, 1, proc)
-        workers = psutil.Process(proc.pid).children(recursive=True)
-        frozen = next(w for w in workers if w.environ().get("RANK") == "1")
-        frozen.send_signal(signal.SIGSTOP)
+    with _after_the_first_row(job, out, log) as (proc, workers):
+        _rank(workers, 1).send_signal(signal.SIGSTOP)
         stopped_at = time.monotonic()
         proc.wait(timeout=90)
         gone = psutil.wait_procs(workers, timeout=max(1.0, 90 - (time.monotonic() - stopped_at)))
         assert not gone[1], f"still alive: {gone[1]}"
         elapsed = time.monotonic() - stopped_at
-    finally:
-        for worker in workers:
-            if worker.is_running():
-                worker.kill()
-        if proc.poll() is None:
-            proc.kill()
     text = log.read_text()
     assert elapsed < 90
     assert proc.returncode != 0
@@ -238,20 +251,10 @@ def test_a_rank_killed_mid_run_ends_its_peer_at_once_with_one_line_naming_the_co
                                                 parallel={"ep_size": 2}, max_steps=100000,
                                                 collective_timeout_s=60))
     log = tmp_path / "log"
-    proc = _start(job, log)
-    workers: list[psutil.Process] = []
-    try:
-        _wait_for_rows(out, 1, proc)
-        workers = psutil.Process(proc.pid).children(recursive=True)
-        next(w for w in workers if w.environ().get("RANK") == "1").kill()
+    with _after_the_first_row(job, out, log) as (proc, workers):
+        _rank(workers, 1).kill()
         proc.wait(timeout=120)
         assert not psutil.wait_procs(workers, timeout=30)[1]
-    finally:
-        for worker in workers:
-            if worker.is_running():
-                worker.kill()
-        if proc.poll() is None:
-            proc.kill()
     text = log.read_text()
     survivor = text.split("rank      : 0 (local_rank: 0)")[1].splitlines()[1]
     assert "exitcode  : 1 " in survivor and "Unable to shutdown" not in text, text[-3000:]
