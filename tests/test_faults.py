@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -265,6 +266,37 @@ def test_a_rank_killed_mid_run_ends_its_peer_at_once_with_one_line_naming_the_co
     assert "failed: " in errors[0] and "collective torch.distributed." in errors[0]
     assert "on group of ranks [0, 1]" in errors[0] or "the default group" in errors[0], errors
     assert vlmcp_frames(text) == [] and "Traceback" not in text.split("error: ")[0], text[-3000:]
+
+
+@pytest.mark.e2e
+def test_a_frozen_rank_in_vlmcp_score_routes_at_ep2_ends_its_peer_naming_the_round(
+        tiny_moe_checkpoint, tmp_path):
+    """`vlmcp score --routes` at EP 2 (R2: every round's MoE layers exchange tokens by
+    all-to-all) over 1000 rounds; once rank 0's progress bar counts a round, rank 1 is frozen
+    (SIGSTOP). Rank 0's watchdog ends it with one line naming the round and the collective;
+    the test then ends the frozen rank itself rather than wait for torchrun's 30 s SIGKILL."""
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(_tokens_line() + "\n" for _ in range(2000)))
+    job = write_job(tmp_path / "job.json", tiny_job(
+        tiny_moe_checkpoint, data, tmp_path / "out", data={"max_seq_len": 6},
+        parallel={"ep_size": 2}, train={"collective_timeout_s": 15}))
+    log = tmp_path / "log"
+    with launched(["score", str(job), "--routes"], log, wait_s=90) as proc:
+        deadline = time.monotonic() + 150
+        while not re.search(r"score:\s+\d+%.*\b[1-9]\d*/1000", log.read_text()):
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.05)
+        ranks = psutil.Process(proc.pid).children()
+        first, frozen = _rank(ranks, 0), _rank(ranks, 1)
+        frozen.send_signal(signal.SIGSTOP)
+        assert not psutil.wait_procs([first], timeout=75)[1]
+        frozen.kill()
+    text = log.read_text()
+    lines = [line for line in text.splitlines() if "did not finish within" in line]
+    assert len(lines) == 1 and "rank 0: score round " in lines[0], text[-3000:]
+    assert " of 1000 did not finish within train.collective_timeout_s=15 s: waiting in " \
+        "collective torch.distributed." in lines[0], lines[0]
+    assert proc.returncode != 0 and not (tmp_path / "out" / "scores.jsonl").exists()
 
 
 @pytest.mark.e2e

@@ -20,6 +20,9 @@ DeepSpeed engine (ZeRO-3 gathers as in training) under no_grad; under `parallel.
 training's degree plan: packs that fit one rank's budget run whole, one per SP rank. The slots
 are dealt round-robin over the DP groups, as in evaluation (a group short of slots repeats one and
 drops its result).
+Each round is a phase of the run's watchdog (`train.collective_timeout_s`, training/watchdog.py:
+a rank stuck in it ends the job naming the collective, a collective that fails is one error line),
+and rank 0 counts the rounds on a progress bar.
 After each round every rank's shard of values goes to every rank (one all-gather of [3, width]
 per round, `comm.all_gather_world`); global rank 0 cuts the shards of each group back into
 samples and alone writes the file, sorted by sample index.
@@ -30,6 +33,7 @@ samples and alone writes the file, sorted by sample index.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -42,7 +46,7 @@ import torch
 
 from vlmcp.config import JobConfig
 from vlmcp.data.batch import IGNORE_INDEX, PackedBatch
-from vlmcp.data.pack import plan_slots
+from vlmcp.data.pack import Slot, plan_slots
 from vlmcp.data.routes import encode_routes
 from vlmcp.data.stream import SampleReader
 from vlmcp.errors import CheckpointError, ConfigError, PreflightError
@@ -51,6 +55,7 @@ from vlmcp.parallel.agree import fail_together, run_together
 from vlmcp.parallel.groups import SequenceParallel
 from vlmcp.training.reference import INITIAL_FILE, read_reference
 from vlmcp.training.setup import build_engine, start_checked
+from vlmcp.training.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +64,8 @@ logger = logging.getLogger(__name__)
 def score_samples(engine: Any, lengths: Sequence[int], load: Callable[[list[int]], PackedBatch],
                   max_seq_len: int, sp: SequenceParallel, entropy: bool = False,
                   chosen_lengths: Sequence[int] | None = None, routes: bool = False,
-                  dynamic: bool = False) -> list[dict[str, Any]]:
+                  dynamic: bool = False, watchdog: Watchdog | None = None,
+                  desc: str = "score") -> list[dict[str, Any]]:
     """Every row's record (see the module docstring), sorted by index, on global rank 0; an
     empty list on the other ranks. Every rank must call it (collectives each round).
 
@@ -71,42 +77,64 @@ def score_samples(engine: Any, lengths: Sequence[int], load: Callable[[list[int]
     dynamic (`parallel.sp_dynamic`, an SP group of 2 or more): the packs follow training's degree
     plan (`dynamic_slots`): a slot of short packs runs one whole pack on each SP rank (a rank
     short of packs repeats one and drops its result), a long pack is spread as before.
+    watchdog: each round is one phase it watches (`train.collective_timeout_s`; a failed
+    collective is one CollectiveError line); rank 0 shows the rounds done on a progress bar
+    named `desc`.
     """
+    from tqdm.auto import tqdm
+
     slots = plan_slots(list(lengths), max_seq_len, sp.size, dynamic)
     records: dict[int, dict[str, Any]] = {}
-    for round_ in range(max(1, math.ceil(len(slots) / sp.dp_size))):
-        slot = slots[(round_ * sp.dp_size + sp.dp_rank) % len(slots)]
-        pack, _ = slot.pack_of(sp.rank)
-        batch = run_together(lambda: load(pack), PreflightError, "scoring")
-        batch.sp_degree = slot.degree
-        logprobs, entropies, *recorded = engine(batch, scores=True, routes=routes)
-        targets = engine.module.plan(batch).shard(batch.targets, dim=0, pad_value=IGNORE_INDEX)
-        width = torch.tensor([logprobs.numel()], dtype=torch.float64)
-        width = int(comm.all_reduce_max(width)[0])
-        # rows: logprobs, entropy, target mask, and this shard's length in [3, 0]
-        local = torch.full((4, width), float("nan"), dtype=torch.float64)
-        local[0, :logprobs.numel()] = logprobs.double().cpu()
-        local[1, :entropies.numel()] = entropies.double().cpu()
-        local[2, :targets.numel()] = (targets != IGNORE_INDEX).double().cpu()
-        local[3, 0] = logprobs.numel()
-        gathered = comm.all_gather_world(local)
-        gathered_routes = _gather_routes(recorded[0], width) if routes else None
-        if comm.rank() == 0:
-            for group, group_slot in enumerate(slots[round_ * sp.dp_size:(round_ + 1) * sp.dp_size]):
-                first = group * sp.size
-                # (the global ranks holding a pack, that pack): all of the group's for a spread
-                # pack, each rank its own for degree-1 packs
-                held = ([(slice(first, first + sp.size), group_slot.packs[0])]
-                        if group_slot.degree is None else
-                        [(slice(first + r, first + r + 1), pack_rows)
-                         for r, pack_rows in enumerate(group_slot.packs)])
-                for rows, pack_rows in held:
-                    records.update(_pack_records(
-                        gathered[rows], [(i, int(lengths[i]),
-                                          int(chosen_lengths[i]) if chosen_lengths is not None
-                                          else 0) for i in pack_rows], entropy,
-                        None if gathered_routes is None else gathered_routes[rows]))
+    rounds = max(1, math.ceil(len(slots) / sp.dp_size))
+    with tqdm(total=rounds, desc=desc, unit="round", dynamic_ncols=True,
+              disable=comm.rank() != 0) as progress:
+        for round_ in range(rounds):
+            with watchdog.watch(f"{desc} round {round_ + 1} of {rounds}") if watchdog \
+                    else contextlib.nullcontext():
+                records.update(_score_round(engine, slots, round_, lengths, load, sp, entropy,
+                                            chosen_lengths, routes))
+            progress.update()
     return [records[i] for i in sorted(records)]
+
+
+def _score_round(engine: Any, slots: list[Slot], round_: int, lengths: Sequence[int],
+                 load: Callable[[list[int]], PackedBatch], sp: SequenceParallel, entropy: bool,
+                 chosen_lengths: Sequence[int] | None, routes: bool) -> dict[int, dict[str, Any]]:
+    """Round `round_` of `score_samples`: the records of its samples on global rank 0, an empty
+    dict on the other ranks (every rank runs the round's collectives)."""
+    records: dict[int, dict[str, Any]] = {}
+    slot = slots[(round_ * sp.dp_size + sp.dp_rank) % len(slots)]
+    pack, _ = slot.pack_of(sp.rank)
+    batch = run_together(lambda: load(pack), PreflightError, "scoring")
+    batch.sp_degree = slot.degree
+    logprobs, entropies, *recorded = engine(batch, scores=True, routes=routes)
+    targets = engine.module.plan(batch).shard(batch.targets, dim=0, pad_value=IGNORE_INDEX)
+    width = torch.tensor([logprobs.numel()], dtype=torch.float64)
+    width = int(comm.all_reduce_max(width)[0])
+    # rows: logprobs, entropy, target mask, and this shard's length in [3, 0]
+    local = torch.full((4, width), float("nan"), dtype=torch.float64)
+    local[0, :logprobs.numel()] = logprobs.double().cpu()
+    local[1, :entropies.numel()] = entropies.double().cpu()
+    local[2, :targets.numel()] = (targets != IGNORE_INDEX).double().cpu()
+    local[3, 0] = logprobs.numel()
+    gathered = comm.all_gather_world(local)
+    gathered_routes = _gather_routes(recorded[0], width) if routes else None
+    if comm.rank() == 0:
+        for group, group_slot in enumerate(slots[round_ * sp.dp_size:(round_ + 1) * sp.dp_size]):
+            first = group * sp.size
+            # (the global ranks holding a pack, that pack): all of the group's for a spread
+            # pack, each rank its own for degree-1 packs
+            held = ([(slice(first, first + sp.size), group_slot.packs[0])]
+                    if group_slot.degree is None else
+                    [(slice(first + r, first + r + 1), pack_rows)
+                     for r, pack_rows in enumerate(group_slot.packs)])
+            for rows, pack_rows in held:
+                records.update(_pack_records(
+                    gathered[rows], [(i, int(lengths[i]),
+                                      int(chosen_lengths[i]) if chosen_lengths is not None
+                                      else 0) for i in pack_rows], entropy,
+                    None if gathered_routes is None else gathered_routes[rows]))
+    return records
 
 
 def _gather_routes(recorded: torch.Tensor, width: int) -> torch.Tensor:
@@ -184,12 +212,14 @@ def score(job: JobConfig, out: str | None = None, entropy: bool = False,
     reader = SampleReader(preflight.train_index, preflight.processor, job.data.max_seq_len,
                           job.data.truncate)
     index = preflight.train_index
-    records = score_samples(engine, index.tokens.tolist(), reader.pack, job.data.max_seq_len, sp,
-                            entropy, index.chosen_tokens.tolist(), routes,
-                            dynamic=job.parallel.sp_dynamic)
     path = Path(out) if out else Path(job.output_dir) / "scores.jsonl"
-    run_together(lambda: write_scores(records, path) if comm.rank() == 0 else None,
-                 CheckpointError, f"writing {path}")
+    with Watchdog(job.train.collective_timeout_s, rank=comm.rank()) as watchdog:
+        records = score_samples(engine, index.tokens.tolist(), reader.pack, job.data.max_seq_len,
+                                sp, entropy, index.chosen_tokens.tolist(), routes,
+                                dynamic=job.parallel.sp_dynamic, watchdog=watchdog)
+        with watchdog.watch(f"writing {path}"):
+            run_together(lambda: write_scores(records, path) if comm.rank() == 0 else None,
+                         CheckpointError, f"writing {path}")
     return path
 
 
@@ -204,7 +234,7 @@ def score_initial_reference(engine: Any, reader: SampleReader, job: JobConfig,
     engine.eval()
     records = score_samples(engine, index.tokens.tolist(), reader.pack, job.data.max_seq_len, sp,
                             chosen_lengths=index.chosen_tokens.tolist(),
-                            dynamic=job.parallel.sp_dynamic)
+                            dynamic=job.parallel.sp_dynamic, desc="reference logps")
     engine.train()
     problems = []
     if comm.rank() == 0:
