@@ -112,6 +112,14 @@ def _served_version(engine: Engine) -> str:
         return ""
 
 
+def _serving(engine: Engine, version: int) -> bool:
+    """The engine serves `version` after its push: labelled (at /finish_weight_update, while still
+    paused) and resumed. Only then is the push past every request that can fail it (the release
+    of its transfer group after the resume is ignored when it fails), so the test may stop the
+    engine or signal the run without landing on that push's tail."""
+    return _served_version(engine) == str(version) and not _paused(engine)
+
+
 def _paused(engine: Engine) -> bool:
     try:
         with urllib.request.urlopen(engine.url + "/is_paused", timeout=5) as answer:
@@ -230,7 +238,7 @@ def test_an_engine_killed_mid_push_stops_the_run_naming_it_and_the_step_after_a_
     _write_step(tmp_path / "rollouts", 1)
     log = tmp_path / "train.log"
     with launched(["train", str(job)], log, wait_s=300) as proc:
-        _wait_for(lambda: _served_version(engine) == "1", "step 1's push", proc)
+        _wait_for(lambda: _serving(engine, 1), "step 1's push", proc)
         _hold_the_pause(engine)
         _write_step(tmp_path / "rollouts", 2)
         _wait_for(lambda: _paused(engine), "the push of step 2 pausing the engine", proc)
@@ -254,11 +262,11 @@ def test_a_restarted_engine_gets_the_latest_step_and_a_sigterm_mid_push_loses_no
     _write_step(tmp_path / "rollouts", 1)
     log = tmp_path / "train.log"
     with launched(["train", str(job)], log, wait_s=300) as proc:
-        _wait_for(lambda: _served_version(engine) == "1", "step 1's push", proc)
+        _wait_for(lambda: _serving(engine, 1), "step 1's push", proc)
         engine.stop()  # restarted between steps: a fresh engine on the base checkpoint
         engine.start()
         _write_step(tmp_path / "rollouts", 2)
-        _wait_for(lambda: _served_version(engine) == "2", "step 2's push", proc)
+        _wait_for(lambda: _serving(engine, 2), "step 2's push", proc)
         client = engine.client(weights, version=2)
         pushed = _checksums(client)
         # SIGTERM while step 3's push waits for the engine's pause
