@@ -27,6 +27,7 @@ from tests.helpers.images import save_png
 from tests.helpers.launching import (REPO, assert_ok, launched, launcher_prefix, run_vlmcp,
                                      tiny_job, train_losses, vlmcp_frames, write_job)
 from vlmcp.cli import main
+from vlmcp.training.atomic import write_text_atomic
 from vlmcp.training.checkpoint import MANIFEST, incomplete_reason, newest_complete
 from vlmcp.training.signals import STOP_MARKER
 
@@ -390,9 +391,7 @@ def test_a_pack_that_fails_with_any_exception_on_one_rank_stops_every_rank_with_
         _wait_for_rows(out, 1, proc)
         lines = data.read_text().splitlines(keepends=True)
         lines[-1] = _tokens_line("9" * 400) + "\n"
-        rewritten = tmp_path / "train.jsonl.new"
-        rewritten.write_text("".join(lines))
-        os.replace(rewritten, data)
+        write_text_atomic(data, "".join(lines))
     text = log.read_text()
     assert proc.returncode == 1, text[-3000:]
     errors = [line for line in text.splitlines() if line.startswith("error: ")]

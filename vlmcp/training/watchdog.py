@@ -32,10 +32,11 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Iterator
+import traceback
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from types import FrameType, TracebackType
+from types import FrameType
 
 from vlmcp.errors import CollectiveError
 
@@ -58,7 +59,7 @@ def _describe_group(group: object) -> str:
         return f"group {group!r}"
 
 
-def _collective_and_caller(frames: Iterator[tuple[FrameType, int]]) -> tuple[str | None, str]:
+def _collective_and_caller(frames: Iterable[tuple[FrameType, int]]) -> tuple[str | None, str]:
     """From (frame, line) pairs, innermost first: the innermost public torch.distributed
     collective with its group ("torch.distributed.NAME on GROUP", None if there is none) and
     " (from FILE:LINE in FUNCTION)" for the innermost vlmcp frame ("" if none)."""
@@ -75,23 +76,11 @@ def _collective_and_caller(frames: Iterator[tuple[FrameType, int]]) -> tuple[str
     return collective, vlmcp_frame
 
 
-def _stack(frame: FrameType | None) -> Iterator[tuple[FrameType, int]]:
-    while frame is not None:
-        yield frame, frame.f_lineno
-        frame = frame.f_back
-
-
-def _raised_at(traceback: TracebackType | None) -> Iterator[tuple[FrameType, int]]:
-    entries = []
-    while traceback is not None:
-        entries.append((traceback.tb_frame, traceback.tb_lineno))
-        traceback = traceback.tb_next
-    return reversed(entries)
-
-
 def where_it_waits(frame: FrameType | None) -> str:
     """The collective (and its group) and the vlmcp code a thread's `frame` is stuck in."""
-    collective, called_from = _collective_and_caller(_stack(frame))
+    # walk_stack(None) would walk this (the watchdog's) thread instead
+    stack = traceback.walk_stack(frame) if frame is not None else ()
+    collective, called_from = _collective_and_caller(stack)
     if collective is None:
         return f"no collective in flight{called_from}"
     return f"waiting in collective {collective}{called_from}"
@@ -100,7 +89,8 @@ def where_it_waits(frame: FrameType | None) -> str:
 def failed_collective(exc: BaseException) -> str | None:
     """For an exception raised inside a torch.distributed collective: that collective, its
     group and the vlmcp code that called it; None for any other exception."""
-    collective, called_from = _collective_and_caller(_raised_at(exc.__traceback__))
+    collective, called_from = _collective_and_caller(
+        reversed(list(traceback.walk_tb(exc.__traceback__))))
     return None if collective is None else f"{collective}{called_from}"
 
 
