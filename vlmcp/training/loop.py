@@ -70,10 +70,12 @@ from vlmcp.model.router_loss import router_objective
 from vlmcp.parallel import comm
 from vlmcp.parallel.agree import attempt, fail_together, run_together
 from vlmcp.parallel.groups import SequenceParallel
-from vlmcp.training.checkpoint import checkpoint_dir, load_latest, save_checkpoint
+from vlmcp.training.checkpoint import (checkpoint_dir, load_checkpoint, prepare_resume,
+                                      save_checkpoint)
 from vlmcp.training.ds.config import zero_stage
 from vlmcp.training.ds.expert_comms import expert_a2a_row, restart_expert_a2a
 from vlmcp.training.evaluate import eval_loss, generation_accuracy
+from vlmcp.training.layout import checkpoint_record, data_of
 from vlmcp.training.metrics import MetricsWriter
 from vlmcp.training.nonfinite import NonFiniteGuard
 from vlmcp.training.objective_step import (INITIAL_REFERENCE, objective_metrics, objective_of,
@@ -121,6 +123,8 @@ class Run:
     publisher: Publisher | None = None
     #: The PeftModel around `module.hf_model` when the job trains LoRA adapters (lora.r > 0).
     adapter: Any = None
+    #: What this run's checkpoints record of it: layout, trained parameters, data position.
+    record: dict[str, Any] | None = None
 
     @property
     def steps(self) -> StepPacks | RolloutSteps:
@@ -161,8 +165,10 @@ def start_run(job: JobConfig) -> Run:
     logger.info("world %d = sp %d x dp %d, ZeRO stage %d, %s / %d eval samples",
                 comm.world_size(), sp.size, sp.dp_size, zero_stage(preflight.ds_config),
                 train_data, len(preflight.eval_index or ()))
+    if preflight.resume is not None:
+        prepare_resume(preflight.resume, job)
     engine, module, adapter = build_engine(job, preflight, sp)
-    start_step = load_latest(engine, job) if job.train.resume else 0
+    start_step = load_checkpoint(engine, job, preflight.resume) if job.train.resume else 0
     reference = preflight.reference_logps
     if job.loss.reference_logps == INITIAL_REFERENCE and not job.train.resume:
         logger.info("loss.reference_logps \"initial\": scoring data.train with the initial policy")
@@ -180,7 +186,16 @@ def start_run(job: JobConfig) -> Run:
                                          start_step=start_step),
                    CheckpointError, f"opening {job.output_dir}/metrics.jsonl"),
                start_step=start_step, adapter=adapter,
-               utilisation=RunUtilisation.of_run(job, module, engine, adapter))
+               utilisation=RunUtilisation.of_run(job, module, engine, adapter),
+               record=_record(job, preflight))
+
+
+def _record(job: JobConfig, preflight: Preflight) -> dict[str, Any]:
+    """What this run's checkpoints record of it (training/layout.py `checkpoint_record`)."""
+    index = preflight.train_index
+    data = data_of(job, comm.world_size(), None if index is None else index.tokens,
+                   preflight.train_file_sizes, preflight.train_weights)
+    return checkpoint_record(job, comm.world_size(), preflight.ds_config, data)
 
 
 def _write_row(run: Run, row: dict[str, Any]) -> None:
@@ -403,7 +418,8 @@ class _Saver:
     def save(self, step: int) -> None:
         if step != self.saved_step:
             with self.watchdog.watch(f"saving the checkpoint of step {step}"):
-                save_checkpoint(self.run.engine, self.run.job, step, self.prefixes)
+                save_checkpoint(self.run.engine, self.run.job, step, self.prefixes,
+                                self.run.record)
             self.saved_step = step
 
 
