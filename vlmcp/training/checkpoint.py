@@ -36,11 +36,12 @@ no rank's stream is the one it would have drawn: the RNGs stay seeded by train.s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-import os
 import random
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -186,6 +187,29 @@ def _restore_rng_states(states: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(states["cuda"])
 
 
+@contextlib.contextmanager
+def _lora_layout(engine: Any, job: JobConfig) -> Iterator[None]:
+    """How DeepSpeed saves and loads the checkpoint of a LoRA job under expert parallelism at
+    ZeRO 3: as a dense model's.
+
+    DeepSpeed 0.19.8's MoE checkpoint at ZeRO 3 refuses frozen expert weights ("AutoEP with ZeRO
+    Stage 3 checkpointing does not support frozen expert parameters yet"), and LoRA freezes
+    AutoEP's w1/w2/w3. A LoRA checkpoint needs none of them (they come from model.path again).
+    Saved as dense, every rank's ZeRO-3 files hold its partitions of every trained parameter,
+    the experts' LoRA factors among them (each over its expert-data-parallel group), which a
+    resume at the same layout loads as they are; vlmcp's own files hold the factors whole for a
+    resume at another layout (training/ds/expert_lora_checkpoint.py). The engine's MoE flag is
+    off only while it saves or loads."""
+    if not (job.lora.r and job.parallel.ep_size > 1 and engine.zero_optimization_stage() == 3):
+        yield
+        return
+    engine.has_moe_layers = False
+    try:
+        yield
+    finally:
+        engine.has_moe_layers = True
+
+
 def save_checkpoint(engine: Any, job: JobConfig, step: int, hf_key_prefixes: dict[str, str],
                     record: dict[str, Any]) -> Path:
     """Save the engine after `step` completed optimizer steps (call on every rank); `record`: the
@@ -200,9 +224,10 @@ def save_checkpoint(engine: Any, job: JobConfig, step: int, hf_key_prefixes: dic
     _prepare(tmp)
     problem = None
     try:
-        engine.save_checkpoint(str(directory), tag=tmp_tag, save_latest=False,
-                               client_state={"step": step, "hf_key_prefixes": hf_key_prefixes},
-                               exclude_frozen_parameters=bool(job.lora.r))
+        with _lora_layout(engine, job):
+            engine.save_checkpoint(str(directory), tag=tmp_tag, save_latest=False,
+                                   client_state={"step": step, "hf_key_prefixes": hf_key_prefixes},
+                                   exclude_frozen_parameters=bool(job.lora.r))
         save_expert_adapters(engine, tmp, job.parallel.ep_size)
         torch.save(_rng_states(), tmp / RNG_FILE.format(rank=comm.rank()))
     except Exception as exc:  # any failure is agreed: the other ranks wait in the barrier below
@@ -234,12 +259,6 @@ def save_checkpoint(engine: Any, job: JobConfig, step: int, hf_key_prefixes: dic
 _SLOWEST_CONVERSION_BYTES_PER_S = 10e6
 
 
-def _conversion_workers() -> int:
-    """DeepSpeed's extract and merge processes for a conversion: the CPUs this process may use
-    (the other ranks wait meanwhile), at most 8."""
-    return max(1, min(8, len(os.sched_getaffinity(0))))
-
-
 def _conversion_error(exc: Exception, out: Path, tag_dir: Path) -> str:
     """Why a conversion failed: a full disk as such (it needs about 3x the checkpoint's fp32
     weights), else the exception."""
@@ -259,19 +278,20 @@ def prepare_resume(plan: ResumePlan, job: JobConfig) -> None:
     if not plan.universal:
         return
     out = plan.tag_dir / UNIVERSAL
+    waited = job.train.collective_timeout_s + _manifest_bytes(plan.tag_dir) \
+        / _SLOWEST_CONVERSION_BYTES_PER_S
+    # made by every rank before rank 0 converts: a group's creation is itself a collective
+    waiting = comm.new_world_gloo_group(waited)
     problems: list[str] = []
     if comm.rank() == 0:
         try:
-            convert(plan.tag_dir, _conversion_workers(),
-                    AUTOEP if job.parallel.ep_size > 1 else FUSED)
+            convert(plan.tag_dir, expert_form=AUTOEP if job.parallel.ep_size > 1 else FUSED)
         except Exception as exc:  # noqa: BLE001 - any failure is agreed: the others wait below
             logger.debug("the conversion's traceback", exc_info=True)
             problems = [f"train.resume: converting {plan.tag_dir} to DeepSpeed's universal "
                         f"checkpoint: {_conversion_error(exc, out, plan.tag_dir)}"]
-    if comm.world_size() > 1:
-        waited = job.train.collective_timeout_s + _manifest_bytes(plan.tag_dir) \
-            / _SLOWEST_CONVERSION_BYTES_PER_S
-        comm.barrier(comm.new_world_gloo_group(waited))
+    if waiting is not None:
+        comm.barrier(waiting)
     fail_together(problems, CheckpointError, what=f"converting {plan.tag_dir}")
     reason = incomplete_conversion(plan.tag_dir)
     fail_together([f"train.resume: rank {comm.rank()} cannot read the universal checkpoint: "
@@ -310,8 +330,9 @@ def load_checkpoint(engine: Any, job: JobConfig, plan: ResumePlan) -> int:
             engine.lr_scheduler.load_state_dict(_per_group(
                 client_state["lr_scheduler"], len(engine.optimizer.param_groups), tag_dir))
     else:
-        path, client_state = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name,
-                                                    load_module_strict=not job.lora.r)
+        with _lora_layout(engine, job):
+            path, client_state = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name,
+                                                        load_module_strict=not job.lora.r)
     if path is None:
         raise CheckpointError([f"train.resume: DeepSpeed could not load {tag_dir}"])
     if not plan.universal:

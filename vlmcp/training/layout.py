@@ -193,11 +193,15 @@ def _layout_problems(saved: dict[str, Any], now: dict[str, Any], tag_dir: Path) 
 
 
 def _trained_problems(saved: dict[str, Any], job: JobConfig, tag_dir: Path) -> list[str]:
+    """One line per key that changes which parameters train; the other lora keys follow lora.r
+    (null without LoRA), so a change of lora.r is its line alone."""
     now = trained_of(job)
+    changed = [key for key in now if key in saved and saved[key] != now[key]]
+    if "lora.r" in changed:
+        changed = [key for key in changed if not key.startswith("lora.") or key == "lora.r"]
     return [f"config key '{key}': {json.dumps(now[key])}, but checkpoint {tag_dir} trained with "
             f"{json.dumps(saved[key])}; its optimizer state is that of other parameters (set it "
-            "back, or start a new run from an exported model)"
-            for key in now if key in saved and saved[key] != now[key]]
+            "back, or start a new run from an exported model)" for key in changed]
 
 
 def plan_resume(tag_dir: Path, manifest: dict[str, Any], job: JobConfig, world_size: int,

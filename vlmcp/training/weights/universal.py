@@ -95,13 +95,14 @@ def _saved_form(tag_dir: Path) -> str | None:
     return json.loads((universal_dir(tag_dir) / MANIFEST).read_text()).get("expert_form")
 
 
-def convert(tag_dir: Path, workers: int = 1, expert_form: str = FUSED) -> Path:
+def convert(tag_dir: Path, expert_form: str = FUSED) -> Path:
     """The universal checkpoint of the complete DeepSpeed checkpoint `tag_dir`, its routed experts
     (if any) in `expert_form` (AUTOEP for a load under expert parallelism, FUSED for one at EP 1
     and for export): the one beside it when complete and in that form, else converted now
-    (module docstring). Call on one process; `workers`: DeepSpeed's extract and merge worker
-    processes. Raises what the conversion raises (OSError on a full disk, DeepSpeed's errors on
-    a checkpoint it cannot read)."""
+    (module docstring). Call on one process. DeepSpeed's converter runs in this process, without
+    its worker pools: they fork the process, and a training rank's fork inherits the process
+    group's sockets. Raises what the conversion raises (OSError on a full disk, DeepSpeed's
+    errors on a checkpoint it cannot read)."""
     tag_dir = Path(tag_dir)
     out = universal_dir(tag_dir)
     if incomplete_reason(tag_dir) is None and _saved_form(tag_dir) in (None, expert_form):
@@ -112,7 +113,7 @@ def convert(tag_dir: Path, workers: int = 1, expert_form: str = FUSED) -> Path:
     started = time.perf_counter()
     tmp = tag_dir / f"{_TMP_PREFIX}{os.getpid()}"
     scratch = tmp / UNIVERSAL
-    _deepspeed_conversion(_conversion_input(tag_dir, tmp / "input"), scratch, workers)
+    _deepspeed_conversion(_conversion_input(tag_dir, tmp / "input"), scratch)
     _readable_at_every_stage(scratch)
     add_expert_adapters(tag_dir, scratch)
     form = set_expert_form(scratch / "zero", expert_form, saved_adapter_descriptions(tag_dir))
@@ -168,13 +169,14 @@ def _conversion_input(tag_dir: Path, view: Path) -> Path:
     return view
 
 
-def _deepspeed_conversion(tag_dir: Path, out: Path, workers: int) -> None:
-    """`ds_to_universal` from `tag_dir` into `out`. vlmcp has no tensor parallelism, so the
-    version marker DeepSpeed's converter requires of Megatron-style clients is injected."""
+def _deepspeed_conversion(tag_dir: Path, out: Path) -> None:
+    """`ds_to_universal` from `tag_dir` into `out`, in this process. vlmcp has no tensor
+    parallelism, so the version marker DeepSpeed's converter requires of Megatron-style clients
+    is injected."""
     from deepspeed.checkpoint import ds_to_universal
 
     args = argparse.Namespace(input_folder=str(tag_dir), output_folder=str(out),
-                              num_extract_workers=workers, num_merge_workers=workers,
+                              num_extract_workers=1, num_merge_workers=1,
                               keep_temp_folder=False, strict=True, inject_missing_state=True)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
