@@ -4,7 +4,8 @@ the run trains as the same job without EP does (losses and final weights to fp32
 SIGTERM then resume at the same E is bit-exact, the final model, every published step and
 `vlmcp export` of a checkpoint are Hugging Face models with every expert, written by the ranks
 that hold them (each shard holds its writer's experts only), at ZeRO 2 and at ZeRO 3; a resume at
-another E is one error naming `parallel.ep_size`.
+another E validates and says it loads the universal checkpoint (tests/test_resume_layouts.py trains
+such resumes).
 """
 
 from __future__ import annotations
@@ -93,7 +94,6 @@ def test_sigterm_then_resume_at_the_same_ep_size_is_bit_exact(
 
 def test_a_resume_at_another_ep_size_validates_and_says_it_loads_the_universal_checkpoint(
         ep_run, capsys):
-    """(tests/test_resume_layouts.py trains such resumes.)"""
     job = ep_run.parent / "job.json"
     assert main(["validate", str(job), "--world-size", "2", "--set", "train.resume=true",
                  "--set", "parallel.ep_size=1"]) == 0

@@ -13,8 +13,8 @@ resume that lost the optimizer's moments, or started its schedule again, is far 
 
 Ranks: one set at world 2 runs every uninterrupted run at world 2 and then the resumes at world 2;
 one at world 1 the uninterrupted run at world 1 and the resumes at world 1. `world1_to_world2_sp2_
-zero3` resumes through `vlmcp train --set ...` under torchrun, first killed (SIGKILL, the whole
-launch) while it converts the checkpoint.
+zero3` resumes through `vlmcp train --set ...` under torchrun, after a first launch whose converting
+rank was SIGKILLed while it converted the checkpoint.
 """
 
 from __future__ import annotations
@@ -280,3 +280,19 @@ def test_each_rank_draws_the_random_numbers_it_would_have_drawn_after_a_resume_a
     resumed = [r for r in runs["results"]["dropout_resumed"]["rows"] if "loss" in r]
     assert [r["step"] for r in resumed] == [STEPS]
     assert resumed[0]["loss"] == uninterrupted[-1]["loss"]
+
+
+def test_vlmcp_export_writes_a_lora_checkpoint_of_the_routed_experts_at_zero3_under_ep(
+        runs, tmp_path):
+    """LoRA on the routed experts at EP 2, ZeRO 3 (saved as a dense model's checkpoint, its
+    experts' factors from vlmcp's own files): `vlmcp export` of step 2 writes the adapter the run
+    held after step 2, every expert's factors in PEFT's layout."""
+    job = runs["jobs"]["lora_experts_ep2_zero3"]
+    path = write_job(tmp_path / "job.json", job)
+    assert_ok(run_vlmcp(["export", str(path), "--tag", f"step{SAVED}", "--out",
+                         str(tmp_path / "exported")]))
+    exported = trained_weights(tmp_path / "exported", job)
+    held = trained_weights(Path(job["output_dir"]) / f"weights_{SAVED}", job)
+    assert exported.keys() == held.keys()
+    assert any(".mlp.experts.lora_A" in key for key in held)
+    assert all(torch.equal(exported[key], held[key]) for key in held)

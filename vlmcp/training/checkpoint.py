@@ -54,8 +54,8 @@ from vlmcp.errors import CheckpointError
 from vlmcp.parallel import comm
 from vlmcp.parallel.agree import fail_together
 from vlmcp.training.ds.expert_lora_checkpoint import restore_expert_adapters, save_expert_adapters
-from vlmcp.training.atomic import (dir_size, remove_quietly, replace_dir, write_error,
-                                   write_text_atomic)
+from vlmcp.training.atomic import (dir_size, file_sizes, manifest_problem, remove_quietly,
+                                   replace_dir, write_error, write_text_atomic)
 from vlmcp.training.layout import ResumePlan
 from vlmcp.training.weights.universal import AUTOEP, FUSED, UNIVERSAL, convert
 from vlmcp.training.weights.universal import incomplete_reason as incomplete_conversion
@@ -91,20 +91,10 @@ def checkpoint_tags(directory: str | Path) -> list[tuple[int, str]]:
 
 def incomplete_reason(tag_dir: Path) -> str | None:
     """Why `tag_dir` is not a complete checkpoint, or None when it is."""
-    manifest = tag_dir / MANIFEST
-    if not manifest.is_file():
+    problem = manifest_problem(tag_dir, MANIFEST)
+    if problem is not None and not (tag_dir / MANIFEST).is_file():
         return f"{tag_dir} has no {MANIFEST} (its save did not finish)"
-    try:
-        files = json.loads(manifest.read_text())["files"]
-    except (OSError, ValueError, KeyError) as exc:
-        return f"{manifest} is unreadable ({exc})"
-    for name, size in files.items():
-        path = tag_dir / name
-        if not path.is_file():
-            return f"{path} is missing"
-        if path.stat().st_size != size:
-            return f"{path} has {path.stat().st_size} bytes, the manifest says {size}"
-    return None
+    return problem
 
 
 def newest_complete(directory: str | Path) -> tuple[str | None, list[str]]:
@@ -146,11 +136,9 @@ def _prepare(tmp: Path) -> None:
 def _publish(tmp: Path, directory: Path, tag: str, step: int, keep: int,
              record: dict[str, Any]) -> None:
     """Rank 0: manifest last, rename into place, replace `latest`, prune old checkpoints."""
-    files = {str(p.relative_to(tmp)): p.stat().st_size
-             for p in sorted(tmp.rglob("*")) if p.is_file()}
     write_text_atomic(tmp / MANIFEST, json.dumps(
-        {"step": step, "ep_size": record["layout"]["ep_size"], **record, "files": files},
-        indent=1))
+        {"step": step, "ep_size": record["layout"]["ep_size"], **record,
+         "files": file_sizes(tmp)}, indent=1))
     replace_dir(tmp, directory / tag)
     write_text_atomic(directory / "latest", tag)
     if keep:
@@ -326,9 +314,10 @@ def load_checkpoint(engine: Any, job: JobConfig, plan: ResumePlan) -> int:
         path, client_state = engine.load_checkpoint(str(tag_dir), tag=UNIVERSAL,
                                                     load_module_strict=not job.lora.r,
                                                     load_lr_scheduler_states=False)
-        if path is not None and engine.lr_scheduler is not None:
-            engine.lr_scheduler.load_state_dict(_per_group(
-                client_state["lr_scheduler"], len(engine.optimizer.param_groups), tag_dir))
+        scheduler = engine.lr_scheduler
+        if path is not None and scheduler is not None:
+            groups = len(getattr(scheduler, "optimizer", engine.optimizer).param_groups)
+            scheduler.load_state_dict(_per_group(client_state["lr_scheduler"], groups, tag_dir))
     else:
         with _lora_layout(engine, job):
             path, client_state = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name,

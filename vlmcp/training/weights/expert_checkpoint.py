@@ -10,10 +10,11 @@ themselves). LoRA on the routed experts: their adapter factors from vlmcp's per-
 ZeRO-3: the weights live only in the optimizer's fp32 partitions, the dense ones over all ranks
 and each expert tensor over its expert-data-parallel group. DeepSpeed's own universal-checkpoint
 conversion (`deepspeed.checkpoint.ds_to_universal`, which knows AutoEP's partition-native ZeRO-3
-layout) consolidates them into one fp32 file per parameter, the experts as their logical
-`[num_experts, ...]` tensors; this reads those. The conversion (the fp32 weights and the two AdamW
-moments of every parameter, about 3x the fp32 model) stays beside the checkpoint, where a resume
-at another layout reuses it (training/weights/universal.py).
+layout) consolidates them into one fp32 file per parameter; vlmcp's conversion around it
+(training/weights/universal.py) puts the experts in transformers' fused form and their LoRA
+factors in PEFT's, as an EP-1 run holds them, and this reads those. The conversion (the fp32
+weights and the two AdamW moments of every parameter, about 3x the fp32 model) stays beside the
+checkpoint, where a resume at another layout reuses it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 
 from vlmcp.training.ds.config import zero_stage
 from vlmcp.training.ds.expert_lora_checkpoint import saved_expert_factors
-from vlmcp.training.ds.expert_parallel import expert_weight, hf_expert_tensors, hf_name
+from vlmcp.training.ds.expert_parallel import hf_expert_tensors, hf_name
 from vlmcp.training.weights.universal import FUSED, convert
 
 logger = logging.getLogger(__name__)

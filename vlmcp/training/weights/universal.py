@@ -12,20 +12,26 @@ the parameter's fp32 value and every optimizer state of it (`fp32.pt`, `exp_avg.
 (LR schedule, step counters, client state). A DeepSpeed engine at any world size, ZeRO stage 1-3
 or expert-parallel size loads its own partitions from it (`checkpoint.load_universal`).
 
-What vlmcp adds, where DeepSpeed's conversion cannot do it exactly:
+What vlmcp adds, where DeepSpeed 0.19.8's converter or loaders cannot do it:
 
+* a folder every ZeRO stage's loader reads, whatever stage saved it (`_readable_at_every_stage`);
+* the routed experts in the form the loading engine holds them (`set_expert_form`): AutoEP's
+  `w1`/`w2`/`w3` under expert parallelism, transformers' fused `gate_up_proj`/`down_proj` at EP 1
+  and for `vlmcp export`; a conversion is reused only in the form asked for;
 * LoRA on the routed experts (training/ds/expert_lora.py): the adapter factors live in the
   optimizer as expert parameters [E_local, ...] of each EP rank, which DeepSpeed's conversion
-  does not know as experts (its AutoEP metadata names `w1`/`w2`/`w3` only). vlmcp's own files of
-  them (every expert's factor and optimizer state, written at save by EP group 0) replace their
-  folders with the whole [E, ...] tensors marked as expert parameters of E experts, which
-  DeepSpeed's loader slices per EP rank (`load_hp_checkpoint_state`).
+  does not know as experts (its AutoEP metadata names `w1`/`w2`/`w3` only). DeepSpeed's converter
+  reads the checkpoint without them (`_conversion_input`), and vlmcp's own files of them (every
+  expert's factor and optimizer state, written at save by EP group 0) give their folders, the
+  whole [E, ...] tensors marked as expert parameters of E experts, which DeepSpeed's loader slices
+  per EP rank (`load_hp_checkpoint_state`).
 
 Atomic: the conversion writes into `.tmp-universal-<pid>/` (the converter's `latest_universal`
 file lands there too), then `manifest.json` ({"files": {relative path: bytes}, "seconds",
-"bytes"}) last, then one rename to `universal/`. A crash at any point leaves no `universal/`; the
-next conversion removes the stale temporary directory and starts over. A `universal/` whose
-manifest is missing or disagrees with its files is never read (`converted` says why).
+"bytes", "expert_form"}) last, then one rename to `universal/`. A crash at any point leaves no
+`universal/`; the next conversion removes the stale temporary directory and starts over. A
+`universal/` whose manifest is missing or disagrees with its files is never read
+(`incomplete_reason` says why).
 """
 
 from __future__ import annotations
@@ -44,7 +50,8 @@ from typing import Any
 
 import torch
 
-from vlmcp.training.atomic import dir_size, fsync_tree, remove_quietly
+from vlmcp.training.atomic import (dir_size, file_sizes, fsync_tree, manifest_problem,
+                                   remove_quietly)
 from vlmcp.training.ds.expert_lora import ExpertAdapter, peft_expert_tensors
 from vlmcp.training.ds.expert_lora_checkpoint import (saved_adapter_descriptions,
                                                       saved_expert_adapter_states,
@@ -71,24 +78,7 @@ def universal_dir(tag_dir: Path) -> Path:
 def incomplete_reason(tag_dir: Path) -> str | None:
     """Why the conversion of `tag_dir` cannot be read (absent, or not whole), None when it can."""
     out = universal_dir(tag_dir)
-    manifest = out / MANIFEST
-    if not manifest.is_file():
-        return f"{out} does not exist" if not out.exists() else f"{out} has no {MANIFEST}"
-    try:
-        files = json.loads(manifest.read_text())["files"]
-    except (OSError, ValueError, KeyError) as exc:
-        return f"{manifest} is unreadable ({exc})"
-    for name, size in files.items():
-        path = out / name
-        if not path.is_file() or path.stat().st_size != size:
-            return f"{path} is missing or has another size than its manifest says"
-    return None
-
-
-def conversion_cost(tag_dir: Path) -> dict[str, float]:
-    """{"seconds", "bytes"} of the complete conversion of `tag_dir` (its manifest)."""
-    saved = json.loads((universal_dir(tag_dir) / MANIFEST).read_text())
-    return {"seconds": saved["seconds"], "bytes": saved["bytes"]}
+    return f"{out} does not exist" if not out.exists() else manifest_problem(out, MANIFEST)
 
 
 def _saved_form(tag_dir: Path) -> str | None:
@@ -118,10 +108,9 @@ def convert(tag_dir: Path, expert_form: str = FUSED) -> Path:
     add_expert_adapters(tag_dir, scratch)
     form = set_expert_form(scratch / "zero", expert_form, saved_adapter_descriptions(tag_dir))
     seconds = time.perf_counter() - started
-    files = {str(p.relative_to(scratch)): p.stat().st_size
-             for p in sorted(scratch.rglob("*")) if p.is_file()}
+    files = file_sizes(scratch)
     (scratch / MANIFEST).write_text(json.dumps(
-        {"files": files, "seconds": round(seconds, 3), "bytes": sum(files.values()),
+        {"files": files, "seconds": round(seconds, 3), "bytes": dir_size(scratch),
          "expert_form": form}, indent=1))
     fsync_tree(scratch)
     scratch.rename(out)
@@ -231,11 +220,12 @@ def _readable_at_every_stage(out: Path) -> None:
     zero = out / "zero"
     optim_path = zero / "optimizer_state.pt"
     optim = torch.load(optim_path, map_location="cpu", weights_only=False)
-    steps = [torch.load(path, weights_only=False) for path in sorted(zero.glob("*/step.pt"))[:1]]
-    if OPTIMIZER_STATE_DICT in optim:
+    zero3_source = OPTIMIZER_STATE_DICT in optim
+    if zero3_source:
         step = optim[OPTIMIZER_STATE_DICT]["state"][0]["step"]
     else:
-        step = steps[0] if steps else torch.tensor(0.0)
+        steps = sorted(zero.glob("*/step.pt"))[:1]
+        step = torch.load(steps[0], weights_only=False) if steps else torch.tensor(0.0)
     groups = [{k: v for k, v in group.items() if k not in _GROUP_IDENTITY}
               for group in optim[PARAM_GROUPS]]
     optim[PARAM_GROUPS] = groups + [groups[0]] * max(0, _GROUP_SLOTS - len(groups))
@@ -243,6 +233,8 @@ def _readable_at_every_stage(out: Path) -> None:
     optim.pop(FP32_FLAT_GROUPS, None)
     optim.setdefault(DS_VERSION, model_states[DS_VERSION])
     torch.save(optim, optim_path)
+    if not zero3_source:  # ZeRO 1/2's per-parameter files are in the form every stage reads
+        return
     shapes = {name: shape for group in model_states.get(PARAM_SHAPES) or []
               for name, shape in group.items()}
     for folder in (p for p in zero.iterdir() if p.is_dir()):
@@ -372,18 +364,9 @@ def _move_expert_adapter(zero: Path, path: str, adapter: ExpertAdapter, form: st
 
 
 def add_expert_adapters(tag_dir: Path, out: Path) -> None:
-    """Replace the folders of the routed experts' LoRA factors under `out/zero/` by vlmcp's
-    whole ones (module docstring); nothing without such factors."""
-    from deepspeed.checkpoint.constants import EP_IS_EXPERT_PARAM, EP_NUM_EXPERTS, PARAM
-
+    """The folders of the routed experts' LoRA factors under `out/zero/`, from vlmcp's whole ones
+    (module docstring); nothing without such factors."""
     for name, states in saved_expert_adapter_states(tag_dir).items():
-        folder = out / "zero" / name
-        remove_quietly(folder)
-        folder.mkdir(parents=True)
-        experts = states["fp32"].shape[0]
-        for key, value in states.items():
-            if key == "step":
-                torch.save(value, folder / "step.pt")
-            else:
-                torch.save({PARAM: value, EP_IS_EXPERT_PARAM: True, EP_NUM_EXPERTS: experts},
-                           folder / f"{key}.pt")
+        remove_quietly(out / "zero" / name)
+        step = torch.tensor(float(states.pop("step")))  # as DeepSpeed writes a step
+        _write_states(out / "zero" / name, states, step, states["fp32"].shape[0])
