@@ -167,7 +167,14 @@ def _rng_states() -> dict[str, Any]:
     return states
 
 
-def _restore_rng_states(states: dict[str, Any]) -> None:
+def restore_rng_states(plan: ResumePlan) -> None:
+    """At the saved world size, this rank's RNG states as they were when the checkpoint was
+    saved (call last before the first resumed step: whatever the start draws comes before);
+    at another world size nothing (module docstring)."""
+    path = plan.tag_dir / RNG_FILE.format(rank=comm.rank())
+    if plan.saved["layout"]["world_size"] != comm.world_size() or not path.is_file():
+        return
+    states = torch.load(path, map_location="cpu", weights_only=False)
     random.setstate(states["python"])
     np.random.set_state(states["numpy"])
     torch.set_rng_state(states["torch"])
@@ -305,8 +312,8 @@ def _per_group(scheduler_state: dict[str, Any], groups: int, tag_dir: Path) -> d
 def load_checkpoint(engine: Any, job: JobConfig, plan: ResumePlan) -> int:
     """Restore the checkpoint of `plan` into `engine` (call on every rank): DeepSpeed's own files,
     or at another layout its universal checkpoint (`prepare_resume` converted it); then the
-    routed experts' LoRA factors from their own files (DeepSpeed's own files only) and, at the
-    saved world size, this rank's RNG states. Returns the completed step."""
+    routed experts' LoRA factors from their own files (DeepSpeed's own files only). Returns the
+    completed step. The RNG states follow later (`restore_rng_states`)."""
     tag_dir = plan.tag_dir
     # A LoRA checkpoint holds no frozen base weights; the module already has them from model.path.
     if plan.universal:
@@ -326,9 +333,6 @@ def load_checkpoint(engine: Any, job: JobConfig, plan: ResumePlan) -> int:
         raise CheckpointError([f"train.resume: DeepSpeed could not load {tag_dir}"])
     if not plan.universal:
         restore_expert_adapters(engine.module, tag_dir)
-    rng = tag_dir / RNG_FILE.format(rank=comm.rank())
-    if plan.saved["layout"]["world_size"] == comm.world_size() and rng.is_file():
-        _restore_rng_states(torch.load(rng, map_location="cpu", weights_only=False))
     step = int(client_state["step"])
     logger.info("resumed from %s at step %d", path, step)
     return step

@@ -71,7 +71,7 @@ from vlmcp.parallel import comm
 from vlmcp.parallel.agree import attempt, fail_together, run_together
 from vlmcp.parallel.groups import SequenceParallel
 from vlmcp.training.checkpoint import (checkpoint_dir, load_checkpoint, prepare_resume,
-                                      save_checkpoint)
+                                      restore_rng_states, save_checkpoint)
 from vlmcp.training.ds.config import zero_stage
 from vlmcp.training.ds.expert_comms import expert_a2a_row, restart_expert_a2a
 from vlmcp.training.evaluate import eval_loss, generation_accuracy
@@ -175,19 +175,22 @@ def start_run(job: JobConfig) -> Run:
         reference = score_initial_reference(
             engine, SampleReader(preflight.train_index, preflight.processor,
                                  job.data.max_seq_len, job.data.truncate), job, sp)
-    return Run(job=job, preflight=preflight, sp=sp, engine=engine, module=module,
-               step_packs=None if job.rollouts.dir else _step_packs(job, preflight, sp,
-                                                                    reference),
-               rollouts=RolloutSteps(job, preflight.processor, sp) if job.rollouts.dir else None,
-               publisher=(Publisher(job, engine, module, adapter, start_step)
-                          if job.publish.dir or job.publish.engines else None),
-               metrics=run_together(
-                   lambda: MetricsWriter(job.output_dir, enabled=comm.rank() == 0,
-                                         start_step=start_step),
-                   CheckpointError, f"opening {job.output_dir}/metrics.jsonl"),
-               start_step=start_step, adapter=adapter,
-               utilisation=RunUtilisation.of_run(job, module, engine, adapter),
-               record=_record(job, preflight))
+    run = Run(job=job, preflight=preflight, sp=sp, engine=engine, module=module,
+              step_packs=None if job.rollouts.dir else _step_packs(job, preflight, sp,
+                                                                   reference),
+              rollouts=RolloutSteps(job, preflight.processor, sp) if job.rollouts.dir else None,
+              publisher=(Publisher(job, engine, module, adapter, start_step)
+                         if job.publish.dir or job.publish.engines else None),
+              metrics=run_together(
+                  lambda: MetricsWriter(job.output_dir, enabled=comm.rank() == 0,
+                                        start_step=start_step),
+                  CheckpointError, f"opening {job.output_dir}/metrics.jsonl"),
+              start_step=start_step, adapter=adapter,
+              utilisation=RunUtilisation.of_run(job, module, engine, adapter),
+              record=_record(job, preflight))
+    if preflight.resume is not None:
+        restore_rng_states(preflight.resume)
+    return run
 
 
 def _record(job: JobConfig, preflight: Preflight) -> dict[str, Any]:
