@@ -43,6 +43,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import time
 import urllib.error
@@ -109,7 +110,7 @@ class VllmServer:
             out.write(f"$ {' '.join(command)}\n")
             out.flush()
             self.process = subprocess.Popen(command, env=self.env, stdout=out,
-                                            stderr=subprocess.STDOUT)
+                                            stderr=subprocess.STDOUT, start_new_session=True)
         while time.perf_counter() - started < self.start_timeout_s:
             if self.process.poll() is not None:
                 raise EngineError(f"the vLLM server on {self.model_dir} exited "
@@ -130,15 +131,33 @@ class VllmServer:
         return (errors or lines or [""])[-1][-400:]
 
     def stop(self) -> None:
-        """End the server process (SIGTERM, then SIGKILL after 30 s)."""
-        if self.process is None or self.process.poll() is not None:
+        """End the server and every process it started (vLLM's engine core runs in a process of
+        its own): SIGTERM to its process group, then SIGKILL after 30 s; after a server that
+        already exited, SIGKILL to what it left behind."""
+        if self.process is None:
             return
-        self.process.terminate()
+        if self.process.poll() is not None:
+            self._signal_group(signal.SIGKILL)
+            return
+        self._signal_group(signal.SIGTERM)
         try:
             self.process.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            self.process.kill()
+            self.kill()
+        self._signal_group(signal.SIGKILL)
+
+    def kill(self) -> None:
+        """SIGKILL the server and every process it started at once (as a crash of its machine
+        would end them)."""
+        if self.process is not None:
+            self._signal_group(signal.SIGKILL)
             self.process.wait()
+
+    def _signal_group(self, signum: int) -> None:
+        try:
+            os.killpg(self.process.pid, signum)
+        except ProcessLookupError:  # the group is gone already
+            pass
 
 
 class VllmHttpClient(EngineClient):
