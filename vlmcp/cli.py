@@ -475,6 +475,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     report = run_preflight(job, world_size, decode_images=True)
     if report.problems:
         return _report(report.problems)
+    for note in report.resume.notes if report.resume is not None else []:
+        print(f"train.resume: {note}")
     if job.rollouts.dir:
         print(f"ok: {args.job} (rollout steps from {job.rollouts.dir}, each checked when training "
               f"reaches it; {len(report.eval_index or ())} eval samples; world {world_size}, "

@@ -173,7 +173,8 @@ class TrainSection:
     eval_every: int = field(default=0, metadata=_key(
         "evaluate on data.eval every N steps (and after the last step); 0 never", min=0))
     resume: bool = field(default=False, metadata=_key(
-        "continue from the latest checkpoint in output_dir/checkpoints"))
+        "continue from the latest checkpoint in output_dir/checkpoints, also at another world "
+        "size, SP, EP or ZeRO stage (its universal checkpoint, converted once beside it)"))
     log_every: int = field(default=1, metadata=_key("write a metrics row every N steps", min=1))
     gradient_checkpointing: bool = field(default=False, metadata=_key(
         "recompute each decoder layer in backward (its SP collectives too) instead of keeping "

@@ -145,7 +145,11 @@ def load_packs(reader: SampleReader, packs: Sequence[Sequence[int]], num_workers
         _PackList(reader, packs), batch_size=None, shuffle=False, num_workers=num_workers,
         prefetch_factor=prefetch_factor if num_workers else None, collate_fn=_as_is,
         worker_init_fn=_own_process_group,
-        multiprocessing_context=_WORKER_START if num_workers else None)
+        multiprocessing_context=_WORKER_START if num_workers else None,
+        # The iterator draws its workers' base seed from this generator, not from the process's
+        # RNG: the draws of training (LoRA dropout) are then the same whether a run started here
+        # or resumed (a checkpoint restores the process's RNG states before the first pack).
+        generator=torch.Generator().manual_seed(0))
     for item in loader:
         if isinstance(item, LoadFailure):
             raise DataError(item.message)

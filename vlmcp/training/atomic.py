@@ -12,6 +12,7 @@ iostream error` that torch.save raises there.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 from pathlib import Path
@@ -70,9 +71,37 @@ def remove_quietly(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+def file_sizes(directory: Path) -> dict[str, int]:
+    """{path relative to `directory`: bytes} of every file under it: what a manifest lists."""
+    return {str(p.relative_to(directory)): p.stat().st_size
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def manifest_problem(directory: Path, manifest: str) -> str | None:
+    """Why `directory`, written with `manifest` (JSON whose "files" are `file_sizes`) last, is not
+    whole: no manifest (its write did not finish), an unreadable one, a file missing or of
+    another size; None when it is whole."""
+    path = directory / manifest
+    if not path.is_file():
+        return f"{directory} has no {manifest} (its write did not finish)"
+    try:
+        files = json.loads(path.read_text())["files"]
+    except (OSError, ValueError, KeyError) as exc:
+        return f"{path} is unreadable ({exc})"
+    for name, size in files.items():
+        file = directory / name
+        if not file.is_file():
+            return f"{file} is missing"
+        if file.stat().st_size != size:
+            return f"{file} has {file.stat().st_size} bytes, the manifest says {size}"
+    return None
+
+
 def dir_size(path: Path) -> int:
-    """Bytes of every file under `path`."""
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    """Bytes of every file under `path` (a file linked under two names counted once)."""
+    stats = {(s.st_dev, s.st_ino): s.st_size for s in (p.stat() for p in path.rglob("*")
+                                                       if p.is_file())}
+    return sum(stats.values())
 
 
 def _mount_point(path: Path) -> Path:

@@ -70,11 +70,13 @@ from vlmcp.model.router_loss import router_objective
 from vlmcp.parallel import comm
 from vlmcp.parallel.agree import attempt, fail_together, run_together
 from vlmcp.parallel.groups import SequenceParallel
-from vlmcp.training.checkpoint import checkpoint_dir, load_latest, save_checkpoint
+from vlmcp.training.checkpoint import (checkpoint_dir, load_checkpoint, prepare_resume,
+                                      restore_rng_states, save_checkpoint)
 from vlmcp.training.ds.config import zero_stage
 from vlmcp.training.ds.expert_comms import expert_a2a_row, restart_expert_a2a
 from vlmcp.training.ds.expert_grads import global_grad_norm
 from vlmcp.training.evaluate import eval_loss, generation_accuracy
+from vlmcp.training.layout import checkpoint_record, data_of
 from vlmcp.training.metrics import MetricsWriter
 from vlmcp.training.nonfinite import NonFiniteGuard
 from vlmcp.training.objective_step import (INITIAL_REFERENCE, objective_metrics, objective_of,
@@ -122,6 +124,8 @@ class Run:
     publisher: Publisher | None = None
     #: The PeftModel around `module.hf_model` when the job trains LoRA adapters (lora.r > 0).
     adapter: Any = None
+    #: What this run's checkpoints record of it: layout, trained parameters, data position.
+    record: dict[str, Any] | None = None
 
     @property
     def steps(self) -> StepPacks | RolloutSteps:
@@ -162,26 +166,40 @@ def start_run(job: JobConfig) -> Run:
     logger.info("world %d = sp %d x dp %d, ZeRO stage %d, %s / %d eval samples",
                 comm.world_size(), sp.size, sp.dp_size, zero_stage(preflight.ds_config),
                 train_data, len(preflight.eval_index or ()))
+    if preflight.resume is not None:
+        prepare_resume(preflight.resume, job)
     engine, module, adapter = build_engine(job, preflight, sp)
-    start_step = load_latest(engine, job) if job.train.resume else 0
+    start_step = load_checkpoint(engine, job, preflight.resume) if job.train.resume else 0
     reference = preflight.reference_logps
     if job.loss.reference_logps == INITIAL_REFERENCE and not job.train.resume:
         logger.info("loss.reference_logps \"initial\": scoring data.train with the initial policy")
         reference = score_initial_reference(
             engine, SampleReader(preflight.train_index, preflight.processor,
                                  job.data.max_seq_len, job.data.truncate), job, sp)
-    return Run(job=job, preflight=preflight, sp=sp, engine=engine, module=module,
-               step_packs=None if job.rollouts.dir else _step_packs(job, preflight, sp,
-                                                                    reference),
-               rollouts=RolloutSteps(job, preflight.processor, sp) if job.rollouts.dir else None,
-               publisher=(Publisher(job, engine, module, adapter, start_step)
-                          if job.publish.dir or job.publish.engines else None),
-               metrics=run_together(
-                   lambda: MetricsWriter(job.output_dir, enabled=comm.rank() == 0,
-                                         start_step=start_step),
-                   CheckpointError, f"opening {job.output_dir}/metrics.jsonl"),
-               start_step=start_step, adapter=adapter,
-               utilisation=RunUtilisation.of_run(job, module, engine, adapter))
+    run = Run(job=job, preflight=preflight, sp=sp, engine=engine, module=module,
+              step_packs=None if job.rollouts.dir else _step_packs(job, preflight, sp,
+                                                                   reference),
+              rollouts=RolloutSteps(job, preflight.processor, sp) if job.rollouts.dir else None,
+              publisher=(Publisher(job, engine, module, adapter, start_step)
+                         if job.publish.dir or job.publish.engines else None),
+              metrics=run_together(
+                  lambda: MetricsWriter(job.output_dir, enabled=comm.rank() == 0,
+                                        start_step=start_step),
+                  CheckpointError, f"opening {job.output_dir}/metrics.jsonl"),
+              start_step=start_step, adapter=adapter,
+              utilisation=RunUtilisation.of_run(job, module, engine, adapter),
+              record=_record(job, preflight))
+    if preflight.resume is not None:
+        restore_rng_states(preflight.resume)
+    return run
+
+
+def _record(job: JobConfig, preflight: Preflight) -> dict[str, Any]:
+    """What this run's checkpoints record of it (training/layout.py `checkpoint_record`)."""
+    index = preflight.train_index
+    data = data_of(job, comm.world_size(), None if index is None else index.tokens,
+                   preflight.train_file_sizes, preflight.train_weights)
+    return checkpoint_record(job, comm.world_size(), preflight.ds_config, data)
 
 
 def _write_row(run: Run, row: dict[str, Any]) -> None:
@@ -398,7 +416,8 @@ class _Saver:
     def save(self, step: int) -> None:
         if step != self.saved_step:
             with self.watchdog.watch(f"saving the checkpoint of step {step}"):
-                save_checkpoint(self.run.engine, self.run.job, step, self.prefixes)
+                save_checkpoint(self.run.engine, self.run.job, step, self.prefixes,
+                                self.run.record)
             self.saved_step = step
 
 

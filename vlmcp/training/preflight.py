@@ -54,10 +54,12 @@ from vlmcp.model.router_loss import router_config_problem
 from vlmcp.parallel import comm
 from vlmcp.parallel.constraints import check_ep_constraints, check_sp_constraints
 from vlmcp.training.ds.zero3_sp import largest_tensor_numel, sp_exact_zero_settings
-from vlmcp.training.checkpoint import (checkpoint_dir, checkpoint_tags, expert_layout_problem,
-                                      latest_tag, newest_complete)
+from vlmcp.training.checkpoint import (checkpoint_dir, checkpoint_tags, latest_tag,
+                                      newest_complete, read_manifest)
 from vlmcp.training.ds.blocks import offloads_optimizer
 from vlmcp.training.ds.config import fill_deepspeed_config, load_deepspeed_config, zero_stage
+from vlmcp.training.ds.edits import DeepSpeedEdits
+from vlmcp.training.layout import ResumePlan, data_of, data_position_problems, plan_resume
 from vlmcp.training.objective_step import objective_problems, token_array_names
 from vlmcp.training.reference import reference_problems
 from vlmcp.training.weights.publish import step_dirs
@@ -84,6 +86,8 @@ class Preflight:
     #: [N, 2] the pairs' reference sums from a `loss.reference_logps` score file (None: from
     #: the data, or scored with the initial policy when the run starts).
     reference_logps: np.ndarray | None = None
+    #: With train.resume: how this run loads the newest complete checkpoint (training/layout.py).
+    resume: ResumePlan | None = None
 
 
 def _where(job: JobConfig, path: str) -> str:
@@ -183,7 +187,11 @@ def _check_lora(job: JobConfig, report: Preflight) -> None:
                                "adapters only")
 
 
-def _check_resume(job: JobConfig, report: Preflight) -> None:
+def _check_resume(job: JobConfig, world_size: int, report: Preflight) -> None:
+    """train.resume: a complete checkpoint, and how this layout resumes it (training/layout.py:
+    `report.resume`; its problems and, once the index is there, `_check_resume_data`'s). A resume
+    through the universal checkpoint sets the DeepSpeed config's `checkpoint.load_universal`.
+    A fresh run refuses an output_dir that holds checkpoints."""
     directory = checkpoint_dir(job)
     if job.train.resume:
         tag, skipped = newest_complete(directory)
@@ -192,12 +200,19 @@ def _check_resume(job: JobConfig, report: Preflight) -> None:
                                    "complete checkpoint")
             report.problems.extend(f"config key 'train.resume': incomplete checkpoint: {reason}"
                                    for reason in skipped)
-        problem = expert_layout_problem(directory / tag, job.parallel.ep_size) if tag else None
-        if problem:
-            report.problems.append(problem)
-        for reason in skipped if tag is not None and comm.rank() == 0 else []:
+            return
+        for reason in skipped if comm.rank() == 0 else []:
             logger.warning("train.resume: will resume from %s, skipping an incomplete "
                            "checkpoint: %s", directory / tag, reason)
+        if report.ds_config is None:
+            return
+        report.resume = plan_resume(directory / tag, read_manifest(directory / tag), job,
+                                    world_size, report.ds_config)
+        report.problems.extend(report.resume.problems)
+        loads = ("the universal checkpoint of" if report.resume.universal
+                 else "DeepSpeed's own files of")
+        DeepSpeedEdits().set(report.ds_config, "checkpoint.load_universal",
+                             report.resume.universal, f"train.resume loads {loads} {directory / tag}")
         return
     tags = checkpoint_tags(directory)
     latest = latest_tag(directory) or (tags[0][1] if tags else None)
@@ -205,6 +220,20 @@ def _check_resume(job: JobConfig, report: Preflight) -> None:
         report.problems.append(f"config key 'output_dir': {job.output_dir} already holds the "
                                f"checkpoints of an earlier run (latest: {latest}); set "
                                "train.resume=true to continue it, or choose another output_dir")
+
+
+def _check_resume_data(job: JobConfig, world_size: int, report: Preflight) -> None:
+    """A resume's data position against the checkpoint's (training/layout.py
+    `data_position_problems`), once data.train's index is loaded (a rollout job: at once)."""
+    plan = report.resume
+    if plan is None or not (job.rollouts.dir or report.train_index is not None):
+        return
+    index = report.train_index
+    now = data_of(job, world_size, None if index is None else index.tokens,
+                  report.train_file_sizes, report.train_weights)
+    problems, notes = data_position_problems(plan, now, world_size // job.parallel.sp_size)
+    report.problems.extend(problems)
+    plan.notes.extend(notes)
 
 
 def _check_publish_dir(job: JobConfig, report: Preflight) -> None:
@@ -375,7 +404,7 @@ def run_preflight(job: JobConfig, world_size: int, *, index_role: str = "build",
     if job.publish.dir:
         _check_writable("publish.dir", job.publish.dir, report)
     if training:
-        _check_resume(job, report)
+        _check_resume(job, world_size, report)
         if job.publish.dir:
             _check_publish_dir(job, report)
         if job.publish.engines:
@@ -386,4 +415,6 @@ def run_preflight(job: JobConfig, world_size: int, *, index_role: str = "build",
         load_train_index(job, report, may_build=True, rebuild=decode_images, training=training)
         if training:
             load_eval_index(job, report, may_build=True, rebuild=decode_images)
+    if training:
+        _check_resume_data(job, world_size, report)
     return report

@@ -273,12 +273,6 @@ def fill_deepspeed_config(raw: dict[str, Any], job: JobConfig, *, dp_size: int,
                       f"parallel.ep_size={job.parallel.ep_size}: vlmcp builds the expert-parallel "
                       "engine itself (training/ds/initialize.py) and does not run DeepSpeed's "
                       "hybrid engine; remove the section")
-    if job.parallel.ep_size > 1 and job.lora.r and get_path(config, "zero_optimization.stage") == 3:
-        edits.problem(f"config key 'deepspeed.zero_optimization.stage' is 3 with "
-                      f"parallel.ep_size={job.parallel.ep_size} and LoRA (lora.r={job.lora.r}): "
-                      "DeepSpeed 0.19.8 cannot checkpoint AutoEP's frozen expert weights under "
-                      "ZeRO-3 (\"AutoEP with ZeRO Stage 3 checkpointing does not support frozen "
-                      "expert parameters yet\"); use ZeRO stage 1 or 2")
     if job.parallel.ep_size > 1 and "optimizer" in config:
         edits.problem("config key 'deepspeed.optimizer' with parallel.ep_size > 1: DeepSpeed "
                       "builds its optimizer without the expert parameters' own param groups, "

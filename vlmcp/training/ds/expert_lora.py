@@ -30,7 +30,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -42,8 +41,6 @@ from vlmcp.parallel import comm
 _EXPERT_TAGS = ("allreduce", "group_name", "ds_zero_placement_family", "ds_zero_partition_group_name",
                 "ds_zero_partition_process_group")
 _PEFT_WRAPPED = ".base_layer"
-#: A checkpoint's file of one EP rank's expert adapter factors (training/checkpoint.py).
-EXPERT_ADAPTER_FILE = "expert_adapters_ep_rank_{rank}.pt"
 
 
 @dataclass(frozen=True)
@@ -101,9 +98,9 @@ def take_expert_adapters(module: nn.Module) -> Captured:
     return captured
 
 
-def _captured_adapters(module: nn.Module) -> Captured:
-    """{experts module name: its adapters}, as `take_expert_adapters` returns them."""
-    captured: Captured = {}
+def _peft_adapters(module: nn.Module) -> list[tuple[str, nn.Module, ExpertAdapter]]:
+    """(name, wrapper, what it adapts) of every PEFT `ParamWrapper` on the routed experts."""
+    found = []
     for name, wrapper in module.named_modules():
         if not (hasattr(wrapper, "parameter_name") and hasattr(wrapper, "lora_A")):
             continue
@@ -112,17 +109,37 @@ def _captured_adapters(module: nn.Module) -> Captured:
             raise ValueError(f"{name}: expected one active LoRA adapter on the routed experts, "
                              f"found {adapters}")
         adapter = adapters[0]
-        experts = wrapper.num_experts
-        weight_a = _full(wrapper.lora_A[adapter].weight)                     # [r*E, in]
-        weight_b = _full(wrapper.lora_B[adapter].weight)                     # [out, r*E]
-        adapter_info = ExpertAdapter(
+        found.append((name, wrapper, ExpertAdapter(
             parameter=wrapper.parameter_name, scaling=float(wrapper.scaling[adapter]),
             transposed=not wrapper._did_swap_in_out_features, peft_name=name, adapter=adapter,
-            num_experts=experts)
+            num_experts=wrapper.num_experts)))
+    return found
+
+
+def _captured_adapters(module: nn.Module) -> Captured:
+    """{experts module name: its adapters}, as `take_expert_adapters` returns them."""
+    captured: Captured = {}
+    for name, wrapper, adapter_info in _peft_adapters(module):
+        experts, adapter = adapter_info.num_experts, adapter_info.adapter
+        weight_a = _full(wrapper.lora_A[adapter].weight)                     # [r*E, in]
+        weight_b = _full(wrapper.lora_B[adapter].weight)                     # [out, r*E]
         captured.setdefault(_experts_path(name), []).append((
             adapter_info, weight_a.reshape(experts, -1, weight_a.shape[-1]),
             weight_b.reshape(weight_b.shape[0], -1, experts).permute(2, 0, 1).contiguous()))
     return captured
+
+
+def expert_adapters_of(module: nn.Module) -> dict[str, list[ExpertAdapter]]:
+    """{experts module name: what its adapters adapt} of `module`: AutoEP's experts adapted by
+    `attach_expert_adapters` (under EP), else PEFT's wrappers on transformers' experts (EP 1);
+    empty without LoRA on the routed experts. No collective."""
+    found: dict[str, list[ExpertAdapter]] = {}
+    for path, experts in module.named_modules():
+        if getattr(experts, "expert_adapters", None):
+            found[path] = list(experts.expert_adapters.values())
+    for name, _, adapter in _peft_adapters(module):
+        found.setdefault(_experts_path(name), []).append(adapter)
+    return found
 
 
 def peft_expert_tensors(adapter: ExpertAdapter, lora_a: torch.Tensor, lora_b: torch.Tensor
@@ -257,14 +274,6 @@ def gathered_expert_adapters(module: nn.Module) -> tuple[dict[str, torch.Tensor]
     return state, taken
 
 
-def local_adapter_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """{training-module name: this rank's factor [E_local, ...]} of every expert adapter of
-    `module` (on CPU; empty without any). The factors are whole on every rank (ZeRO 1/2)."""
-    return {f"{path}.{name}": param.detach().cpu().clone()
-            for path, experts in module.named_modules() if adapter_factors(experts)
-            for name, param in experts.named_parameters(recurse=False) if name.startswith("lora_")}
-
-
 def peft_layout(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`state` (names of `model`, a transformers model with PEFT's expert adapters) with every
     per-expert factor `<experts>.lora_A_<weight>` [E, r, in] / `lora_B_<weight>` [E, out, r]
@@ -277,20 +286,3 @@ def peft_layout(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, t
             if lora_a is not None and lora_b is not None:
                 out.update(peft_expert_tensors(adapter, lora_a, lora_b))
     return out
-
-
-def restore_local_adapters(module: nn.Module, tag_dir: Path) -> None:
-    """Load this rank's experts' adapter factors from the checkpoint `tag_dir` (the file its EP
-    rank's writer saved) into `module`'s adapted experts, in place; nothing without any. DeepSpeed
-    loads every rank's module from rank 0's model states, which hold rank 0's experts' factors."""
-    adapted = [(path, experts) for path, experts in module.named_modules() if adapter_factors(experts)]
-    if not adapted:
-        return
-    layer = module.get_submodule(adapted[0][0].rpartition(".")[0])
-    saved = torch.load(tag_dir / EXPERT_ADAPTER_FILE.format(rank=layer.ep_rank),
-                       map_location="cpu", weights_only=True)
-    with torch.no_grad():
-        for path, experts in adapted:
-            for name, param in experts.named_parameters(recurse=False):
-                if name.startswith("lora_"):
-                    param.copy_(saved[f"{path}.{name}"])

@@ -154,6 +154,15 @@ def hf_name(name: str) -> str:
     return name
 
 
+def autoep_name(name: str) -> str:
+    """A non-expert parameter name of a transformers MoE layer under AutoEP's naming (the inverse
+    of `hf_name`; other names come back unchanged)."""
+    for autoep, hf in _RENAMED:
+        if f".mlp.{hf}" in name:
+            return name.replace(f".mlp.{hf}", f".mlp.{autoep}")
+    return name
+
+
 def expert_weight(name: str) -> tuple[str, str] | None:
     """(the experts module's name, "w1" | "w2" | "w3") for an AutoEP grouped-experts weight,
     else None."""
@@ -168,3 +177,26 @@ def hf_expert_tensors(module_name: str, w1: torch.Tensor, w2: torch.Tensor, w3: 
     = w2. Keys are `{module_name}.gate_up_proj` and `{module_name}.down_proj`."""
     return {f"{module_name}.gate_up_proj": torch.cat([w1, w3], dim=1),
             f"{module_name}.down_proj": w2}
+
+
+def hf_expert_states(module_name: str, w1: dict[str, torch.Tensor], w2: dict[str, torch.Tensor],
+                     w3: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """`hf_expert_tensors` for each state of the weights ({state key: tensor} each: the fp32
+    value and the optimizer's moments, which move elementwise with it): {transformers weight
+    name: {state key: tensor}}."""
+    states: dict[str, dict[str, torch.Tensor]] = {}
+    for key in w1:
+        for name, value in hf_expert_tensors(module_name, w1[key], w2[key], w3[key]).items():
+            states.setdefault(name, {})[key] = value
+    return states
+
+
+def autoep_expert_states(module_name: str, gate_up: dict[str, torch.Tensor],
+                         down: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """The inverse of `hf_expert_states`: AutoEP's `w1` (gate rows of gate_up_proj [E, 2I, H]),
+    `w3` (its up rows) and `w2` (= down_proj) of each state: {AutoEP weight name: {state key:
+    tensor}}."""
+    half = next(iter(gate_up.values())).shape[1] // 2
+    return {f"{module_name}.w1": {k: v[:, :half] for k, v in gate_up.items()},
+            f"{module_name}.w3": {k: v[:, half:] for k, v in gate_up.items()},
+            f"{module_name}.w2": dict(down)}

@@ -10,28 +10,25 @@ themselves). LoRA on the routed experts: their adapter factors from vlmcp's per-
 ZeRO-3: the weights live only in the optimizer's fp32 partitions, the dense ones over all ranks
 and each expert tensor over its expert-data-parallel group. DeepSpeed's own universal-checkpoint
 conversion (`deepspeed.checkpoint.ds_to_universal`, which knows AutoEP's partition-native ZeRO-3
-layout) consolidates them into one fp32 file per parameter, the experts as their logical
-`[num_experts, ...]` tensors; this reads those. The conversion writes the fp32 weights and the
-two AdamW moments of every parameter (about 3x the fp32 model) into a temporary directory beside
-the checkpoint, removed afterwards.
+layout) consolidates them into one fp32 file per parameter; vlmcp's conversion around it
+(training/weights/universal.py) puts the experts in transformers' fused form and their LoRA
+factors in PEFT's, as an EP-1 run holds them, and this reads those. The conversion (the fp32
+weights and the two AdamW moments of every parameter, about 3x the fp32 model) stays beside the
+checkpoint, where a resume at another layout reuses it.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import io
-import itertools
 import logging
 import re
-import tempfile
 from pathlib import Path
 
 import torch
 
 from vlmcp.training.ds.config import zero_stage
-from vlmcp.training.ds.expert_lora import EXPERT_ADAPTER_FILE
-from vlmcp.training.ds.expert_parallel import expert_weight, hf_expert_tensors, hf_name
+from vlmcp.training.ds.expert_lora_checkpoint import saved_expert_factors
+from vlmcp.training.ds.expert_parallel import hf_expert_tensors, hf_name
+from vlmcp.training.weights.universal import FUSED, convert
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +40,7 @@ def expert_parallel_state(tag_dir: Path, saved: dict) -> dict[str, torch.Tensor]
     """The module state dict (fp32, transformers' names, fused experts) of the checkpoint tag
     directory `tag_dir`, whose rank-0 model states are `saved` (module docstring)."""
     if zero_stage(saved["ds_config"]) == 3:
-        return _zero3_state(tag_dir, {name: shape for group in saved["param_shapes"]
-                                      for name, shape in group.items()})
+        return _zero3_state(tag_dir)
     state = {hf_name(k): v.float() for k, v in saved["module"].items()}
     experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
     for path in sorted(tag_dir.iterdir()):
@@ -69,44 +65,19 @@ def expert_parallel_state(tag_dir: Path, saved: dict) -> dict[str, torch.Tensor]
 
 
 def _expert_adapters(tag_dir: Path) -> dict[str, torch.Tensor]:
-    """The routed experts' LoRA factors of every expert ([E, ...], stacked over the EP ranks'
-    files, training/ds/expert_lora.py), under transformers' names; empty without LoRA."""
-    parts: dict[str, list[torch.Tensor]] = {}
-    for rank in itertools.count():
-        path = tag_dir / EXPERT_ADAPTER_FILE.format(rank=rank)
-        if not path.is_file():
-            break
-        for key, value in torch.load(path, map_location="cpu", weights_only=True).items():
-            parts.setdefault(key, []).append(value.float())
-    return {hf_name(key): torch.cat(values) for key, values in parts.items()}
+    """The routed experts' LoRA factors of every expert ([E, ...], training/ds/
+    expert_lora_checkpoint.py), under transformers' names; empty without LoRA."""
+    return {hf_name(key): value for key, value in saved_expert_factors(tag_dir).items()}
 
 
-def _zero3_state(tag_dir: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-    """A ZeRO-3 tag directory's weights, through DeepSpeed's universal conversion. `shapes`: every
-    dense parameter's shape (the conversion writes them flat, ZeRO's padding included)."""
-    from deepspeed.checkpoint import ds_to_universal
+def _zero3_state(tag_dir: Path) -> dict[str, torch.Tensor]:
+    """A ZeRO-3 tag directory's weights under the training module's names, the routed experts
+    fused and their LoRA factors in PEFT's layout, as at EP 1: DeepSpeed's universal conversion
+    beside it in that form (training/weights/universal.py; converted once, reused by a resume
+    at another layout)."""
+    from deepspeed.checkpoint.constants import PARAM
 
-    with tempfile.TemporaryDirectory(prefix=f".{tag_dir.name}-universal-",
-                                     dir=tag_dir.parent) as parent:
-        # the conversion also writes `latest_universal` beside its output folder: inside `parent`
-        scratch = Path(parent) / "universal"
-        args = argparse.Namespace(input_folder=str(tag_dir), output_folder=str(scratch),
-                                  num_extract_workers=1, num_merge_workers=1,
-                                  keep_temp_folder=False, strict=True, inject_missing_state=False)
-        printed = io.StringIO()
-        with contextlib.redirect_stdout(printed):
-            ds_to_universal.main(args)
-        logger.debug("deepspeed ds_to_universal on %s:\n%s", tag_dir, printed.getvalue())
-        state: dict[str, torch.Tensor] = {}
-        experts: dict[str, dict[str, torch.Tensor]] = {}
-        for param_dir in sorted(p for p in (scratch / "zero").iterdir() if p.is_dir()):
-            saved = torch.load(param_dir / "fp32.pt", map_location="cpu", weights_only=False)
-            found = expert_weight(param_dir.name)
-            if found is None:
-                shape = torch.Size(shapes[param_dir.name])
-                state[hf_name(param_dir.name)] = saved[:shape.numel()].view(shape).float()
-            else:
-                experts.setdefault(found[0], {})[found[1]] = saved["param"].float()
-    for module, weights in experts.items():
-        state.update(hf_expert_tensors(module, weights["w1"], weights["w2"], weights["w3"]))
-    return state
+    zero = convert(tag_dir, expert_form=FUSED) / "zero"
+    return {folder.name: torch.load(folder / "fp32.pt", map_location="cpu",
+                                    weights_only=False)[PARAM].float()
+            for folder in sorted(p for p in zero.iterdir() if p.is_dir())}
