@@ -12,7 +12,9 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX_URL ?=
-PYTEST_ARGS ?=
+# The 40 slowest tests are listed at the end of every run: the suite must stay under 45 minutes on
+# 2 cores (CI), and the list says where its time goes.
+PYTEST_ARGS ?= --durations=40
 # gpu-check builds no venv: it runs in an environment that already has vlmcp's dependencies
 # (default: .venv when it exists, else $(PYTHON); e.g. `make gpu-check GPU_PYTHON=python3`).
 GPU_PYTHON ?= $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,$(PYTHON))
