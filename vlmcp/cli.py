@@ -1,4 +1,4 @@
-"""Command line: `vlmcp {train,validate,inspect,export,score,bench,demo}` (also `python -m vlmcp ...`).
+"""Command line: `vlmcp {train,validate,inspect,export,score,bench,demo,rl}` (also `python -m vlmcp ...`).
 
 Heavy imports (torch, transformers, deepspeed) happen inside the commands, so `--help` is quick.
 Exit codes: 0 success, 1 a problem with the job or data (one line per problem on stderr; also a
@@ -11,12 +11,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 
 from vlmcp.config import load_job, schema_fields
+from vlmcp.config.schema import JobConfig
 from vlmcp.errors import ConfigError, JobError, ProcessorError
 from vlmcp.parallel.modes import DELTANET_KERNELS, DELTANET_MODES, VISION_MODES
 
@@ -391,6 +393,39 @@ def _add_demo(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                            "(vlmcp/demo/video.py)")
 
 
+_RL_EPILOG = """\
+the parts, each startable on its own (a cluster's launcher starts the trainer's ranks):
+  vlmcp rl JOB.json --part engines                      vLLM servers; prints their URLs
+  torchrun --nproc_per_node 8 -m vlmcp rl JOB.json --part trainer
+  vlmcp rl JOB.json --part orchestrator                 against rl.engines
+A signal (SIGTERM, SIGINT) stops every part after a trainer checkpoint; --set train.resume=true
+continues the same prompt stream. docs/rl-loop.md: the rl section, rewards, metrics.
+"""
+
+
+def _add_rl(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`vlmcp rl`: the whole online RL loop, or one of its parts."""
+    rl = commands.add_parser(
+        "rl", help="the whole online RL loop from one job: engines, orchestrator, trainer",
+        description="Start the engines (rl.engines, or rl.num_engines vLLM servers from the "
+                    "engine venv), the trainer's ranks (torchrun on one host, output in "
+                    "OUTPUT_DIR/rl/trainer.log) and the orchestrator (this process): prompts "
+                    "from rl.prompts, answers from the engines, rewards, group advantages, "
+                    "rollout steps into rollouts.dir, paced by rl.max_off_policy; the weights "
+                    "come back through the push (rl.weights push) or publish.dir. One summary "
+                    "line per step; every metric in OUTPUT_DIR/rl/metrics.jsonl.",
+        epilog=_RL_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_job_args(rl)
+    rl.add_argument("--part", choices=("all", "engines", "orchestrator", "trainer"),
+                    default="all", help="start one part only (default: all three)")
+    rl.add_argument("--nproc", type=int, default=None,
+                    help="trainer ranks on this host (default: the least common multiple of "
+                         "parallel.sp_size and parallel.ep_size)")
+    rl.add_argument("--engine-urls", nargs="+", default=None, metavar="URL",
+                    help="--part trainer: the engines' base URLs when rl.engines is empty "
+                         "(vlmcp rl passes the ones it started)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `vlmcp` argument parser with one sub-command per action."""
     parser = argparse.ArgumentParser(
@@ -408,6 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_score(commands)
     _add_bench(commands)
     _add_demo(commands)
+    _add_rl(commands)
     return parser
 
 
@@ -444,6 +480,14 @@ def _settle_device() -> None:
 def _cmd_train(args: argparse.Namespace) -> int:
     # os.environ: the settings `accelerate launch --config_file X.yaml` exports (config/launch_env.py).
     job = load_job(args.job, args.overrides, environ=os.environ)
+    if job.rl.prompts is not None:
+        return _report(["the job has an rl section: train it with `vlmcp rl JOB.json` (all "
+                        "parts) or, under your launcher, `vlmcp rl JOB.json --part trainer`"])
+    return _train(job)
+
+
+def _train(job: JobConfig) -> int:
+    """Train `job` on this rank (`vlmcp train`, and the trainer part of `vlmcp rl`)."""
     from vlmcp.parallel import comm
     from vlmcp.training.loop import train
     from vlmcp.training.signals import StopRequested
@@ -473,8 +517,13 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     from vlmcp.training.preflight import run_preflight
 
     report = run_preflight(job, world_size, decode_images=True)
-    if report.problems:
-        return _report(report.problems)
+    problems = list(report.problems)
+    if job.rl.prompts is not None:
+        from vlmcp.rl.preflight import rl_problems_before_start
+
+        problems += rl_problems_before_start(job)
+    if problems:
+        return _report(problems)
     if job.rollouts.dir:
         print(f"ok: {args.job} (rollout steps from {job.rollouts.dir}, each checked when training "
               f"reaches it; {len(report.eval_index or ())} eval samples; world {world_size}, "
@@ -593,8 +642,32 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                     overrides=args.overrides)
 
 
+def _cmd_rl(args: argparse.Namespace) -> int:
+    job = load_job(args.job, args.overrides, environ=os.environ)
+    if job.rl.prompts is None:
+        return _report([f"{args.job}: no rl section (rl.prompts is not set): `vlmcp train` "
+                        "trains it"])
+    if args.part == "trainer":
+        from vlmcp.config.rl_checks import trainer_job
+
+        engines = args.engine_urls or job.rl.engines
+        if job.rl.weights == "push" and not engines:
+            return _report(["--part trainer pushes into the engines: name them in rl.engines "
+                            "(or --engine-urls)"])
+        return _train(trainer_job(job, engines))
+    from vlmcp.rl import launch
+
+    if args.part == "engines":
+        return launch.run_engines(job)
+    if args.part == "orchestrator":
+        return launch.run_orchestrator(job)
+    nproc = args.nproc or math.lcm(job.parallel.sp_size, job.parallel.ep_size)
+    return launch.run_all(job, args.job, args.overrides, nproc)
+
+
 COMMANDS = {"train": _cmd_train, "validate": _cmd_validate, "inspect": _cmd_inspect,
-            "export": _cmd_export, "score": _cmd_score, "bench": _cmd_bench, "demo": _cmd_demo}
+            "export": _cmd_export, "score": _cmd_score, "bench": _cmd_bench, "demo": _cmd_demo,
+            "rl": _cmd_rl}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,367 @@
+"""The orchestrator of `vlmcp rl`: prompts -> engines -> rewards -> advantages -> rollout steps.
+
+It speaks to the trainer only through the rollout-step contract (it writes ROLLOUTS/step_N,
+`vlmcp.rl.steps`) and the policy versions the engines report (the trainer pushes step N into
+them, or publishes it and the orchestrator reloads it), so another trainer can take vlmcp's
+place, as long as it labels the engines' weights with its step.
+
+Step N, for N from the resume point to train.max_steps:
+
+1. **Pacing.** Wait until every engine serves policy version N-1-k or newer (k =
+   rl.max_off_policy; with rl.weights "files", reload the newest published step first). Every
+   token of step N is then within k steps of the weights that train it: nothing finished is
+   ever dropped for staleness. While it waits the trainer trains: generating step N overlaps
+   training steps N-k..N-1. No version in rollouts.timeout_s, or the trainer gone, is an error.
+2. **Sampling.** Prompts are taken from the seeded stream (`vlmcp.rl.prompts.PromptStream`) in
+   order, and each becomes a request for rl.group_size answers on the least busy engine
+   (`vlmcp.rl.engines`), up to rl.concurrency at once; each group is scored by the reward
+   functions as soon as it is back, in reward processes (`vlmcp.rl.rewards`), while the other
+   groups generate. Groups are decided in stream order: one whose rewards failed is skipped
+   (rl.on_reward_error "skip", counted) or stops the run ("error"); with rl.dynamic_sampling one
+   whose answers all got one reward value is dropped (it carries no signal); the others are kept
+   until the step has rl.prompts_per_step. No more prompts are started than the step can still
+   keep, so every prompt the step started is decided by it: the prompts of step N are exactly
+   stream positions [start, end), none repeated or skipped, also across a resume.
+   A step that reaches rl.max_prompts_per_step trains on the groups it kept (or, with none, on
+   the last dropped group, whose advantages are 0).
+3. **Writing.** Group advantages (`vlmcp.rl.advantages`), with rl.overlong_filter the answers
+   cut at the length limit left out, every answer one rollout line, the step renamed into
+   place with its meta.json (the stream positions: the orchestrator's state).
+4. **Metrics** (`vlmcp.rl.step_metrics`): one row per step, one line on the console; every
+   rl.eval_every steps (and at the start and after the last step) greedy answers to
+   rl.eval_prompts scored by the same rewards.
+
+A stop (`stop` set: SIGTERM to `vlmcp rl`) abandons the step being sampled: its prompts were not
+consumed, the resumed run samples them again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vlmcp.config.schema import JobConfig
+from vlmcp.data.processor import VLProcessor
+from vlmcp.engine.published import step_path
+from vlmcp.errors import DataError, EngineError, OrchestratorError
+from vlmcp.rl.advantages import carries_signal, group_advantages
+from vlmcp.rl.engines import EnginePool
+from vlmcp.rl.generation import answers_of, generate_request, sampling_mask
+from vlmcp.rl.prompts import PromptRow, PromptStream, render_prompt
+from vlmcp.rl.rewards import GroupRewards, RewardFailure, RewardRunner
+from vlmcp.rl.step_metrics import (RowWriter, TrainerRows, reward_stats, staleness,
+                                   summary_line, trainer_fields)
+from vlmcp.rl.steps import Answer, StepRecord, resume_point, rollout_line, write_step
+
+logger = logging.getLogger(__name__)
+
+#: Seconds between two looks at the engines' versions while pacing.
+POLL_S = 0.1
+
+
+@dataclass
+class Group:
+    """One prompt's answers and rewards (`failure`: why its rewards are missing)."""
+
+    position: int
+    row: PromptRow
+    prompt_ids: list[int]
+    images: list[Path]
+    answers: list[Answer]
+    rewards: GroupRewards | None = None
+    failure: str | None = None
+    seconds: float = 0.0
+
+
+@dataclass
+class StepOutcome:
+    """The groups a step decided, in stream order, and which of them it writes."""
+
+    decided: list[Group] = field(default_factory=list)
+    kept: list[Group] = field(default_factory=list)
+    dropped: list[Group] = field(default_factory=list)
+    skipped: list[Group] = field(default_factory=list)
+
+
+class Orchestrator:
+    """Writes the rollout steps of an rl job (see the module docstring).
+
+    rows / eval_rows: the prompt sets (`vlmcp.rl.prompts.read_prompts`); engines, rewards: the
+    started pools; trainer_alive: False once the trainer is gone (waits then fail at once);
+    stop: set to stop after the step in progress is abandoned; out_dir: OUTPUT_DIR/rl;
+    trainer_metrics: the trainer's metrics.jsonl, read for the console and the rows.
+    """
+
+    def __init__(self, job: JobConfig, processor: VLProcessor, rows: Sequence[PromptRow],
+                 eval_rows: Sequence[PromptRow], engines: EnginePool, rewards: RewardRunner, *,
+                 out_dir: Path, trainer_alive: Callable[[], bool] = lambda: True,
+                 stop: threading.Event | None = None, trainer_metrics: Path | None = None,
+                 progress: Callable[[str], None] = print):
+        self.job, self.rl, self.processor = job, job.rl, processor
+        self.rows, self.eval_rows = list(rows), list(eval_rows)
+        self.engines, self.rewards = engines, rewards
+        self.rollouts = Path(job.rollouts.dir)
+        self.trainer_alive, self.stop = trainer_alive, stop or threading.Event()
+        self.progress = progress
+        self.stream = PromptStream(len(self.rows), job.train.seed)
+        self.allowed = sampling_mask(processor) if self.rl.sampling_mask == "text" else None
+        self.names = [spec.name for spec in rewards.specs]
+        start = resume_point(self.rollouts, job.train.resume)
+        self.next_step, self.position = start.step, start.position
+        self.metrics = RowWriter(out_dir / "metrics.jsonl", self.next_step)
+        self.trainer_rows = TrainerRows(trainer_metrics) if trainer_metrics else None
+        self.pool = ThreadPoolExecutor(self.rl.concurrency, thread_name_prefix="vlmcp-generate")
+        self.served = 0
+
+    # ------------------------------------------------------------------ pacing
+
+    def wait_for_version(self, needed: int) -> tuple[float, float]:
+        """Wait until every engine serves version `needed` or newer (see the module docstring);
+        returns (seconds waited, seconds reloading). Raises OrchestratorError when the trainer
+        is gone first or nothing comes within rollouts.timeout_s; returns early on a stop."""
+        started = time.perf_counter()
+        reload_s = 0.0
+        while not self.stop.is_set():
+            if self.rl.weights == "files":
+                reload_s += self._serve_newest()
+            if min(self.engines.versions()) >= needed:
+                break
+            waited = time.perf_counter() - started
+            if not self.trainer_alive():
+                raise OrchestratorError([f"the trainer stopped before policy version {needed} "
+                                         "reached the engines"])
+            if waited > self.job.rollouts.timeout_s:
+                raise OrchestratorError([
+                    f"rollouts.timeout_s={self.job.rollouts.timeout_s:g}: no engine serves policy "
+                    f"version {needed} after {waited:.0f} s (versions "
+                    f"{self.engines.versions()}); has the trainer stopped?"])
+            time.sleep(POLL_S)
+        return time.perf_counter() - started - reload_s, reload_s
+
+    def _serve_newest(self) -> float:
+        """rl.weights "files": reload the newest published step when it is newer than served."""
+        weights = Path(self.job.publish.dir)
+        newest = max((int(p.name[5:]) for p in weights.glob("step_*")
+                      if p.name[5:].isdigit() and (p / "STABLE").is_file()), default=0)
+        if newest <= self.served:
+            return 0.0
+        try:
+            step_path(weights, newest)
+        except EngineError:
+            return 0.0
+        seconds = self.engines.serve(newest)
+        self.served = newest
+        return seconds
+
+    # ------------------------------------------------------------------ one group
+
+    def _reward_kwargs(self, row: PromptRow, answers: Sequence[Answer]) -> dict[str, Any]:
+        tokenizer = self.processor.tokenizer
+        texts = [tokenizer.decode(a.token_ids, skip_special_tokens=True) for a in answers]
+        completions = ([[{"role": "assistant", "content": t}] for t in texts]
+                       if row.conversational else texts)
+        count = len(answers)
+        return {"prompts": [row.reward_prompt()] * count, "completions": completions,
+                "completion_ids": [list(a.token_ids) for a in answers],
+                **{name: [value] * count for name, value in row.columns.items()}}
+
+    def _group(self, row: PromptRow, position: int, *, n: int, temperature: float,
+               seed: int | None) -> Group:
+        """Generate and score the group of `row` (at stream `position`: its place in the step's
+        record)."""
+        started = time.perf_counter()
+        try:
+            rendered = render_prompt(row, self.processor)
+        except DataError as exc:
+            raise OrchestratorError(exc.problems) from exc
+        body = generate_request(rendered.input_ids, rendered.images, n=n, temperature=temperature,
+                                top_p=self.rl.top_p, top_k=self.rl.top_k,
+                                max_tokens=self.rl.max_new_tokens, allowed=self.allowed,
+                                seed=seed)
+        reply, url = self.engines.generate(body)
+        answers = answers_of(reply, rendered.input_ids, url, row.source)
+        group = Group(position, row, rendered.input_ids, rendered.images, answers)
+        try:
+            group.rewards = self.rewards.submit(self._reward_kwargs(row, answers)).result()
+        except RewardFailure as failure:
+            group.failure = f"{row.source}: {failure}"
+        group.seconds = time.perf_counter() - started
+        return group
+
+    def _submit(self, position: int) -> Future[Group]:
+        seed = (self.job.train.seed * 1_000_003 + position * self.rl.group_size) % 2**31
+        return self.pool.submit(self._group, self.rows[self.stream.at(position)], position,
+                                n=self.rl.group_size, temperature=self.rl.temperature, seed=seed)
+
+    def _result(self, future: Future[Group]) -> Group | None:
+        """The group of `future`, or None on a stop."""
+        while not self.stop.is_set():
+            try:
+                return future.result(timeout=0.2)
+            except TimeoutError:
+                continue
+        return None
+
+    # ------------------------------------------------------------------ one step
+
+    def _decide(self, group: Group, outcome: StepOutcome) -> None:
+        outcome.decided.append(group)
+        if group.failure is not None:
+            if self.rl.on_reward_error == "error":
+                raise OrchestratorError([f"{group.failure} (rl.on_reward_error \"error\": the "
+                                         "run stops; \"skip\" skips such groups)"])
+            logger.warning("%s: group skipped (rl.on_reward_error \"skip\")", group.failure)
+            outcome.skipped.append(group)
+        elif self.rl.dynamic_sampling and not carries_signal(group.rewards.total):
+            outcome.dropped.append(group)
+        else:
+            outcome.kept.append(group)
+
+    def sample_step(self) -> StepOutcome | None:
+        """Sample the next step's groups from the stream (see the module docstring); None on a
+        stop (the position stays where it was)."""
+        needed = self.rl.prompts_per_step
+        limit = (self.rl.max_prompts_per_step or 4 * needed) if self.rl.dynamic_sampling \
+            else needed
+        outcome = StepOutcome()
+        pending: deque[Future[Group]] = deque()
+        position = self.position
+        try:
+            while len(outcome.kept) < needed:
+                while len(outcome.kept) + len(pending) < needed \
+                        and position - self.position < limit:
+                    pending.append(self._submit(position))
+                    position += 1
+                if not pending:
+                    break
+                group = self._result(pending[0])
+                if group is None:
+                    return None
+                pending.popleft()
+                self._decide(group, outcome)
+        finally:
+            for future in pending:
+                future.cancel()
+        self.position = position
+        return outcome
+
+    def _lines(self, outcome: StepOutcome) -> list[dict[str, Any]]:
+        groups = outcome.kept or [g for g in outcome.dropped[-1:]]
+        lines = []
+        for group in groups:
+            advantages = group_advantages(group.rewards.total, self.rl.advantage)
+            for answer, advantage in zip(group.answers, advantages):
+                if self.rl.overlong_filter and answer.truncated:
+                    continue
+                lines.append(rollout_line(group.prompt_ids, group.images, answer, advantage,
+                                          self.rl.temperature))
+        return lines
+
+    def run_step(self, number: int) -> bool:
+        """Pace, sample, write and report step `number`; False on a stop."""
+        started = time.perf_counter()
+        busy_before, retries_before = self.engines.busy_seconds(), self.engines.retries
+        waited, reload_s = self.wait_for_version(number - 1 - self.rl.max_off_policy)
+        if self.stop.is_set():
+            return False
+        start_position = self.position
+        fill_started = time.perf_counter()
+        outcome = self.sample_step()
+        if outcome is None:
+            return False
+        fill_s = time.perf_counter() - fill_started
+        lines = self._lines(outcome)
+        if not lines:
+            raise OrchestratorError([
+                f"rollout step {number}: no answer to write (every group skipped, or every "
+                "answer cut at rl.max_new_tokens with rl.overlong_filter)"])
+        versions = [span["version"] for line in lines for span in line["policy_versions"]]
+        record = StepRecord(min(versions), start_position, self.position,
+                            [g.position for g in outcome.decided],
+                            [g.position for g in outcome.kept],
+                            [g.position for g in outcome.dropped],
+                            [g.position for g in outcome.skipped])
+        write_step(self.rollouts, number, lines, record)
+        elapsed = time.perf_counter() - started
+        busy = sum(self.engines.busy_seconds()) - sum(busy_before)
+        answers = [a for g in outcome.decided for a in g.answers]
+        gen_tokens = sum(len(a.token_ids) for a in answers)
+        row = {"step": number, **reward_stats(outcome.decided, self.names, self.rl.group_size),
+               "answer_tokens_mean": gen_tokens / max(len(answers), 1),
+               "answer_tokens_max": max((len(a.token_ids) for a in answers), default=0),
+               "truncated_fraction": sum(a.truncated for a in answers) / max(len(answers), 1),
+               "groups_kept": len(outcome.kept), "groups_dropped": len(outcome.dropped),
+               "groups_skipped": len(outcome.skipped), "prompts": len(outcome.decided),
+               "answers_written": len(lines), "policy_version_oldest": min(versions),
+               "policy_version_newest": max(versions), "staleness": staleness(lines, number),
+               "gen_tokens": gen_tokens, "gen_tokens_per_s": gen_tokens / fill_s,
+               "fill_s": fill_s, "wait_weights_s": waited, "reload_s": reload_s,
+               "engine_idle_fraction": max(0.0, 1 - busy / (len(self.engines.engines) * elapsed)),
+               "engine_retries": self.engines.retries - retries_before, "step_s": elapsed}
+        if self.trainer_rows is not None:
+            row.update(trainer_fields(self.trainer_rows.poll()))
+        self.metrics.write(row)
+        self.progress(summary_line(row, self.job.train.max_steps, self.rl.group_size))
+        return True
+
+    # ------------------------------------------------------------------ evaluation
+
+    def evaluate(self, after_step: int) -> dict[str, Any] | None:
+        """Greedy answers to the held-out prompts, scored; writes and returns the row (None
+        without rl.eval_prompts, or on a stop)."""
+        if not self.eval_rows:
+            return None
+        count = min(len(self.eval_rows), self.rl.eval_max_prompts or len(self.eval_rows))
+        version = min(self.engines.versions())
+        futures = [self.pool.submit(self._group, self.eval_rows[i], i, n=1, temperature=0.0,
+                                    seed=None) for i in range(count)]
+        groups = []
+        for future in futures:
+            group = self._result(future)
+            if group is None:
+                return None
+            if group.failure is not None and self.rl.on_reward_error == "error":
+                raise OrchestratorError([f"{group.failure} (in the evaluation after step "
+                                         f"{after_step})"])
+            groups.append(group)
+        row = {"eval_step": after_step, "policy_version": version, "eval_prompts": count,
+               "eval_skipped": sum(g.failure is not None for g in groups),
+               **reward_stats(groups, self.names, 1, prefix="eval_")}
+        self.metrics.write(row)
+        self.progress(f"eval after step {after_step} (policy {version}): reward "
+                      f"{row['eval_reward_mean']:.3f}, pass@1 {row['eval_pass@1']:.3f} over "
+                      f"{count} held-out prompts")
+        return row
+
+    # ------------------------------------------------------------------ the run
+
+    def run(self) -> bool:
+        """Every step from the resume point to train.max_steps, the evaluations, and after the
+        last step the final policy's evaluation; False when stopped."""
+        steps, every = self.job.train.max_steps, self.rl.eval_every
+        if not self.job.train.resume:
+            self.engines.label_fresh()
+        if every and self.next_step == 1:
+            self.evaluate(0)
+        for number in range(self.next_step, steps + 1):
+            if not self.run_step(number):
+                return False
+            if every and number % every == 0 and number < steps:
+                self.evaluate(number)
+        if every:
+            self.wait_for_version(steps)
+            if self.stop.is_set():
+                return False
+            self.evaluate(steps)
+        return True
+
+    def close(self) -> None:
+        """Stop the generation threads' pool (requests in flight finish in the background)."""
+        self.pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,162 @@
+"""What the orchestrator writes: rollout lines and rollout steps, in the trainer's contract.
+
+One answer is one tokens-format line (docs/rl-loop.md, "The data"):
+
+    input_ids            the prompt's token ids (as training renders it) + the engine's answer ids
+    labels               -100 on the prompt, the answer's ids on the answer
+    images               the prompt's image paths (absolute)
+    advantages           the answer's advantage on each of its tokens (null on the prompt)
+    old_logprobs,        the engine's logprob of each sampled token (after temperature and the
+    inference_logprobs   sampling mask: vLLM's processed logprobs)
+    temperatures         the sampling temperature on each answer token
+    policy_versions      spans of input_ids positions with the policy version that sampled them
+                         (the engine's `weight_versions`, shifted by the prompt's length)
+
+A step goes to ROLLOUTS/.tmp-step_N first, `STABLE` last, then is renamed to ROLLOUTS/step_N (an
+atomic rename: the trainer sees all of it or nothing). Its meta.json says, beside `policy_step`
+(the oldest version of any token), where in the prompt stream the step began and ended and which
+rows it consumed, kept, dropped and skipped: the orchestrator's state is the newest step's
+meta.json (`resume_point`), so a resumed run continues the stream exactly where the last written
+step ended, and nothing else needs saving.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vlmcp.data.rollouts import META, STABLE, is_complete, read_meta, step_dir
+from vlmcp.errors import OrchestratorError
+
+DATA_FILE = "rollouts.jsonl"
+#: meta.json's "written_by" of the steps `vlmcp rl` writes.
+WRITTEN_BY = "vlmcp rl"
+_TMP = ".tmp-"
+
+
+@dataclass
+class Answer:
+    """One sampled answer: the engine's token ids and logprobs, the policy version of each token,
+    and whether it was cut at the length limit."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    truncated: bool
+
+
+def version_spans(versions: Sequence[int], offset: int) -> list[dict[str, int]]:
+    """`policy_versions` spans of per-token `versions`, shifted by `offset` (the prompt)."""
+    spans: list[dict[str, int]] = []
+    for t, version in enumerate(versions):
+        if spans and spans[-1]["version"] == version and spans[-1]["end"] == offset + t:
+            spans[-1]["end"] += 1
+        else:
+            spans.append({"version": version, "start": offset + t, "end": offset + t + 1})
+    return spans
+
+
+def rollout_line(prompt_ids: Sequence[int], images: Sequence[Path], answer: Answer,
+                 advantage: float, temperature: float) -> dict[str, Any]:
+    """The tokens-format line of one answer (see the module docstring)."""
+    off: list[None] = [None] * len(prompt_ids)
+    count = len(answer.token_ids)
+    line = {
+        "input_ids": [*prompt_ids, *answer.token_ids],
+        "labels": [-100] * len(prompt_ids) + list(answer.token_ids),
+        "advantages": off + [advantage] * count,
+        "old_logprobs": off + list(answer.logprobs),
+        "inference_logprobs": off + list(answer.logprobs),
+        "temperatures": off + [temperature] * count,
+        "policy_versions": version_spans(answer.versions, len(prompt_ids)),
+    }
+    if images:
+        line["images"] = [str(Path(p).resolve()) for p in images]
+    return line
+
+
+@dataclass
+class StepRecord:
+    """What meta.json says about a written step beside its data."""
+
+    policy_step: int
+    position_start: int
+    position_end: int
+    consumed: list[int] = field(default_factory=list)
+    kept: list[int] = field(default_factory=list)
+    dropped: list[int] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
+
+    def meta(self) -> dict[str, Any]:
+        return {"policy_step": self.policy_step, "written_by": WRITTEN_BY,
+                "prompt_position": [self.position_start, self.position_end],
+                "prompts": self.consumed, "kept": self.kept, "dropped": self.dropped,
+                "skipped": self.skipped}
+
+
+def write_step(rollouts: Path, number: int, lines: Sequence[dict[str, Any]],
+               record: StepRecord) -> Path:
+    """ROLLOUTS/step_`number`, written under a temporary name, STABLE last, renamed into place."""
+    final = step_dir(rollouts, number)
+    tmp = rollouts / f"{_TMP}{final.name}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    with (tmp / DATA_FILE).open("w") as out:
+        for line in lines:
+            out.write(json.dumps(line) + "\n")
+    (tmp / META).write_text(json.dumps(record.meta()) + "\n")
+    (tmp / STABLE).write_text(json.dumps({"written_by": WRITTEN_BY}) + "\n")
+    os.rename(tmp, final)
+    return final
+
+
+def written_steps(rollouts: Path) -> list[int]:
+    """The numbers of the complete steps in `rollouts`, ascending."""
+    if not rollouts.is_dir():
+        return []
+    found = []
+    for path in rollouts.iterdir():
+        name = path.name
+        if name.startswith("step_") and name[5:].isdigit() and is_complete(path):
+            found.append(int(name[5:]))
+    return sorted(found)
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a run continues: the next step to write and the prompt stream position."""
+
+    step: int
+    position: int
+
+
+def resume_point(rollouts: Path, resume: bool) -> ResumePoint:
+    """The orchestrator's state from the steps in `rollouts` (see the module docstring); removes
+    a step it left half-written. A fresh run (`resume` false) refuses a directory that already
+    holds steps; a resumed one needs them numbered 1..N without a gap, the newest written by
+    `vlmcp rl`."""
+    for tmp in rollouts.glob(f"{_TMP}step_*") if rollouts.is_dir() else ():
+        shutil.rmtree(tmp)
+    steps = written_steps(rollouts)
+    if not steps:
+        return ResumePoint(1, 0)
+    if not resume:
+        raise OrchestratorError([f"rollouts.dir {rollouts} already holds rollout steps "
+                                 f"(step_{steps[0]}..step_{steps[-1]}) but train.resume is false: "
+                                 "resume that run, or give a fresh rollouts.dir"])
+    if steps != list(range(1, len(steps) + 1)):
+        raise OrchestratorError([f"rollouts.dir {rollouts}: steps {steps} are not numbered "
+                                 "1..N without a gap"])
+    meta = read_meta(step_dir(rollouts, steps[-1])).fields
+    position = meta.get("prompt_position")
+    if meta.get("written_by") != WRITTEN_BY or not isinstance(position, list):
+        raise OrchestratorError([f"{step_dir(rollouts, steps[-1]) / META}: not written by "
+                                 f"{WRITTEN_BY} (no prompt_position): cannot continue its prompt "
+                                 "stream"])
+    return ResumePoint(steps[-1] + 1, int(position[1]))
