@@ -109,8 +109,9 @@ def _report(lines: Sequence[str]) -> None:
         print(f"error: {line}", file=sys.stderr, flush=True)
 
 
-def _trainer_outcome(job: JobConfig, code: int, log: Path) -> int:
-    """The exit code after the trainer ended with `code`, its ending reported in one line."""
+def _trainer_outcome(job: JobConfig, code: int, log: Path, signum: int | None = None) -> int:
+    """The exit code after the trainer ended with `code`, its ending reported in one line;
+    `signum`: the stop signal this process passed on to it."""
     marker = Path(job.output_dir) / STOP_MARKER
     if marker.is_file():
         stopped = json.loads(marker.read_text())
@@ -118,6 +119,10 @@ def _trainer_outcome(job: JobConfig, code: int, log: Path) -> int:
               f"{stopped['step']} (checkpoint {stopped['checkpoint']}); resume with "
               "--set train.resume=true", file=sys.stderr, flush=True)
         return int(stopped["exit_code"])
+    if signum is not None:  # stopped while it started, before it could checkpoint anything
+        print(f"vlmcp rl: the trainer stopped on {signal.Signals(signum).name} before its "
+              "first step; resume with --set train.resume=true", file=sys.stderr, flush=True)
+        return 128 + signum
     if code:
         _report(_trainer_errors(log) or [f"the trainer failed (exit {code}); its log: {log}"])
         return 1
@@ -163,8 +168,8 @@ def run_all(job: JobConfig, job_path: Path, overrides: Sequence[str], nproc: int
             return 1
         if not finished:
             _stop_trainer(trainer)
-            code = _trainer_outcome(job, trainer.returncode, log)
-            return 128 + flag.signum if flag.signum else code
+            _trainer_outcome(job, trainer.returncode, log, flag.signum)
+            return 128 + flag.signum
         return _trainer_outcome(job, trainer.wait(), log)
     except JobError as exc:
         _report(exc.problems)

@@ -58,7 +58,8 @@ from vlmcp.rl.prompts import PromptRow, PromptStream, render_prompt
 from vlmcp.rl.rewards import GroupRewards, RewardFailure, RewardRunner
 from vlmcp.rl.step_metrics import (RowWriter, TrainerRows, reward_stats, staleness,
                                    summary_line, trainer_fields)
-from vlmcp.rl.steps import Answer, StepRecord, resume_point, rollout_line, write_step
+from vlmcp.rl.steps import (Answer, StepRecord, resume_point, rollout_line, write_samples,
+                            write_step)
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ class Orchestrator:
         self.names = [spec.name for spec in rewards.specs]
         start = resume_point(self.rollouts, job.train.resume)
         self.next_step, self.position = start.step, start.position
+        self.out_dir = out_dir
         self.metrics = RowWriter(out_dir / "metrics.jsonl", self.next_step)
         self.trainer_rows = TrainerRows(trainer_metrics) if trainer_metrics else None
         self.pool = ThreadPoolExecutor(self.rl.concurrency, thread_name_prefix="vlmcp-generate")
@@ -257,12 +259,24 @@ class Orchestrator:
         lines = []
         for group in groups:
             advantages = group_advantages(group.rewards.total, self.rl.advantage)
-            for answer, advantage in zip(group.answers, advantages):
+            for i, (answer, advantage) in enumerate(zip(group.answers, advantages)):
                 if self.rl.overlong_filter and answer.truncated:
                     continue
-                lines.append(rollout_line(group.prompt_ids, group.images, answer, advantage,
-                                          self.rl.temperature))
+                lines.append(rollout_line(
+                    group.prompt_ids, group.images, answer, advantage, self.rl.temperature,
+                    reward=group.rewards.total[i], prompt_position=group.position,
+                    rewards={n: v[i] for n, v in group.rewards.per_function.items()}))
         return lines
+
+    @staticmethod
+    def _sample_record(group: Group, status: str) -> dict[str, Any]:
+        rewards = group.rewards
+        return {"prompt_position": group.position, "source": group.row.source, "status": status,
+                "completion_ids": [a.token_ids for a in group.answers],
+                "truncated": [a.truncated for a in group.answers],
+                "reward": rewards.total if rewards else None,
+                "rewards": rewards.per_function if rewards else None,
+                "failure": group.failure}
 
     def run_step(self, number: int) -> bool:
         """Pace, sample, write and report step `number`; False on a stop."""
@@ -288,6 +302,12 @@ class Orchestrator:
                             [g.position for g in outcome.kept],
                             [g.position for g in outcome.dropped],
                             [g.position for g in outcome.skipped])
+        status = {id(g): name for name, groups in (("kept", outcome.kept),
+                                                     ("dropped", outcome.dropped),
+                                                     ("skipped", outcome.skipped))
+                  for g in groups}
+        write_samples(self.out_dir / "samples" / f"step_{number}.jsonl",
+                      [self._sample_record(g, status[id(g)]) for g in outcome.decided])
         write_step(self.rollouts, number, lines, record)
         elapsed = time.perf_counter() - started
         busy = sum(self.engines.busy_seconds()) - sum(busy_before)

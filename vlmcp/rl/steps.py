@@ -11,6 +11,9 @@ One answer is one tokens-format line (docs/rl-loop.md, "The data"):
     temperatures         the sampling temperature on each answer token
     policy_versions      spans of input_ids positions with the policy version that sampled them
                          (the engine's `weight_versions`, shifted by the prompt's length)
+    reward, rewards      the answer's reward (the weighted sum) and each function's value, and
+    prompt_position      its group's position in the prompt stream: what the advantage came from
+                         (the trainer reads none of the three)
 
 A step goes to ROLLOUTS/.tmp-step_N first, `STABLE` last, then is renamed to ROLLOUTS/step_N (an
 atomic rename: the trainer sees all of it or nothing). Its meta.json says, beside `policy_step`
@@ -62,8 +65,9 @@ def version_spans(versions: Sequence[int], offset: int) -> list[dict[str, int]]:
 
 
 def rollout_line(prompt_ids: Sequence[int], images: Sequence[Path], answer: Answer,
-                 advantage: float, temperature: float) -> dict[str, Any]:
-    """The tokens-format line of one answer (see the module docstring)."""
+                 advantage: float, temperature: float, **record: Any) -> dict[str, Any]:
+    """The tokens-format line of one answer (see the module docstring); `record`: the keys
+    that say where its advantage came from (reward, rewards, prompt_position)."""
     off: list[None] = [None] * len(prompt_ids)
     count = len(answer.token_ids)
     line = {
@@ -74,6 +78,7 @@ def rollout_line(prompt_ids: Sequence[int], images: Sequence[Path], answer: Answ
         "inference_logprobs": off + list(answer.logprobs),
         "temperatures": off + [temperature] * count,
         "policy_versions": version_spans(answer.versions, len(prompt_ids)),
+        **record,
     }
     if images:
         line["images"] = [str(Path(p).resolve()) for p in images]
@@ -97,6 +102,15 @@ class StepRecord:
                 "prompt_position": [self.position_start, self.position_end],
                 "prompts": self.consumed, "kept": self.kept, "dropped": self.dropped,
                 "skipped": self.skipped}
+
+
+def write_samples(path: Path, groups: Sequence[dict[str, Any]]) -> None:
+    """OUTPUT_DIR/rl/samples/step_N.jsonl: every group a step decided, kept or not (its
+    answers' token ids, rewards and status), for whoever checks what the orchestrator did."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as out:
+        for group in groups:
+            out.write(json.dumps(group) + "\n")
 
 
 def write_step(rollouts: Path, number: int, lines: Sequence[dict[str, Any]],
