@@ -33,11 +33,18 @@ def test_an_rl_job_loads_with_its_documented_defaults():
     assert job.rl.max_off_policy == 1 and job.rl.weights == "push" and job.rl.dynamic_sampling
 
 
+def test_an_explicit_null_of_a_file_list_key_is_its_default_not_a_crash():
+    job = job_from_dict({"model": {"path": "ckpt"}, "data": {"train": "t.jsonl", "eval": None},
+                         "rl": {"prompts": None}})
+    assert job.data.eval is None and not job.rl.enabled
+
+
 def test_rl_keys_without_rl_prompts_are_each_named():
     raw = {"model": {"path": "ckpt"}, "data": {"train": "t.jsonl"},
            "rl": {"group_size": 4, "advantage": "rloo"}}
-    assert _problems(raw) == ["config key 'rl.group_size' is set but 'rl.prompts' is not",
-                              "config key 'rl.advantage' is set but 'rl.prompts' is not"]
+    assert _problems(raw) == [
+        "config key 'rl.group_size' is set but neither 'rl.prompts' nor 'rl.environment' is",
+        "config key 'rl.advantage' is set but neither 'rl.prompts' nor 'rl.environment' is"]
 
 
 def test_every_bad_reward_entry_is_one_line_naming_its_index():
@@ -59,8 +66,7 @@ def test_rl_cross_key_rules_name_both_keys():
     problems = _problems(raw)
     assert "config key 'rl.rewards' is empty: name at least one reward function " \
            "(module:function, or a built-in: exact_match, math)" in problems
-    assert any(p.startswith("config key 'rl.prompts' is set but 'rollouts.dir' is not")
-               for p in problems)
+    assert any(p.startswith("the rl section needs 'rollouts.dir'") for p in problems)
     assert "config key 'rl.eval_every' is set but 'rl.eval_prompts' is not" in problems
     assert "config key 'rl.max_prompts_per_step' (4) is below 'rl.prompts_per_step' (8)" \
         in problems
@@ -74,6 +80,23 @@ def test_the_weights_ways_need_their_publish_keys():
     assert any("lora.r=8" in p for p in _problems(_job(lora={"r": 8})))
     assert any("'rollouts.max_staleness' (0) is below 'rl.max_off_policy' (1)" in p
                for p in _problems(_job(rollouts={"dir": "r", "max_staleness": 0})))
+
+
+def test_an_environment_takes_the_place_of_prompts_and_rewards():
+    env = {"model": {"path": "ckpt"}, "rollouts": {"dir": "r"},
+           "rl": {"environment": {"id": "my_env", "args": {"max_turns": 3}}}}
+    assert job_from_dict(env).rl.enabled
+    both = {**env, "rl": {**env["rl"], "prompts": "p.jsonl",
+                          "rewards": [{"function": "exact_match"}]}}
+    assert _problems(both) == [
+        "config key 'rl.prompts' is set with 'rl.environment', whose tasks and rubric take its "
+        "place",
+        "config key 'rl.rewards' is set with 'rl.environment', whose tasks and rubric take its "
+        "place"]
+    assert _problems({**env, "rl": {"environment": {"name": "x"}}}) == [
+        "unknown config key 'rl.environment.name'",
+        "config key 'rl.environment.id': expected an environment's id or the path of its "
+        "module file"]
 
 
 def test_push_keys_are_allowed_where_vlmcp_rl_fills_publish_engines():

@@ -19,7 +19,8 @@ from vlmcp.errors import DataError, OrchestratorError
 from vlmcp.rl.advantages import carries_signal, group_advantages
 from vlmcp.rl.builtin_rewards import exact_match, math
 from vlmcp.rl.prompts import PromptStream, read_prompts, render_prompt
-from vlmcp.rl.steps import Answer, StepRecord, resume_point, rollout_line, write_step
+from vlmcp.rl.steps import (Answer, Sample, StepRecord, resume_point, rollout_line,
+                            write_step)
 from vlmcp.training.evaluate import generation_prompt
 
 
@@ -106,7 +107,7 @@ def test_a_rollout_line_loads_as_the_training_sample_it_stands_for(digits_jsonl,
     row = read_prompts([digits_jsonl / "train.jsonl"])[0]
     rendered = render_prompt(row, tiny_processor)
     answer = Answer([40, 41, 2], [-0.5, -1.25, -0.1], [3, 3, 4], truncated=False)
-    line = rollout_line(rendered.input_ids, rendered.images, answer, 0.75, 0.8)
+    line = rollout_line(Sample.of_answer(rendered.input_ids, rendered.images, answer), 0.75, 0.8)
     (tmp_path / "step.jsonl").write_text(json.dumps(line) + "\n")
     (sample,) = load_samples(tmp_path / "step.jsonl", tiny_processor, max_seq_len=256)
     prompt = len(rendered.input_ids)

@@ -38,6 +38,7 @@ import torch
 from tests.helpers.engine_reference import NEEDS_ENGINE, Prompt, reference_logprobs
 from tests.helpers.launching import REPO, run_vlmcp, vlmcp_env, write_job
 from tests.helpers.parity import bf16_allowance, rel_err
+from tests.helpers import vf_dialog
 from tests.helpers.rl_rewards import parity
 from vlmcp.data.policy_versions import token_versions
 from vlmcp.data.processor import load_processor
@@ -74,6 +75,18 @@ def assets(tmp_path_factory, digits_jsonl):
     (root / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[-4:]))
     return {"root": root, "checkpoint": checkpoint, "rows": rows,
             "processor": load_processor(checkpoint)}
+
+
+def _reset(server, assets) -> VllmHttpClient:
+    """The server back on the base checkpoint, labelled version 0 (a fresh run's start); the
+    returned client serves any version of `assets["root"] / "versions"`."""
+    versions = assets["root"] / "versions"
+    if not versions.exists():
+        shutil.copytree(assets["checkpoint"], versions / "step_0")
+        (versions / "step_0" / STABLE).write_text("")
+    client = VllmHttpClient(server.url, versions, assets["checkpoint"], version=1)
+    client.serve(0)
+    return client
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +130,7 @@ def _wait_for(path: Path, proc: subprocess.Popen, log: Path, timeout: float = 30
 @pytest.fixture(scope="module")
 def run(assets, server):
     """The run under test: SIGTERM once step 2 is written, then resumed to the end."""
+    _reset(server, assets)
     job = _job(assets, "run", server, eval_prompts=str(assets["root"] / "eval.jsonl"),
                eval_every=2)
     root = job.parent
@@ -177,9 +191,8 @@ def test_each_written_answer_is_the_engines_tokens_and_logprobs_at_its_version(r
     """The engine, serving the answer's policy version again, scores the written tokens (as
     its prompt) to the written logprobs: both lie within bf16's own error of transformers in
     float64 (the engine samples in its decode path and scores in its prefill path)."""
-    versions_dir = run["root"] / "versions"
-    shutil.copytree(assets["checkpoint"], versions_dir / "step_0")
-    (versions_dir / "step_0" / STABLE).write_text("")
+    _reset(server, assets)
+    versions_dir = assets["root"] / "versions"
     weights = run["root"] / "weights"
     for step in sorted(weights.glob("step_*")) + sorted(weights.glob(".set-aside/*/step_*")):
         (versions_dir / step.name).unlink(missing_ok=True)
@@ -191,24 +204,9 @@ def test_each_written_answer_is_the_engines_tokens_and_logprobs_at_its_version(r
         for line in _lines(run["root"], step)[:2]:
             (version,) = {span["version"] for span in line["policy_versions"]}
             client.serve(version)
+            written, rescored = _written_and_rescored(client, line, allowed)
             prompt = line["labels"].index(next(t for t in line["labels"] if t != -100))
             answer = line["input_ids"][prompt:]
-            written = torch.tensor(line["inference_logprobs"][prompt:], dtype=torch.float64)
-            reply = client.post("/inference/v1/generate", {
-                "token_ids": line["input_ids"], "return_token_ids": True,
-                "content_parts": [image_part(Path(p)) for p in line["images"]],
-                "sampling_params": {"max_tokens": 1, "prompt_logprobs": -1, "temperature": 1.0}})
-            assert reply["prompt_token_ids"] == line["input_ids"]
-            rescored = []
-            for t, token in enumerate(answer):
-                # the engine's full log_softmax at this position, tempered and masked as sampled
-                full = reply["prompt_logprobs"][prompt + t]
-                tempered = {int(i): entry["logprob"] / TAU for i, entry in full.items()
-                            if int(i) in allowed}
-                norm = torch.logsumexp(torch.tensor(list(tempered.values()),
-                                                    dtype=torch.float64), 0)
-                rescored.append(tempered[token] - float(norm))
-            rescored = torch.tensor(rescored, dtype=torch.float64)
             pixels, grid = process_images([Path(p) for p in line["images"]], "line",
                                           assets["processor"])
             mm = torch.tensor([[int(t == assets["processor"].image_token_id)
@@ -222,6 +220,29 @@ def test_each_written_answer_is_the_engines_tokens_and_logprobs_at_its_version(r
             assert rel_err(rescored, ref64) <= allowance, (step, version)
             checked += 1
     assert checked == 2 * STEPS
+
+
+def _written_and_rescored(client, line: dict, allowed: set[int], tau: float = TAU
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the line's written logprobs, the engine's own of the same tokens): the engine scores
+    the whole line as its prompt (full prompt logprobs), tempered and masked as it sampled."""
+    reply = client.post("/inference/v1/generate", {
+        "token_ids": line["input_ids"], "return_token_ids": True,
+        "content_parts": [image_part(Path(p)) for p in line.get("images", [])],
+        "sampling_params": {"max_tokens": 1, "prompt_logprobs": -1, "temperature": 1.0}})
+    assert reply["prompt_token_ids"] == line["input_ids"]
+    written, rescored = [], []
+    for t, label in enumerate(line["labels"]):
+        if label == -100:
+            continue
+        full = reply["prompt_logprobs"][t]
+        tempered = {int(i): entry["logprob"] / tau for i, entry in full.items()
+                    if int(i) in allowed}
+        norm = torch.logsumexp(torch.tensor(list(tempered.values()), dtype=torch.float64), 0)
+        rescored.append(tempered[label] - float(norm))
+        written.append(line["inference_logprobs"][t])
+    return (torch.tensor(written, dtype=torch.float64),
+            torch.tensor(rescored, dtype=torch.float64))
 
 
 def test_each_advantage_is_the_estimator_of_its_groups_written_rewards(run):
@@ -293,12 +314,67 @@ def test_the_metrics_rows_and_the_console_report_every_step_and_evaluation(run):
     assert f"step {STEPS}/{STEPS}: reward" in console and "eval after step 3 (policy 3)" in console
 
 
+def test_a_multi_turn_verifiers_environment_runs_three_steps_its_replies_prompt_tokens(
+        assets, server):
+    """tests/helpers/vf_dialog.py: three model turns per episode, the environment's reply
+    between them. Every line's targets are the engine's sampled tokens (its logprobs again when
+    the engine scores the line), the environment's messages are prompt tokens, every line of an
+    episode carries the episode's advantage, and the rubric's reward is the last sampled token's
+    parity."""
+    _reset(server, assets)
+    job = _job(assets, "environment", server, prompts=None, rewards=[],
+               environment={"id": str(REPO / "tests" / "helpers" / "vf_dialog.py")},
+               prompts_per_step=2, max_new_tokens=4, temperature=1.0,
+               max_prompts_per_step=None)
+    result = run_vlmcp(["rl", str(job)], timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    root = job.parent
+    reply_ids = assets["processor"].tokenizer(vf_dialog.REPLY, add_special_tokens=False)[
+        "input_ids"]
+    allowed = set(sampling_mask(assets["processor"]))
+    for step in range(1, STEPS + 1):
+        lines = _lines(root, step)
+        samples = {s["prompt_position"]: s for s in _samples(root, step)}
+        assert len({line["prompt_position"] for line in lines}) == 2
+        turns = {len([t for t in line["input_ids"] if t == 1]) for line in lines}
+        assert max(turns) >= 2 * vf_dialog.DialogEnvConfig().turns - 1  # the replies are there
+        by_group: dict[int, list[dict]] = {}
+        for line in lines:
+            by_group.setdefault(line["prompt_position"], []).append(line)
+        for position, group_lines in by_group.items():
+            sample = samples[position]
+            advantages = group_advantages(sample["reward"], "grpo")
+            assert len(group_lines) == len(sample["owners"])  # every turn of every episode
+            for line, owner, completion in zip(group_lines, sample["owners"],
+                                               sample["completion_ids"]):
+                ids, labels = line["input_ids"], line["labels"]
+                assert [t for t in labels if t != -100] == completion
+                found = [i for i in range(len(ids)) if ids[i:i + len(reply_ids)] == reply_ids]
+                assert all(labels[i + k] == -100 for i in found for k in range(len(reply_ids)))
+                last = [c for o, c in zip(sample["owners"], sample["completion_ids"])
+                        if o == owner][-1]
+                assert line["reward"] == float(last[-1] % 2) == sample["reward"][owner]
+                (advantage,) = {a for a in line["advantages"] if a is not None}
+                assert advantage == pytest.approx(advantages[owner], abs=1e-12)
+    client = _reset(server, assets)  # policy 0: step 1's
+    for line in _lines(root, 1)[:3]:
+        written, rescored = _written_and_rescored(client, line, allowed, 1.0)
+        first = line["labels"].index(next(t for t in line["labels"] if t != -100))
+        ref64, ref_bf16 = reference_logprobs(assets["checkpoint"], Prompt(line["input_ids"][:first]),
+                                             [line["input_ids"][first:]], 1.0, sorted(allowed))
+        targets = [t - first for t, label in enumerate(line["labels"]) if label != -100]
+        ref64, ref_bf16 = ref64[targets], ref_bf16[targets]
+        allowance = bf16_allowance(ref_bf16, ref64)
+        assert rel_err(written, ref64) <= allowance and rel_err(rescored, ref64) <= allowance
+
+
 def _error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("error: ")]
 
 
 def test_a_hanging_reward_stops_the_run_with_one_line_naming_the_prompt_and_function(
         assets, server):
+    _reset(server, assets)
     rows = [{**row, "answer": "hang"} for row in assets["rows"][:8]]
     prompts = assets["root"] / "prompts_hang.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -315,6 +391,7 @@ def test_a_hanging_reward_stops_the_run_with_one_line_naming_the_prompt_and_func
 
 def test_killing_the_engine_ends_the_run_with_one_line(assets, server):
     """The last test of the module: it kills the module's server."""
+    _reset(server, assets)
     job = _job(assets, "engine_killed", server)
     root = job.parent
     log = root / "console.log"

@@ -285,6 +285,14 @@ def _add_bench_other_measures(bench: argparse.ArgumentParser) -> None:
                             "the engine's downtime per update, the training's critical path, the "
                             "bytes written to disk and where the push's time goes, --repeats "
                             "rounds each")
+    bench.add_argument("--rl", action="store_true",
+                       help="instead of a step benchmark: the whole loop (`vlmcp rl`, one vLLM "
+                            "server from the engine venv, one trainer rank) on the demo model and "
+                            "on one of about 1.1 GB in bf16, synchronous (rl.max_off_policy 0) "
+                            "and asynchronous (1), --repeats fresh runs of --steps steps each; "
+                            "reports each step's time split into generate, score, train, push "
+                            "and the two sides' waits, min / median / max "
+                            "(vlmcp/bench/rl_loop.py)")
     bench.add_argument("--length-mix", action="store_true",
                        help="instead of a step benchmark: train whole RL steps of mixed lengths "
                             "(seeded log-normal replies, a few at the limit, images) on --sp-size "
@@ -370,22 +378,16 @@ def _add_demo(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     demo.add_argument("--set", dest="overrides", action="append", default=[],
                       metavar="KEY.PATH=VALUE", help="override a key of the demo job; repeatable")
     demo.add_argument("--rl", action="store_true",
-                      help="online RL instead: a short CE warm start, then this process samples "
-                           "answers from the newest published weights (--engine) and writes "
-                           "rollout steps while `vlmcp train` trains ppo_clip on them and "
-                           "publishes weights, one step off-policy; output in OUT/rl "
-                           "(vlmcp/demo/rl.py; --steps sets the RL steps)")
-    demo.add_argument("--engine", choices=("auto", "transformers", "vllm"), default="auto",
-                      help="the RL demo's inference engine: vllm (a vLLM server in its own "
-                           "process from the engine venv that `make engine` builds, bf16, "
-                           "reloading every published step in place), transformers (in this "
-                           "process, fp32), or auto (default): vllm where the engine venv exists, "
-                           "else transformers")
+                      help="online RL instead: a short CE warm start, then the loop as a job of "
+                           "`vlmcp rl` (OUT/rl/job.json): a vLLM server from the engine venv "
+                           "that `make engine` builds, the trainer (ppo_clip at SP 2, torchrun) "
+                           "and the orchestrator, one step off-policy; output in OUT/rl "
+                           "(vlmcp/demo/rl.py; --steps sets the RL steps, --set the rl job's keys)")
     demo.add_argument("--weights", choices=("push", "files"), default=None,
-                      help="how the RL demo's vLLM engine gets each trained step: push (default: "
+                      help="how the RL demo's engine gets each trained step: push (default: "
                            "the trainer pushes it into the running server in memory, "
-                           "publish.engines) or files (published to OUT/rl/weights and reloaded "
-                           "from the disk); the transformers engine always reads the files")
+                           "rl.weights push) or files (published to OUT/rl/weights and reloaded "
+                           "by the orchestrator)")
     demo.add_argument("--video", action="store_true",
                       help="video variant: synthetic digit clips (4 to 8 temporal groups, the "
                            "digit in one of them, noise in the others), 'Which digit appears in "
@@ -480,7 +482,7 @@ def _settle_device() -> None:
 def _cmd_train(args: argparse.Namespace) -> int:
     # os.environ: the settings `accelerate launch --config_file X.yaml` exports (config/launch_env.py).
     job = load_job(args.job, args.overrides, environ=os.environ)
-    if job.rl.prompts is not None:
+    if job.rl.enabled:
         return _report(["the job has an rl section: train it with `vlmcp rl JOB.json` (all "
                         "parts) or, under your launcher, `vlmcp rl JOB.json --part trainer`"])
     return _train(job)
@@ -518,7 +520,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
     report = run_preflight(job, world_size, decode_images=True)
     problems = list(report.problems)
-    if job.rl.prompts is not None:
+    if job.rl.enabled:
         from vlmcp.rl.preflight import rl_problems_before_start
 
         problems += rl_problems_before_start(job)
@@ -617,13 +619,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                         "pip install 'vlmcp[demo]'"])
     if args.rl and args.video:
         return _report(["demo: --rl and --video are separate demos; give one of them"])
-    if args.engine != "auto" and not args.rl:
-        return _report([f"demo: --engine {args.engine} applies to the RL demo only (--rl)"])
     if args.weights is not None and not args.rl:
         return _report([f"demo: --weights {args.weights} applies to the RL demo only (--rl)"])
-    if args.weights == "push" and args.engine == "transformers":
-        return _report(["demo: --weights push needs a vLLM engine (--engine vllm or auto); the "
-                        "transformers engine reads the published files"])
     if args.video:
         from vlmcp.demo.video import run_video_demo
 
@@ -634,7 +631,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         from vlmcp.demo.rl import run_rl_demo
 
         return run_rl_demo(out_dir=out, nproc=args.nproc, sp_size=args.sp_size,
-                           steps=args.steps, overrides=args.overrides, engine=args.engine,
+                           steps=args.steps, overrides=args.overrides,
                            weights=args.weights or "push")
     from vlmcp.demo.image import run_demo
 
@@ -644,9 +641,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _cmd_rl(args: argparse.Namespace) -> int:
     job = load_job(args.job, args.overrides, environ=os.environ)
-    if job.rl.prompts is None:
-        return _report([f"{args.job}: no rl section (rl.prompts is not set): `vlmcp train` "
-                        "trains it"])
+    if not job.rl.enabled:
+        return _report([f"{args.job}: no rl section (neither rl.prompts nor rl.environment is "
+                        "set): `vlmcp train` trains it"])
     if args.part == "trainer":
         from vlmcp.config.rl_checks import trainer_job
 

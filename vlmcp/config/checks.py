@@ -53,7 +53,7 @@ def _matches(value: Any, tp: Any) -> tuple[bool, Any]:
             return True, float(value)
         except OverflowError:  # an integer beyond the float range: not finite, as 1e400 is not
             return True, math.inf if value > 0 else -math.inf
-    if tp is str or tp is dict:
+    if tp is str or tp is dict or tp is list:
         return isinstance(value, tp), value
     origin = typing.get_origin(tp)
     if origin is list:
@@ -231,7 +231,7 @@ _DIR_KEYS = ("keep", "dir_every")
 
 def _pushed_by_rl(job: JobConfig) -> bool:
     """Whether `vlmcp rl` fills publish.engines in (rl.weights "push", `trainer_job`)."""
-    return job.rl.prompts is not None and job.rl.weights == "push"
+    return job.rl.enabled and job.rl.weights == "push"
 
 
 def _publish_target_checks(publish: PublishSection, pushed_by_rl: bool = False) -> list[str]:

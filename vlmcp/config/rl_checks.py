@@ -21,6 +21,9 @@ from typing import Any
 
 from vlmcp.config.schema import BUILTIN_REWARDS, JobConfig, RlSection
 
+#: The objectives whose token loss is linear in the advantage for a given token (the same sign for
+#: identical answers): merging identical answers keeps their loss exactly.
+MERGE_EXACT_TYPES = ("policy_gradient", "ppo_clip")
 #: The keys of one `rl.rewards` entry.
 REWARD_KEYS = ("function", "weight")
 #: The `rl` keys that only apply to the engines `vlmcp rl` starts itself.
@@ -62,17 +65,13 @@ def _changed(section: RlSection, names: tuple[str, ...] | None = None) -> list[s
 def rl_problems(job: JobConfig) -> list[str]:
     """The `rl` section's rules; none when it is off (and nothing of it is set)."""
     rl = job.rl
-    if rl.prompts is None:
-        return [f"config key 'rl.{name}' is set but 'rl.prompts' is not"
-                for name in _changed(rl) if name != "prompts"]
-    problems = [problem for i, entry in enumerate(rl.rewards)
-                for problem in reward_entry_problems(i, entry)]
-    if not rl.rewards:
-        problems.append("config key 'rl.rewards' is empty: name at least one reward function "
-                        f"(module:function, or a built-in: {', '.join(BUILTIN_REWARDS)})")
+    if not rl.enabled:
+        return [f"config key 'rl.{name}' is set but neither 'rl.prompts' nor 'rl.environment' is"
+                for name in _changed(rl)]
+    problems = _source_problems(rl)
     if not job.rollouts.dir:
-        problems.append("config key 'rl.prompts' is set but 'rollouts.dir' is not: the "
-                        "orchestrator writes the rollout steps there and the trainer reads them")
+        problems.append("the rl section needs 'rollouts.dir': the orchestrator writes the "
+                        "rollout steps there and the trainer reads them")
     if rl.eval_every and rl.eval_prompts is None:
         problems.append("config key 'rl.eval_every' is set but 'rl.eval_prompts' is not")
     if rl.eval_prompts is not None and not rl.eval_every:
@@ -92,12 +91,43 @@ def rl_problems(job: JobConfig) -> list[str]:
         problems += [f"config key 'rl.{name}' is set but 'rl.engines' names running servers: "
                      "it applies to the engines `vlmcp rl` starts"
                      for name in _changed(rl, _STARTED_ENGINE_KEYS)]
+    if rl.merge_identical_answers and (job.loss.terms or job.loss.normalize != "token" or
+                                       job.loss.type not in MERGE_EXACT_TYPES):
+        problems.append("config key 'rl.merge_identical_answers' needs one loss.type of "
+                        f"{', '.join(MERGE_EXACT_TYPES)} with loss.normalize \"token\" (no "
+                        "loss.terms): only there is a merged answer's loss exactly its copies' "
+                        f"(loss.type {job.loss.type!r}, normalize {job.loss.normalize!r})")
     problems += _weights_problems(job)
     staleness = job.rollouts.max_staleness
     if staleness is not None and staleness < rl.max_off_policy:
         problems.append(f"config key 'rollouts.max_staleness' ({staleness}) is below "
                         f"'rl.max_off_policy' ({rl.max_off_policy}): the trainer would refuse "
                         "the steps the orchestrator paces to")
+    return problems
+
+
+def _source_problems(rl: RlSection) -> list[str]:
+    """Where the prompts and rewards come from: rl.prompts with rl.rewards, or rl.environment
+    (its tasks and its rubric) alone."""
+    if rl.environment is None:
+        problems = [problem for i, entry in enumerate(rl.rewards)
+                    for problem in reward_entry_problems(i, entry)]
+        if not rl.rewards:
+            problems.append("config key 'rl.rewards' is empty: name at least one reward "
+                            f"function (module:function, or a built-in: "
+                            f"{', '.join(BUILTIN_REWARDS)})")
+        return problems
+    problems = [f"unknown config key 'rl.environment.{name}'"
+                for name in rl.environment if name not in ("id", "args")]
+    if not isinstance(rl.environment.get("id"), str) or not rl.environment.get("id"):
+        problems.append("config key 'rl.environment.id': expected an environment's id or the "
+                        "path of its module file")
+    if not isinstance(rl.environment.get("args", {}), dict):
+        problems.append("config key 'rl.environment.args': expected an object (the "
+                        "environment's config fields)")
+    problems += [f"config key 'rl.{name}' is set with 'rl.environment', whose tasks and rubric "
+                 "take its place" for name in ("prompts", "rewards", "eval_prompts")
+                 if getattr(rl, name)]
     return problems
 
 

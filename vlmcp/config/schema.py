@@ -421,12 +421,19 @@ BUILTIN_REWARDS = ("exact_match", "math")
 
 @dataclass
 class RlSection:
+    """`vlmcp rl`'s section; on when rl.prompts or rl.environment is set (`enabled`)."""
+
     prompts: str | list | None = field(default=None, metadata=_key(
         "the whole RL loop (`vlmcp rl`): the prompt files, in any data format vlmcp reads "
         "(messages, LLaVA/ShareGPT: a trailing assistant turn is the reference answer) or a "
         "table of prompt and answer columns (JSON Lines; parquet and load_from_disk with the "
         "`datasets` package); the columns beyond the prompt go to the rewards; relative to the "
         "job file; null: off (docs/rl-loop.md)", files="plain"))
+    environment: dict | None = field(default=None, metadata=_key(
+        "instead of rl.prompts and rl.rewards: a verifiers environment, {\"id\": an installed "
+        "environment's id or \"path/to/env.py\" (relative to the job file), \"args\": its "
+        "config fields}: its taskset's tasks are the prompts, its rubric the reward, its "
+        "protocol (single- or multi-turn) runs every episode (the rl extra)"))
     eval_prompts: str | list | None = field(default=None, metadata=_key(
         "held-out prompts: greedy answers scored by the rewards every rl.eval_every steps",
         files="plain"))
@@ -466,6 +473,11 @@ class RlSection:
     max_prompts_per_step: int | None = field(default=None, metadata=_key(
         "with rl.dynamic_sampling: the most prompts one step samples; a step that reaches it "
         "trains on the groups it has (null: 4 x rl.prompts_per_step)", min=1))
+    merge_identical_answers: bool = field(default=False, metadata=_key(
+        "write identical answers of a group (same tokens, same versions) once, with their "
+        "summed advantage scaled by (tokens written / tokens sampled) over the step: the "
+        "token-normalised loss of policy_gradient and ppo_clip is then exactly that of every "
+        "answer, for less training work (short answers repeat; docs/rl-loop.md)"))
     overlong_filter: bool = field(default=False, metadata=_key(
         "answers cut at rl.max_new_tokens train with zero loss weight (DAPO's overlong "
         "filtering); their reward still counts in their group"))
@@ -505,6 +517,11 @@ class RlSection:
         "an engine that dies or fails a request: retry its requests on the other engines "
         "(counted; the run stops when none is left), or stop the run at once",
         choices=["retry", "error"]))
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the job has an rl section: rl.prompts or rl.environment is set."""
+        return self.prompts is not None or self.environment is not None
 
 
 @dataclass

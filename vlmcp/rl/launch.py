@@ -39,7 +39,7 @@ from vlmcp.config.schema import JobConfig
 from vlmcp.demo.image import torchrun_command
 from vlmcp.engine.vllm_http import VllmServer, end_with_parent
 from vlmcp.errors import JobError
-from vlmcp.rl.parts import build_orchestrator, close_orchestrator, rl_dir, start_engines
+from vlmcp.rl.parts import build_orchestrator, rl_dir, start_engines
 
 #: Signals that stop an RL run cleanly.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -176,7 +176,7 @@ def run_all(job: JobConfig, job_path: Path, overrides: Sequence[str], nproc: int
         return 1
     finally:
         if orchestrator is not None:
-            close_orchestrator(orchestrator)
+            orchestrator.close()
         if trainer is not None and trainer.poll() is None:
             _stop_trainer(trainer)
         for server in servers:
@@ -231,5 +231,5 @@ def run_orchestrator(job: JobConfig) -> int:
         return 1
     finally:
         if orchestrator is not None:
-            close_orchestrator(orchestrator)
+            orchestrator.close()
         flag.restore()

@@ -48,37 +48,20 @@ from pathlib import Path
 from typing import Any
 
 from vlmcp.config.schema import JobConfig
-from vlmcp.data.processor import VLProcessor
 from vlmcp.engine.published import step_path
-from vlmcp.errors import DataError, EngineError, OrchestratorError
+from vlmcp.errors import EngineError, OrchestratorError
 from vlmcp.rl.advantages import carries_signal, group_advantages
 from vlmcp.rl.engines import EnginePool
-from vlmcp.rl.generation import answers_of, generate_request, sampling_mask
-from vlmcp.rl.prompts import PromptRow, PromptStream, render_prompt
-from vlmcp.rl.rewards import GroupRewards, RewardFailure, RewardRunner
+from vlmcp.rl.groups import Group, GroupSource
+from vlmcp.rl.prompts import PromptStream
 from vlmcp.rl.step_metrics import (RowWriter, TrainerRows, reward_stats, staleness,
                                    summary_line, trainer_fields)
-from vlmcp.rl.steps import (Answer, StepRecord, resume_point, rollout_line, write_samples,
-                            write_step)
+from vlmcp.rl.steps import StepRecord, resume_point, rollout_line, write_samples, write_step
 
 logger = logging.getLogger(__name__)
 
 #: Seconds between two looks at the engines' versions while pacing.
 POLL_S = 0.1
-
-
-@dataclass
-class Group:
-    """One prompt's answers and rewards (`failure`: why its rewards are missing)."""
-
-    position: int
-    row: PromptRow
-    prompt_ids: list[int]
-    images: list[Path]
-    answers: list[Answer]
-    rewards: GroupRewards | None = None
-    failure: str | None = None
-    seconds: float = 0.0
 
 
 @dataclass
@@ -94,26 +77,27 @@ class StepOutcome:
 class Orchestrator:
     """Writes the rollout steps of an rl job (see the module docstring).
 
-    rows / eval_rows: the prompt sets (`vlmcp.rl.prompts.read_prompts`); engines, rewards: the
-    started pools; trainer_alive: False once the trainer is gone (waits then fail at once);
+    groups: where a row's group comes from (`vlmcp.rl.groups.PromptGroups`, or an environment's
+    `vlmcp.rl.environments.EnvironmentGroups`); rows / eval_rows: what it takes (prompt rows of
+    `vlmcp.rl.prompts.read_prompts`, or the environment's tasks); engines: the started pool (its
+    versions pace the steps); trainer_alive: False once the trainer is gone (waits then fail at once);
     stop: set to stop after the step in progress is abandoned; out_dir: OUTPUT_DIR/rl;
     trainer_metrics: the trainer's metrics.jsonl, read for the console and the rows.
     """
 
-    def __init__(self, job: JobConfig, processor: VLProcessor, rows: Sequence[PromptRow],
-                 eval_rows: Sequence[PromptRow], engines: EnginePool, rewards: RewardRunner, *,
-                 out_dir: Path, trainer_alive: Callable[[], bool] = lambda: True,
+    def __init__(self, job: JobConfig, groups: GroupSource, rows: Sequence[Any],
+                 eval_rows: Sequence[Any], engines: EnginePool, *, out_dir: Path,
+                 trainer_alive: Callable[[], bool] = lambda: True,
                  stop: threading.Event | None = None, trainer_metrics: Path | None = None,
                  progress: Callable[[str], None] = print):
-        self.job, self.rl, self.processor = job, job.rl, processor
+        self.job, self.rl, self.groups = job, job.rl, groups
         self.rows, self.eval_rows = list(rows), list(eval_rows)
-        self.engines, self.rewards = engines, rewards
+        self.engines = engines
         self.rollouts = Path(job.rollouts.dir)
         self.trainer_alive, self.stop = trainer_alive, stop or threading.Event()
         self.progress = progress
         self.stream = PromptStream(len(self.rows), job.train.seed)
-        self.allowed = sampling_mask(processor) if self.rl.sampling_mask == "text" else None
-        self.names = [spec.name for spec in rewards.specs]
+        self.names = groups.names
         start = resume_point(self.rollouts, job.train.resume)
         self.next_step, self.position = start.step, start.position
         self.out_dir = out_dir
@@ -164,42 +148,9 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ one group
 
-    def _reward_kwargs(self, row: PromptRow, answers: Sequence[Answer]) -> dict[str, Any]:
-        tokenizer = self.processor.tokenizer
-        texts = [tokenizer.decode(a.token_ids, skip_special_tokens=True) for a in answers]
-        completions = ([[{"role": "assistant", "content": t}] for t in texts]
-                       if row.conversational else texts)
-        count = len(answers)
-        return {"prompts": [row.reward_prompt()] * count, "completions": completions,
-                "completion_ids": [list(a.token_ids) for a in answers],
-                **{name: [value] * count for name, value in row.columns.items()}}
-
-    def _group(self, row: PromptRow, position: int, *, n: int, temperature: float,
-               seed: int | None) -> Group:
-        """Generate and score the group of `row` (at stream `position`: its place in the step's
-        record)."""
-        started = time.perf_counter()
-        try:
-            rendered = render_prompt(row, self.processor)
-        except DataError as exc:
-            raise OrchestratorError(exc.problems) from exc
-        body = generate_request(rendered.input_ids, rendered.images, n=n, temperature=temperature,
-                                top_p=self.rl.top_p, top_k=self.rl.top_k,
-                                max_tokens=self.rl.max_new_tokens, allowed=self.allowed,
-                                seed=seed)
-        reply, url = self.engines.generate(body)
-        answers = answers_of(reply, rendered.input_ids, url, row.source)
-        group = Group(position, row, rendered.input_ids, rendered.images, answers)
-        try:
-            group.rewards = self.rewards.submit(self._reward_kwargs(row, answers)).result()
-        except RewardFailure as failure:
-            group.failure = f"{row.source}: {failure}"
-        group.seconds = time.perf_counter() - started
-        return group
-
     def _submit(self, position: int) -> Future[Group]:
         seed = (self.job.train.seed * 1_000_003 + position * self.rl.group_size) % 2**31
-        return self.pool.submit(self._group, self.rows[self.stream.at(position)], position,
+        return self.pool.submit(self.groups.group, self.rows[self.stream.at(position)], position,
                                 n=self.rl.group_size, temperature=self.rl.temperature, seed=seed)
 
     def _result(self, future: Future[Group]) -> Group | None:
@@ -256,24 +207,45 @@ class Orchestrator:
 
     def _lines(self, outcome: StepOutcome) -> list[dict[str, Any]]:
         groups = outcome.kept or [g for g in outcome.dropped[-1:]]
-        lines = []
+        merge = self.rl.merge_identical_answers
+        written: list[list[Any]] = []
+        sampled = 0
         for group in groups:
             advantages = group_advantages(group.rewards.total, self.rl.advantage)
-            for i, (answer, advantage) in enumerate(zip(group.answers, advantages)):
-                if self.rl.overlong_filter and answer.truncated:
+            merged: dict[tuple, list[Any]] = {}
+            for i, (sample, owner) in enumerate(zip(group.samples, group.owners)):
+                advantage = advantages[owner]
+                if self.rl.overlong_filter and sample.truncated:
                     continue
-                lines.append(rollout_line(
-                    group.prompt_ids, group.images, answer, advantage, self.rl.temperature,
-                    reward=group.rewards.total[i], prompt_position=group.position,
-                    rewards={n: v[i] for n, v in group.rewards.per_function.items()}))
+                sampled += sum(sample.sampled)
+                # same tokens, versions and sign of advantage: the merged loss is exactly theirs
+                key = ((tuple(sample.token_ids), tuple(sample.versions), advantage > 0)
+                       if merge else (i,))
+                entry = merged.setdefault(key, [group, i, 0.0, 0])
+                entry[2] += advantage
+                entry[3] += 1
+            written += merged.values()
+        # Merged: each line's advantage times (tokens written / tokens sampled), so that the
+        # step's token-normalised loss is that of every sampled answer (docs/rl-loop.md).
+        scale = (sum(sum(g.samples[i].sampled) for g, i, _, _ in written) / max(sampled, 1)
+                 if merge else 1.0)
+        lines = []
+        for group, i, advantage, copies in written:
+            owner = group.owners[i]
+            lines.append(rollout_line(
+                group.samples[i], advantage * scale, self.rl.temperature,
+                reward=group.rewards.total[owner], prompt_position=group.position,
+                rewards={n: v[owner] for n, v in group.rewards.per_function.items()},
+                **({"copies": copies} if merge else {})))
         return lines
 
     @staticmethod
     def _sample_record(group: Group, status: str) -> dict[str, Any]:
         rewards = group.rewards
-        return {"prompt_position": group.position, "source": group.row.source, "status": status,
-                "completion_ids": [a.token_ids for a in group.answers],
-                "truncated": [a.truncated for a in group.answers],
+        return {"prompt_position": group.position, "source": group.source, "status": status,
+                "completion_ids": [s.completion_ids for s in group.samples],
+                "owners": group.owners,
+                "truncated": [s.truncated for s in group.samples],
                 "reward": rewards.total if rewards else None,
                 "rewards": rewards.per_function if rewards else None,
                 "failure": group.failure}
@@ -311,11 +283,12 @@ class Orchestrator:
         write_step(self.rollouts, number, lines, record)
         elapsed = time.perf_counter() - started
         busy = sum(self.engines.busy_seconds()) - sum(busy_before)
-        answers = [a for g in outcome.decided for a in g.answers]
-        gen_tokens = sum(len(a.token_ids) for a in answers)
+        answers = [s for g in outcome.decided for s in g.samples]
+        lengths = [sum(s.sampled) for s in answers]
+        gen_tokens = sum(lengths)
         row = {"step": number, **reward_stats(outcome.decided, self.names, self.rl.group_size),
                "answer_tokens_mean": gen_tokens / max(len(answers), 1),
-               "answer_tokens_max": max((len(a.token_ids) for a in answers), default=0),
+               "answer_tokens_max": max(lengths, default=0),
                "truncated_fraction": sum(a.truncated for a in answers) / max(len(answers), 1),
                "groups_kept": len(outcome.kept), "groups_dropped": len(outcome.dropped),
                "groups_skipped": len(outcome.skipped), "prompts": len(outcome.decided),
@@ -323,6 +296,7 @@ class Orchestrator:
                "policy_version_newest": max(versions), "staleness": staleness(lines, number),
                "gen_tokens": gen_tokens, "gen_tokens_per_s": gen_tokens / fill_s,
                "fill_s": fill_s, "wait_weights_s": waited, "reload_s": reload_s,
+               "reward_s": sum(g.reward_s for g in outcome.decided),
                "engine_idle_fraction": max(0.0, 1 - busy / (len(self.engines.engines) * elapsed)),
                "engine_retries": self.engines.retries - retries_before, "step_s": elapsed}
         if self.trainer_rows is not None:
@@ -340,8 +314,8 @@ class Orchestrator:
             return None
         count = min(len(self.eval_rows), self.rl.eval_max_prompts or len(self.eval_rows))
         version = min(self.engines.versions())
-        futures = [self.pool.submit(self._group, self.eval_rows[i], i, n=1, temperature=0.0,
-                                    seed=None) for i in range(count)]
+        futures = [self.pool.submit(self.groups.group, self.eval_rows[i], i, n=1,
+                                    temperature=0.0, seed=None) for i in range(count)]
         groups = []
         for future in futures:
             group = self._result(future)
@@ -383,5 +357,7 @@ class Orchestrator:
         return True
 
     def close(self) -> None:
-        """Stop the generation threads' pool (requests in flight finish in the background)."""
+        """Stop the generation threads' pool (requests in flight finish in the background) and
+        what the group source holds (reward processes, an environment)."""
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.groups.close()

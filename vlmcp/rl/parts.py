@@ -29,6 +29,7 @@ from vlmcp.engine.venv import engine_python, missing_engine, named_engine_python
 from vlmcp.engine.vllm_http import CPU_ARGS, PUSH_ARGS, VllmServer
 from vlmcp.errors import EngineError, OrchestratorError
 from vlmcp.rl.engines import EnginePool
+from vlmcp.rl.groups import GroupSource, PromptGroups
 from vlmcp.rl.orchestrator import Orchestrator
 from vlmcp.rl.prompts import PromptRow, read_prompts
 from vlmcp.rl.rewards import RewardRunner, reward_specs
@@ -92,27 +93,29 @@ def build_orchestrator(job: JobConfig, engines: Sequence[str], *, stop: threadin
                        trainer_alive: Callable[[], bool] = lambda: True,
                        trainer_metrics: Path | None = None) -> Orchestrator:
     """The orchestrator of `job` on the engines at `engines` (base URLs): its prompts read, its
-    reward processes started. The caller closes it (`close_orchestrator`)."""
+    reward processes started. The caller closes it."""
     model = job.resolve_input(job.model.path)
     processor = load_processor(model, job.data.chat_template_kwargs, job.data.empty_think)
-    rows = _prompt_rows(job, job.rl.prompts, "rl.prompts")
-    eval_rows = _prompt_rows(job, job.rl.eval_prompts, "rl.eval_prompts")
     pool = EnginePool(engines, timeout_s=job.rl.request_timeout_s,
                       on_error=job.rl.on_engine_error,
                       weights_dir=job.publish.dir if job.rl.weights == "files" else None,
                       model_dir=model)
-    rewards = RewardRunner(reward_specs(job.rl.rewards, job.job_dir), job.rl.reward_workers,
-                           job.rl.reward_timeout_s)
+    groups: GroupSource
+    if job.rl.environment is not None:
+        from vlmcp.rl.environments import EnvironmentGroups
+
+        groups = EnvironmentGroups(job, processor, pool, model)
+        rows, eval_rows = groups.rows, []
+    else:
+        rows = _prompt_rows(job, job.rl.prompts, "rl.prompts")
+        eval_rows = _prompt_rows(job, job.rl.eval_prompts, "rl.eval_prompts")
+        rewards = RewardRunner(reward_specs(job.rl.rewards, job.job_dir),
+                               job.rl.reward_workers, job.rl.reward_timeout_s)
+        groups = PromptGroups(job.rl, processor, pool, rewards)
     try:
-        return Orchestrator(job, processor, rows, eval_rows, pool, rewards,
-                            out_dir=rl_dir(job), trainer_alive=trainer_alive, stop=stop,
+        return Orchestrator(job, groups, rows, eval_rows, pool, out_dir=rl_dir(job),
+                            trainer_alive=trainer_alive, stop=stop,
                             trainer_metrics=trainer_metrics)
     except BaseException:
-        rewards.close()
+        groups.close()
         raise
-
-
-def close_orchestrator(orchestrator: Orchestrator) -> None:
-    """Stop its generation threads and its reward processes."""
-    orchestrator.close()
-    orchestrator.rewards.close()

@@ -1,8 +1,8 @@
 """What `vlmcp validate` checks of an rl job beyond its keys, before anything starts.
 
 Every prompt row of rl.prompts and rl.eval_prompts is read and rendered as the orchestrator
-renders it (a row that cannot be: one line naming its file:line), every reward function of
-rl.rewards is loaded (a module that does not import, a name it lacks, a built-in's missing
+renders it (a row that cannot be: one line naming its file:line), rl.environment is loaded with
+its tasks, every reward function of rl.rewards is loaded (a module that does not import, a name it lacks, a built-in's missing
 package), and the engine venv must exist when `vlmcp rl` is to start the engines. One line per
 problem, as for the rest of the job.
 """
@@ -52,6 +52,13 @@ def rl_problems_before_start(job: JobConfig) -> list[str]:
     except (JobError, OSError, ValueError):
         processor = None  # the trainer's checks name the checkpoint's problem
     problems = _prompt_problems(job, processor)
+    if job.rl.environment is not None:
+        from vlmcp.rl.environments import load_environment
+
+        try:
+            load_environment(job)
+        except ConfigError as exc:
+            problems += exc.problems
     for spec in reward_specs(job.rl.rewards, job.job_dir):
         try:
             load_reward(spec)

@@ -16,6 +16,8 @@ for no signal; skipped groups have no rewards):
     gen_tokens, gen_tokens_per_s      the answers' tokens over the time the step's groups took
     fill_s, wait_weights_s, reload_s  the step's sampling, its wait for the policy (pacing) and,
                                       with rl.weights "files", the engines' reloads
+    reward_s                          the groups' time from their answers to their rewards (the
+                                      reward calls and their queue), summed over the groups
     engine_idle_fraction              1 - (engine time with a request in flight) / (engines x the
                                       step's wall time, wait included)
     engine_retries                    requests retried on another engine during the step

@@ -1,9 +1,13 @@
 """What the orchestrator writes: rollout lines and rollout steps, in the trainer's contract.
 
-One answer is one tokens-format line (docs/rl-loop.md, "The data"):
+One answer (or one multi-turn episode's branch) is one tokens-format line (docs/rl-loop.md,
+"The data"):
 
     input_ids            the prompt's token ids (as training renders it) + the engine's answer ids
-    labels               -100 on the prompt, the answer's ids on the answer
+                         (multi-turn: every turn's prompt tokens and answers, as the engine saw
+                         them)
+    labels               -100 on the prompt (and the environment's messages), the sampled ids on
+                         the answer
     images               the prompt's image paths (absolute)
     advantages           the answer's advantage on each of its tokens (null on the prompt)
     old_logprobs,        the engine's logprob of each sampled token (after temperature and the
@@ -44,8 +48,8 @@ _TMP = ".tmp-"
 
 @dataclass
 class Answer:
-    """One sampled answer: the engine's token ids and logprobs, the policy version of each token,
-    and whether it was cut at the length limit."""
+    """One answer as the engine returned it: its token ids and logprobs, the policy version of
+    each token, and whether it was cut at the length limit."""
 
     token_ids: list[int]
     logprobs: list[float]
@@ -53,35 +57,72 @@ class Answer:
     truncated: bool
 
 
-def version_spans(versions: Sequence[int], offset: int) -> list[dict[str, int]]:
-    """`policy_versions` spans of per-token `versions`, shifted by `offset` (the prompt)."""
+@dataclass
+class Sample:
+    """One trainable sequence: every token id, which of them the engine sampled (the others are
+    the prompt, or in a multi-turn episode the environment's messages and the template between
+    turns), and for the sampled ones, in order, their logprobs and policy versions."""
+
+    token_ids: list[int]
+    sampled: list[bool]
+    logprobs: list[float]
+    versions: list[int]
+    truncated: bool = False
+    images: list[Path] = field(default_factory=list)
+
+    @classmethod
+    def of_answer(cls, prompt_ids: Sequence[int], images: Sequence[Path], answer: Answer
+                  ) -> Sample:
+        """A prompt and one engine answer after it."""
+        return cls([*prompt_ids, *answer.token_ids],
+                   [False] * len(prompt_ids) + [True] * len(answer.token_ids),
+                   list(answer.logprobs), list(answer.versions), answer.truncated, list(images))
+
+    @property
+    def completion_ids(self) -> list[int]:
+        """The sampled tokens, in order."""
+        return [t for t, sampled in zip(self.token_ids, self.sampled) if sampled]
+
+
+def version_spans(sampled: Sequence[bool], versions: Sequence[int]) -> list[dict[str, int]]:
+    """`policy_versions` spans over the positions of the sampled tokens (`versions`: one per
+    sampled token, in order)."""
     spans: list[dict[str, int]] = []
-    for t, version in enumerate(versions):
-        if spans and spans[-1]["version"] == version and spans[-1]["end"] == offset + t:
+    found = iter(versions)
+    for t, is_sampled in enumerate(sampled):
+        if not is_sampled:
+            continue
+        version = next(found)
+        if spans and spans[-1]["version"] == version and spans[-1]["end"] == t:
             spans[-1]["end"] += 1
         else:
-            spans.append({"version": version, "start": offset + t, "end": offset + t + 1})
+            spans.append({"version": version, "start": t, "end": t + 1})
     return spans
 
 
-def rollout_line(prompt_ids: Sequence[int], images: Sequence[Path], answer: Answer,
-                 advantage: float, temperature: float, **record: Any) -> dict[str, Any]:
-    """The tokens-format line of one answer (see the module docstring); `record`: the keys
+def _aligned(sampled: Sequence[bool], values: Sequence[Any]) -> list[Any]:
+    """Per-sampled-token `values` spread over every position (null elsewhere)."""
+    found = iter(values)
+    return [next(found) if is_sampled else None for is_sampled in sampled]
+
+
+def rollout_line(sample: Sample, advantage: float, temperature: float, **record: Any
+                 ) -> dict[str, Any]:
+    """The tokens-format line of one sample (see the module docstring); `record`: the keys
     that say where its advantage came from (reward, rewards, prompt_position)."""
-    off: list[None] = [None] * len(prompt_ids)
-    count = len(answer.token_ids)
+    sampled = sample.sampled
     line = {
-        "input_ids": [*prompt_ids, *answer.token_ids],
-        "labels": [-100] * len(prompt_ids) + list(answer.token_ids),
-        "advantages": off + [advantage] * count,
-        "old_logprobs": off + list(answer.logprobs),
-        "inference_logprobs": off + list(answer.logprobs),
-        "temperatures": off + [temperature] * count,
-        "policy_versions": version_spans(answer.versions, len(prompt_ids)),
+        "input_ids": list(sample.token_ids),
+        "labels": [t if s else -100 for t, s in zip(sample.token_ids, sampled)],
+        "advantages": [advantage if s else None for s in sampled],
+        "old_logprobs": _aligned(sampled, sample.logprobs),
+        "inference_logprobs": _aligned(sampled, sample.logprobs),
+        "temperatures": [temperature if s else None for s in sampled],
+        "policy_versions": version_spans(sampled, sample.versions),
         **record,
     }
-    if images:
-        line["images"] = [str(Path(p).resolve()) for p in images]
+    if sample.images:
+        line["images"] = [str(Path(p).resolve()) for p in sample.images]
     return line
 
 
