@@ -3,6 +3,8 @@ keys, and the trainer's view of an rl job (push targets and the staleness guard 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from vlmcp.cli import main
@@ -117,6 +119,30 @@ def test_the_trainers_view_pushes_into_the_engines_and_guards_the_pacing():
 
 def test_vlmcp_train_refuses_an_rl_job_and_names_the_rl_command(tmp_path, capsys):
     path = tmp_path / "job.json"
-    path.write_text(__import__("json").dumps(_job()))
+    path.write_text(json.dumps(_job()))
     assert main(["train", str(path)]) == 1
     assert "train it with `vlmcp rl JOB.json`" in capsys.readouterr().err
+
+
+def test_validate_checks_the_rl_prompts_and_rewards_one_line_per_problem(
+        tiny_checkpoint, digits_jsonl, make_jsonl, tmp_path, capsys):
+    """`vlmcp validate` renders every prompt and loads every reward before anything starts."""
+    good = json.loads((digits_jsonl / "train.jsonl").read_text().splitlines()[0])
+    good["images"] = [str(digits_jsonl / good["images"][0])]
+    prompts = make_jsonl([good, {"text": "no prompt"}, {"question": "2+2?", "answer": "4"}],
+                         name="prompts.jsonl")
+    job = {"model": {"path": str(tiny_checkpoint)}, "data": {"max_seq_len": 256},
+           "rollouts": {"dir": str(tmp_path / "rollouts")},
+           "rl": {"prompts": str(prompts), "engines": ["http://127.0.0.1:9"],
+                  "rewards": [{"function": "exact_match"},
+                              {"function": "no_such_module_here:f"}]},
+           "output_dir": str(tmp_path / "out")}
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps(job))
+    assert main(["validate", str(path)]) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert errors == [
+        f"error: {prompts}:2: no prompt: a prompt row has one of messages, conversations, "
+        "prompt, question, problem (keys ['text'])",
+        "error: rl.rewards: cannot load 'no_such_module_here:f': ModuleNotFoundError: No module "
+        "named 'no_such_module_here'"]

@@ -4,9 +4,9 @@ For each model, the demo's (`DEMO_MODEL` with the head sizes vLLM's CPU kernels 
 widened one of about 1.1 GB in bf16 (`vlmcp.bench.engine_push.LARGE`), both random-init, one vLLM
 server from the engine venv (with vlmcp's push backend) serves every run. Each run is a fresh
 `vlmcp rl` (its own trainer on one rank, SGD, the weights pushed after every step, the engine
-reset to the base weights first) of `--steps` steps on digit image prompts (`PROMPTS` prompts of
-`GROUP` answers of up to `NEW_TOKENS` tokens, the exact-match reward, no dynamic sampling, no
-evaluation), at rl.max_off_policy 0 (sync: every step waits for the weights of the one before)
+reset to the base weights first) of `--steps` steps on digit image prompts (per step `SHAPES`
+prompts of answers each, up to `NEW_TOKENS` tokens: fewer on the large model, whose CPU
+training step is otherwise minutes; the exact-match reward, no dynamic sampling, no evaluation), at rl.max_off_policy 0 (sync: every step waits for the weights of the one before)
 and 1 (async: sampling step N overlaps training step N-1), `--repeats` times each, alternating.
 
 Per run, the medians over its steps after the first (the first pays the trainer's start):
@@ -46,7 +46,9 @@ from vlmcp.model.tiny import VLLM_CPU_HEADS, build_tiny_checkpoint
 
 logger = logging.getLogger(__name__)
 
-PROMPTS, GROUP, NEW_TOKENS = 16, 8, 4
+NEW_TOKENS = 4
+#: Per model: (prompts per step, answers per prompt).
+SHAPES = {"demo": (16, 8), "large": (4, 4)}
 #: The split's keys, in report order.
 PARTS = ("step_s", "generate_s", "score_s", "train_s", "push_s", "push_downtime_s",
          "wait_weights_s", "wait_rollouts_s")
@@ -54,7 +56,7 @@ MODES = {"sync": 0, "async": 1}
 
 
 def _job(checkpoint: Path, prompts: Path, out: Path, url: str, steps: int,
-         max_off_policy: int) -> dict[str, Any]:
+         max_off_policy: int, shape: tuple[int, int]) -> dict[str, Any]:
     return {"model": {"path": str(checkpoint)},
             "data": {"max_seq_len": 256, "num_workers": 0},
             "loss": {"type": "policy_gradient"},
@@ -62,8 +64,8 @@ def _job(checkpoint: Path, prompts: Path, out: Path, url: str, steps: int,
             "train": {"max_steps": steps, "seed": 0},
             "rollouts": {"dir": str(out / "rollouts"), "timeout_s": 1800, "poll_s": 0.05},
             "publish": {"push_dtype": "bfloat16"},
-            "rl": {"engines": [url], "prompts": str(prompts), "prompts_per_step": PROMPTS,
-                   "group_size": GROUP, "max_new_tokens": NEW_TOKENS,
+            "rl": {"engines": [url], "prompts": str(prompts), "prompts_per_step": shape[0],
+                   "group_size": shape[1], "max_new_tokens": NEW_TOKENS,
                    "dynamic_sampling": False, "rewards": [{"function": "exact_match"}],
                    "max_off_policy": max_off_policy},
             "output_dir": str(out / "out")}
@@ -74,7 +76,7 @@ def _rows(path: Path) -> list[dict[str, Any]]:
 
 
 def _run(checkpoint: Path, prompts: Path, out: Path, server: VllmServer, steps: int,
-         max_off_policy: int) -> dict[str, float]:
+         max_off_policy: int, shape: tuple[int, int]) -> dict[str, float]:
     """One fresh `vlmcp rl` run; the medians of its steps after the first."""
     versions = out.parent / "versions"
     if not versions.exists():
@@ -86,7 +88,7 @@ def _run(checkpoint: Path, prompts: Path, out: Path, server: VllmServer, steps: 
     job = out / "job.json"
     out.mkdir(parents=True)
     job.write_text(json.dumps(_job(checkpoint, prompts, out, server.url, steps,
-                                   max_off_policy), indent=1))
+                                   max_off_policy, shape), indent=1))
     with (out / "console.log").open("w") as log:
         code = subprocess.run([sys.executable, "-m", "vlmcp", "rl", str(job)], stdout=log,
                               stderr=subprocess.STDOUT).returncode
@@ -124,7 +126,6 @@ def run_rl_loop_bench(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--rl needs the engine venv: {missing_engine(named_engine_python())}")
     steps, repeats = max(args.steps, 2), args.repeats
     report: dict[str, Any] = {"mode": "rl_loop", "steps": steps, "repeats": repeats,
-                              "prompts_per_step": PROMPTS, "group_size": GROUP,
                               "max_new_tokens": NEW_TOKENS, "models": []}
     with scratch_folder(args.scratch, "vlmcp-bench-rl-") as scratch:
         _, eval_jsonl = write_digits_dataset(scratch / "digits", n_train=1, n_eval=64, seed=0)
@@ -140,12 +141,14 @@ def run_rl_loop_bench(args: argparse.Namespace) -> dict[str, Any]:
                 for repeat in range(repeats):
                     for mode, k in MODES.items():
                         out = scratch / name / f"{mode}_{repeat}"
-                        runs[mode].append(_run(checkpoint, eval_jsonl, out, server, steps, k))
+                        runs[mode].append(_run(checkpoint, eval_jsonl, out, server, steps, k,
+                                               SHAPES[name]))
                         logger.info("--rl %s, %s, run %d: %s", name, mode, repeat,
                                     json.dumps(runs[mode][-1]))
             finally:
                 server.stop()
             entry = {"model": name, "checkpoint_gb_fp32": round(size_gb, 2),
+                     "prompts_per_step": SHAPES[name][0], "group_size": SHAPES[name][1],
                      "engine_start_s": round(start_s, 1),
                      **{mode: _spread(runs[mode]) for mode in MODES}}
             entry["async_over_sync_step_s"] = (entry["async"]["step_s"]["median"]

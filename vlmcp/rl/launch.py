@@ -171,10 +171,7 @@ def run_all(job: JobConfig, job_path: Path, overrides: Sequence[str], nproc: int
             _trainer_outcome(job, trainer.returncode, log, flag.signum)
             return 128 + flag.signum
         return _trainer_outcome(job, trainer.wait(), log)
-    except JobError as exc:
-        _report(exc.problems)
-        return 1
-    finally:
+    finally:  # a JobError from here on is the command's one error line (vlmcp.cli)
         if orchestrator is not None:
             orchestrator.close()
         if trainer is not None and trainer.poll() is None:
@@ -202,9 +199,6 @@ def run_engines(job: JobConfig) -> int:
                          f"{s.log}" for s in dead])
                 return 1
         return 128 + flag.signum
-    except JobError as exc:
-        _report(exc.problems)
-        return 1
     finally:
         for server in servers:
             server.stop()
@@ -226,9 +220,6 @@ def run_orchestrator(job: JobConfig) -> int:
                                           trainer_metrics=Path(job.output_dir) / "metrics.jsonl")
         finished = orchestrator.run()
         return 0 if finished else 128 + flag.signum
-    except JobError as exc:
-        _report(exc.problems)
-        return 1
     finally:
         if orchestrator is not None:
             orchestrator.close()

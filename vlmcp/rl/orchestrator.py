@@ -47,6 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from vlmcp.config.schema import JobConfig
 from vlmcp.engine.published import step_path
 from vlmcp.errors import EngineError, OrchestratorError
@@ -82,6 +84,8 @@ class Orchestrator:
     `vlmcp.rl.prompts.read_prompts`, or the environment's tasks); engines: the started pool (its
     versions pace the steps); trainer_alive: False once the trainer is gone (waits then fail at once);
     stop: set to stop after the step in progress is abandoned; out_dir: OUTPUT_DIR/rl;
+    progress: where the console lines go (default: above the progress bar, which shows on a
+    terminal only);
     trainer_metrics: the trainer's metrics.jsonl, read for the console and the rows.
     """
 
@@ -89,17 +93,20 @@ class Orchestrator:
                  eval_rows: Sequence[Any], engines: EnginePool, *, out_dir: Path,
                  trainer_alive: Callable[[], bool] = lambda: True,
                  stop: threading.Event | None = None, trainer_metrics: Path | None = None,
-                 progress: Callable[[str], None] = print):
+                 progress: Callable[[str], None] | None = None):
         self.job, self.rl, self.groups = job, job.rl, groups
         self.rows, self.eval_rows = list(rows), list(eval_rows)
         self.engines = engines
         self.rollouts = Path(job.rollouts.dir)
         self.trainer_alive, self.stop = trainer_alive, stop or threading.Event()
-        self.progress = progress
+        self.bar = tqdm(total=job.train.max_steps, unit="step", desc="vlmcp rl", disable=None,
+                        dynamic_ncols=True)
+        self.progress = progress or self._write
         self.stream = PromptStream(len(self.rows), job.train.seed)
         self.names = groups.names
         start = resume_point(self.rollouts, job.train.resume)
         self.next_step, self.position = start.step, start.position
+        self.bar.update(self.next_step - 1)
         self.out_dir = out_dir
         self.metrics = RowWriter(out_dir / "metrics.jsonl", self.next_step)
         self.trainer_rows = TrainerRows(trainer_metrics) if trainer_metrics else None
@@ -303,6 +310,9 @@ class Orchestrator:
             row.update(trainer_fields(self.trainer_rows.poll()))
         self.metrics.write(row)
         self.progress(summary_line(row, self.job.train.max_steps, self.rl.group_size))
+        self.bar.set_postfix(reward=f"{row['reward_mean']:.3f}" if row["reward_mean"] is not None
+                             else "-", policy=row["policy_version_newest"])
+        self.bar.update(1)
         return True
 
     # ------------------------------------------------------------------ evaluation
@@ -356,8 +366,16 @@ class Orchestrator:
             self.evaluate(steps)
         return True
 
+    def _write(self, line: str) -> None:
+        """A console line, printed above the progress bar (plain stdout when it is off)."""
+        if self.bar.disable:
+            print(line, flush=True)
+        else:
+            self.bar.write(line)
+
     def close(self) -> None:
-        """Stop the generation threads' pool (requests in flight finish in the background) and
+        """Stop the progress bar, the generation threads' pool (requests in flight finish in the background) and
         what the group source holds (reward processes, an environment)."""
+        self.bar.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.groups.close()
