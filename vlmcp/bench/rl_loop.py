@@ -9,7 +9,8 @@ prompts of answers each, up to `NEW_TOKENS` tokens: fewer on the large model, wh
 training step is otherwise minutes; the exact-match reward, no dynamic sampling, no evaluation), at rl.max_off_policy 0 (sync: every step waits for the weights of the one before)
 and 1 (async: sampling step N overlaps training step N-1), `--repeats` times each, alternating.
 
-Per run, the medians over its steps after the first (the first pays the trainer's start):
+Per run, the medians over its steps after the first (the first pays the trainer's start; at
+least `MIN_STEPS` steps, since one step off-policy the first two run ahead of the trainer):
 
     step_s          the loop's period: the orchestrator's time from the start of its wait for a
                     step's weights to the step written (steps run back to back)
@@ -53,6 +54,9 @@ SHAPES = {"demo": (16, 8), "large": (4, 4)}
 PARTS = ("step_s", "generate_s", "score_s", "train_s", "push_s", "push_downtime_s",
          "wait_weights_s", "wait_rollouts_s")
 MODES = {"sync": 0, "async": 1}
+#: The fewest steps a run takes: one step off-policy, the orchestrator runs ahead for its first
+#: two steps, so the steps after them show the loop's steady period.
+MIN_STEPS = 5
 
 
 def _job(checkpoint: Path, prompts: Path, out: Path, url: str, steps: int,
@@ -93,8 +97,10 @@ def _run(checkpoint: Path, prompts: Path, out: Path, server: VllmServer, steps: 
         code = subprocess.run([sys.executable, "-m", "vlmcp", "rl", str(job)], stdout=log,
                               stderr=subprocess.STDOUT).returncode
     if code:
-        raise ValueError(f"--rl: vlmcp rl {job} failed (exit {code}); its output: "
-                         f"{out / 'console.log'}")
+        said = [line for line in (out / "console.log").read_text(errors="replace").splitlines()
+                if line.startswith("error: ")]
+        raise ValueError(f"--rl: vlmcp rl {job} failed (exit {code}): "
+                         + (" | ".join(said) or "see its console, kept in --scratch"))
     orchestrator = {r["step"]: r for r in _rows(out / "out" / "rl" / "metrics.jsonl")
                     if "step" in r}
     trainer = {r["step"]: r for r in _rows(out / "out" / "metrics.jsonl")
@@ -124,7 +130,7 @@ def run_rl_loop_bench(args: argparse.Namespace) -> dict[str, Any]:
     python = engine_python()
     if python is None:
         raise ValueError(f"--rl needs the engine venv: {missing_engine(named_engine_python())}")
-    steps, repeats = max(args.steps, 2), args.repeats
+    steps, repeats = max(args.steps, MIN_STEPS), args.repeats
     report: dict[str, Any] = {"mode": "rl_loop", "steps": steps, "repeats": repeats,
                               "max_new_tokens": NEW_TOKENS, "models": []}
     with scratch_folder(args.scratch, "vlmcp-bench-rl-") as scratch:

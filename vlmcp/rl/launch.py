@@ -1,5 +1,8 @@
 """`vlmcp rl JOB.json`: the engines, the orchestrator and the trainer's ranks on one host.
 
+0. The checks of `vlmcp validate` on the rl section (`vlmcp.rl.preflight`): every prompt
+   rendered, every reward loaded, the environment loaded; a problem stops it before anything
+   starts, one line each.
 1. The engines: rl.engines, or rl.num_engines vLLM servers started from the engine venv
    (`vlmcp.rl.parts.start_engines`), each ending with this process.
 2. The trainer: `vlmcp rl JOB.json --part trainer` on `--nproc` ranks (torchrun; one rank runs
@@ -38,8 +41,9 @@ from types import FrameType
 from vlmcp.config.schema import JobConfig
 from vlmcp.demo.image import torchrun_command
 from vlmcp.engine.vllm_http import VllmServer, end_with_parent
-from vlmcp.errors import JobError
+from vlmcp.errors import JobError, OrchestratorError
 from vlmcp.rl.parts import build_orchestrator, rl_dir, start_engines
+from vlmcp.rl.preflight import rl_problems_before_start
 
 #: Signals that stop an RL run cleanly.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -133,6 +137,9 @@ def run_all(job: JobConfig, job_path: Path, overrides: Sequence[str], nproc: int
     """`vlmcp rl JOB.json` (see the module docstring); the exit code."""
     out = rl_dir(job)
     out.mkdir(parents=True, exist_ok=True)
+    problems = rl_problems_before_start(job)
+    if problems:  # before anything starts, as `vlmcp validate` reports them
+        raise OrchestratorError(problems)
     flag = StopFlag()
     flag.install()
     servers: list[VllmServer] = []

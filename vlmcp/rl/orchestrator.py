@@ -82,11 +82,10 @@ class Orchestrator:
     groups: where a row's group comes from (`vlmcp.rl.groups.PromptGroups`, or an environment's
     `vlmcp.rl.environments.EnvironmentGroups`); rows / eval_rows: what it takes (prompt rows of
     `vlmcp.rl.prompts.read_prompts`, or the environment's tasks); engines: the started pool (its
-    versions pace the steps); trainer_alive: False once the trainer is gone (waits then fail at once);
-    stop: set to stop after the step in progress is abandoned; out_dir: OUTPUT_DIR/rl;
-    progress: where the console lines go (default: above the progress bar, which shows on a
-    terminal only);
-    trainer_metrics: the trainer's metrics.jsonl, read for the console and the rows.
+    versions pace the steps); trainer_alive: False once the trainer is gone (waits then fail at
+    once); stop: set to stop after the step in progress is abandoned; out_dir: OUTPUT_DIR/rl;
+    trainer_metrics: the trainer's metrics.jsonl, read for the console and the rows; progress:
+    where the console lines go (default: above the progress bar, shown on a terminal only).
     """
 
     def __init__(self, job: JobConfig, groups: GroupSource, rows: Sequence[Any],
@@ -99,14 +98,13 @@ class Orchestrator:
         self.engines = engines
         self.rollouts = Path(job.rollouts.dir)
         self.trainer_alive, self.stop = trainer_alive, stop or threading.Event()
-        self.bar = tqdm(total=job.train.max_steps, unit="step", desc="vlmcp rl", disable=None,
-                        dynamic_ncols=True)
-        self.progress = progress or self._write
         self.stream = PromptStream(len(self.rows), job.train.seed)
         self.names = groups.names
         start = resume_point(self.rollouts, job.train.resume)
         self.next_step, self.position = start.step, start.position
-        self.bar.update(self.next_step - 1)
+        self.bar = tqdm(total=job.train.max_steps, initial=self.next_step - 1, unit="step",
+                        desc="vlmcp rl", disable=None, dynamic_ncols=True)
+        self.progress = progress or self._write
         self.out_dir = out_dir
         self.metrics = RowWriter(out_dir / "metrics.jsonl", self.next_step)
         self.trainer_rows = TrainerRows(trainer_metrics) if trainer_metrics else None
