@@ -1,6 +1,6 @@
 """The gloo weight push (vLLM backend "vlmcp_gloo", `vlmcp/engine/vllm_gloo.py`) against a real vLLM
 CPU server from the engine venv, with vlmcp's plugin installed there (`make engine`). This test
-plays the trainer with plain torch: it hosts the TCPStore, holds two trainer ranks (0 and 1, in
+plays the trainer with plain torch and push_wire's `Session`: it hosts the TCPStore, holds two trainer ranks (0 and 1, in
 threads) of a gloo group whose rank 2 is the server's worker, drives the weight-transfer routes
 over HTTP and sends the buckets as the protocol says (each rank its own buckets, interleaved in
 the list).
@@ -32,6 +32,7 @@ from safetensors.torch import load_file
 from tests.helpers.engine_reference import (NEEDS_ENGINE, NEW_TOKENS, TAU, demo_allowed_ids,
                                             text_prompt_ids)
 from vlmcp.data.processor import load_processor
+from vlmcp.engine.push_wire import PROTOCOL, Session
 from vlmcp.engine.venv import engine_python
 from vlmcp.engine.vllm_http import CPU_ARGS, PUSH_ARGS, VllmServer
 from vlmcp.model.tiny import VLLM_CPU_HEADS, build_tiny_checkpoint
@@ -96,14 +97,16 @@ def _buckets(weights: dict[str, torch.Tensor]) -> list[tuple[dict[str, Any], tor
 
 def _trainer_groups(url: str, prefix: str, staged: list[dict[str, Any]] | None = None
                     ) -> list[dist.ProcessGroupGloo]:
-    """Trainer ranks 0..TRAINERS-1 of a fresh push group with the server's worker (init_info
-    sent to the server while the ranks join; `staged`: the buckets of a staged update)."""
+    """Trainer ranks 0..TRAINERS-1 of a fresh push group with the server's worker, formed as
+    vlmcp/engine/push_wire.py says (init_info sent to the server while the ranks wait for its
+    worker's ready mark and join; `staged`: the buckets of a staged update)."""
     timeout = datetime.timedelta(seconds=TIMEOUT_S)
     store = dist.TCPStore("127.0.0.1", free_local_port(), is_master=True, timeout=timeout,
                           wait_for_workers=False)
-    init_info = {"master_address": "127.0.0.1", "master_port": store.port,
-                 "store_prefix": prefix, "rank_offset": TRAINERS,
-                 "world_size": TRAINERS + 1, "timeout_s": TIMEOUT_S}
+    prefix = f"{prefix}/"
+    init_info = {"protocol": PROTOCOL, "master_address": "127.0.0.1",
+                 "master_port": store.port, "store_prefix": prefix, "rank_offset": TRAINERS,
+                 "world_size": TRAINERS + 1, "timeout_s": TIMEOUT_S, "attempt": 0}
     if staged is not None:
         init_info["buckets"] = staged
     groups: list[Any] = [None] * TRAINERS
@@ -111,12 +114,11 @@ def _trainer_groups(url: str, prefix: str, staged: list[dict[str, Any]] | None =
 
     def join(rank: int) -> None:
         try:
-            # A store client of its own: two ranks joining at once through one store object
-            # of a process lost each other's keys about half the time (a real trainer rank is a
-            # process of its own).
+            # A store client of its own, as a trainer rank (a process of its own) has.
             client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timeout)
-            groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}/gloo", client), rank,
-                                                 TRAINERS + 1, timeout)
+            session = Session(client, prefix, rank, TRAINERS, TIMEOUT_S, workers=1)
+            session.wait_key("try0/ready/0", "the worker's ready mark")
+            groups[rank] = session.form_group(0)
         except BaseException as exc:  # noqa: BLE001 (reported below)
             errors.append(exc)
 

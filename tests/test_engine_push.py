@@ -2,7 +2,8 @@
 engine venv, `make engine`, with vlmcp's gloo backend): `vlmcp train` under torchrun on 2 CPU
 ranks pushes every step into one server, and the server's weights after the last push equal,
 parameter by parameter (vLLM's /weight_checker checksums) and in a prompt's logprobs, those of
-the same step reloaded from publish.dir: dense and MoE, ZeRO 2 and 3. Faults: an unreachable URL at
+the same step reloaded from publish.dir: dense and MoE, ZeRO 2 and 3, publish.push_dtype unset and
+bf16. Faults: an unreachable URL at
 the start, an engine killed in the middle of a push, an engine restarted between steps (brought
 to the latest step at the next push), SIGTERM to the trainer in the middle of a push (the resumed
 run pushes its checkpoint's step first), and under publish.on_engine_error "warn" an engine that
@@ -11,7 +12,6 @@ went down reported in the row while training goes on. One server per model."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import threading
@@ -166,11 +166,13 @@ def _job(engine: Engine, root: Path, zero: int, **publish) -> Path:
     return write_job(root / "job.json", job)
 
 
-@pytest.mark.parametrize("zero,staged", [(2, True), (3, False)],
-                         ids=["zero2-staged", "zero3-streamed"])
+@pytest.mark.parametrize("zero,staged,dtype", [(2, True, "bfloat16"), (3, False, None)],
+                         ids=["zero2-staged-bf16", "zero3-streamed"])
 def test_each_pushed_step_is_the_published_steps_weights_in_the_engine(engine, zero, staged,
-                                                                       tmp_path):
-    job = _job(engine, tmp_path, zero, push_staged=staged)
+                                                                       dtype, tmp_path):
+    """Bit for bit what vLLM's own reload of the published (fp32) step gives, also when the push
+    travels in bf16: each tensor the engine holds in fp32 (the DeltaNet's A_log) goes as fp32."""
+    job = _job(engine, tmp_path, zero, push_staged=staged, push_dtype=dtype)
     for number in (1, 2):
         _write_step(tmp_path / "rollouts", number)
     assert_ok(run_vlmcp(["train", str(job)], launcher="torchrun", nproc=2, timeout=600))
@@ -242,7 +244,7 @@ def test_an_engine_killed_mid_push_stops_the_run_naming_it_and_the_step_after_a_
         _hold_the_pause(engine)
         _write_step(tmp_path / "rollouts", 2)
         _wait_for(lambda: _paused(engine), "the push of step 2 pausing the engine", proc)
-        os.kill(engine.server.process.pid, signal.SIGKILL)
+        engine.server.kill()
     text = log.read_text()
     assert proc.returncode == 1, text[-3000:]
     errors = _errors(text)

@@ -8,7 +8,8 @@ import torch
 from vlmcp.cli import main
 from vlmcp.config import job_from_dict
 from vlmcp.errors import ConfigError
-from vlmcp.training.weights.engine_push import buckets_of, interleaved, pack
+from vlmcp.training.weights.engine_push import (PushSettings, buckets_of, interleaved,
+                                                 store_address)
 
 MINIMAL = {"model": {"path": "ckpt"}, "data": {"train": "train.jsonl"}}
 
@@ -24,7 +25,7 @@ def test_buckets_hold_whole_tensors_in_share_order_and_never_exceed_the_size_but
     buckets = buckets_of(_share(), src=1, bucket_bytes=32)
     assert [b.names for b in buckets] == [["a", "b"], ["c"], ["d"]]
     assert [b.tag for b in buckets] == [0, 1, 2] and {b.src for b in buckets} == {1}
-    assert [b.bytes for b in buckets] == [30, 160, 8]
+    assert [b.size for b in buckets] == [30, 160, 8]
     assert buckets[0].dtype_names == ["float32", "bfloat16"]
     assert buckets[0].shapes == [[2, 3], [3]]
 
@@ -32,14 +33,34 @@ def test_buckets_hold_whole_tensors_in_share_order_and_never_exceed_the_size_but
 def test_a_packed_bucket_slices_back_into_the_exact_tensors():
     share = _share()
     for bucket in buckets_of(share, src=0, bucket_bytes=1 << 20):
-        buffer, offset = pack(bucket, share), 0
-        assert buffer.dtype == torch.uint8 and buffer.numel() == bucket.bytes
+        buffer, offset = bucket.pack(share), 0
+        assert buffer.dtype == torch.uint8 and buffer.numel() == bucket.size
         for name, dtype, shape in zip(bucket.names, bucket.dtype_names, bucket.shapes):
             dtype = getattr(torch, dtype)
             size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
             back = buffer[offset:offset + size].clone().view(dtype).reshape(shape)
             assert torch.equal(back, share[name])
             offset += size
+
+
+def test_a_push_dtype_casts_floating_tensors_but_those_the_engine_holds_in_another_dtype():
+    (bucket,) = buckets_of(_share(), src=0, bucket_bytes=1 << 20, dtype=torch.bfloat16,
+                           held={"c": "float32", "a": "float16"})
+    assert bucket.dtype_names == ["float16", "bfloat16", "float32", "bfloat16"]
+    assert bucket.size == 6 * 2 + 3 * 2 + 40 * 4 + 2 * 2
+
+
+def _settings(*urls: str, host: str | None = None) -> PushSettings:
+    return PushSettings(urls, 1 << 20, 60.0, "wait", "error", host)
+
+
+def test_the_push_store_listens_where_every_peer_reaches_it():
+    # engines on this host, one process on this host: loopback only
+    assert store_address(_settings("http://127.0.0.1:8000", "http://localhost:8001")) == (
+        "127.0.0.1", "127.0.0.1")
+    # publish.push_host names it outright
+    assert store_address(_settings("http://127.0.0.1:8000", host="10.1.2.3")) == (
+        "10.1.2.3", "10.1.2.3")
 
 
 def test_the_ranks_buckets_interleave_round_robin_keeping_each_ranks_order():
@@ -62,6 +83,15 @@ def test_push_keys_without_engines_and_dir_keys_without_dir_are_named():
         "config key 'publish.keep' is set but 'publish.dir' is not"]
     assert _problems({"every": 2}) == [
         "config key 'publish.every' is set but neither 'publish.dir' nor 'publish.engines' is"]
+
+
+def test_a_dir_every_that_is_not_a_multiple_of_every_is_refused_naming_a_multiple():
+    problems = _problems({"dir": "w", "engines": ["http://127.0.0.1:8000"], "every": 2,
+                          "dir_every": 3})
+    assert problems == ["config key 'publish.dir_every' is 3, not a multiple of 'publish.every' "
+                        "(2): publish.dir records pushed steps; use 4 or another multiple"]
+    job_from_dict({**MINIMAL, "publish": {"dir": "w", "engines": ["http://127.0.0.1:8000"],
+                                          "every": 2, "dir_every": 6}})
 
 
 def test_an_engine_that_is_not_a_base_url_or_named_twice_is_refused():

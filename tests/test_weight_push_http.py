@@ -14,7 +14,7 @@ import time
 import pytest
 
 from tests.helpers.fake_vllm import HANG, FakeVllm
-from vlmcp.engine.weight_push_http import VllmPushControl
+from vlmcp.engine.weight_push_http import PAUSED_NOTE, VllmPushControl
 from vlmcp.errors import EngineError
 from vlmcp.parallel.comm import free_local_port
 
@@ -162,8 +162,7 @@ def test_a_failure_after_the_update_started_never_resumes_and_says_the_server_st
     assert "/resume" not in fake.paths()
     assert message.startswith(f"vLLM server {fake.url}")
     assert message.endswith(f"; the push of step 7 into {fake.url} failed after its update "
-                            "started: the server stays paused (a half-updated model is never "
-                            "resumed); the next push brings it to the latest version")
+                            f"started: {PAUSED_NOTE}")
 
 
 def test_release_logs_a_failure_instead_of_raising(caplog):

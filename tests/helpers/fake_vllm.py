@@ -27,7 +27,8 @@ class FakeVllm:
     """A stand-in vLLM server on 127.0.0.1 (see the module docstring).
 
     answers: the answer of an endpoint, by its path without the query ("/pause"), or for
-    /collective_rpc by "/collective_rpc:METHOD": (HTTP status, JSON body or raw text), or HANG.
+    /collective_rpc by "/collective_rpc:METHOD": (HTTP status, JSON body or raw text), HANG, or a
+    callable of the request's JSON body returning such a pair (it runs on the request's thread).
     Others answer as vLLM does on success. calls: (path with its query, JSON body) of every
     request, in order.
     """
@@ -68,6 +69,8 @@ class FakeVllm:
         path = handler.path.split("?")[0]
         key = f"{path}:{body['method']}" if path == "/collective_rpc" else path
         answer = self.answers.get(key, _SUCCESS.get(key, (200, {})))
+        if callable(answer):
+            answer = answer(body)
         if answer == HANG:
             self.released.wait(HANG_S)
             return

@@ -257,6 +257,14 @@ def _publish_target_checks(publish: PublishSection, pushed_by_rl: bool = False) 
         elif url.rstrip("/") in seen:
             problems.append(f"config key 'publish.engines' names {url!r} twice")
         seen.add(str(url).rstrip("/"))
+    if publish.dir and publish.engines and publish.dir_every \
+            and publish.dir_every % publish.every:
+        # else steps would go to the disk that no engine was pushed, and the durable record
+        # would hold versions the engines never served
+        problems.append(f"config key 'publish.dir_every' is {publish.dir_every}, not a multiple "
+                        f"of 'publish.every' ({publish.every}): publish.dir records pushed steps; "
+                        f"use {publish.every * max(1, round(publish.dir_every / publish.every))} "
+                        "or another multiple")
     return sorted(set(problems), key=problems.index)
 
 

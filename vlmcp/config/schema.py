@@ -380,11 +380,12 @@ class PublishSection:
         "publish.dir beside it, the directory is the durable record; empty: off"))
     dir_every: int | None = field(default=None, metadata=_key(
         "with publish.engines: write publish.dir only after every N-th step (the durable record "
-        "may be written less often than the push); null: publish.every", min=1))
+        "may be written less often than the push), a multiple of publish.every (the record holds "
+        "pushed steps); null: publish.every", min=1))
     bucket_mb: float = field(default=512.0, metadata=_key(
         "publish.engines: the most MiB one send of a rank packs (tensors back to back; a larger "
-        "tensor is a send of its own); each rank holds one such buffer during a push",
-        min=1.0))
+        "tensor is a send of its own); each rank holds one such buffer during a push; at least "
+        "1.0", min=1.0))
     engine_timeout_s: float = field(default=600.0, metadata=_key(
         "publish.engines: the longest one request to an engine, one wait for it and one send to "
         "it may take before the push counts as failed", min=1.0))
@@ -399,10 +400,12 @@ class PublishSection:
         "the publish's row and train on (the next push brings it to the latest step)",
         choices=["error", "warn"]))
     push_dtype: str | None = field(default=None, metadata=_key(
-        "publish.engines: the dtype floating tensors travel in; the engine's own (e.g. "
-        "bfloat16) halves an fp32 trainer's bytes and changes nothing the engine ends up "
-        "holding, as vLLM casts each loaded tensor to its dtype in the same way; null: as "
-        "trained (the bytes of publish.dir's files)", choices=[None, "bfloat16", "float16", "float32"]))
+        "publish.engines: the dtype floating tensors travel in, but for those the engine holds "
+        "in another dtype (asked at its first push; vLLM keeps Qwen3.5's DeltaNet A_log in fp32 "
+        "in a bf16 model), which travel as held, so the engine ends up holding what a reload of "
+        "publish.dir gives; the engine's own (e.g. bfloat16) halves an fp32 trainer's bytes; "
+        "null: as trained (the bytes of publish.dir's files)",
+        choices=[None, "bfloat16", "float16", "float32"]))
     push_staged: bool = field(default=True, metadata=_key(
         "publish.engines: send step N into the engine's host memory while it still serves, and "
         "pause it only to load that copy (its downtime: the load, not the transfer; it holds one "
@@ -410,7 +413,9 @@ class PublishSection:
         "unpaused); false: pause first and receive during the pause (no extra engine memory)"))
     push_host: str | None = field(default=None, metadata=_key(
         "publish.engines: the address the engines reach trainer rank 0 at (it hosts the push's "
-        "rendezvous); null: this host's address on the interface that reaches each engine"))
+        "rendezvous store, which then listens there only); null: this host's address on the "
+        "interface that reaches each engine (the store listens on that one address when one "
+        "serves every engine and trainer rank, else on every interface, logged)"))
 
 
 #: Values of `rl.advantage`: the group-relative estimators (docs/rl-loop.md#advantages).

@@ -5,51 +5,59 @@ Why it exists: vLLM 0.32 has a weight-transfer protocol for RL trainers (server 
 `/finish_weight_update`; engines in `vllm/distributed/weight_transfer/`), but every built-in
 backend (`nccl`, `ipc`, `sparse_nccl`, `sharded_rdt`, `nccl_m2n`) needs CUDA. This one moves the
 bytes over a gloo process group, so a trainer can push its weights into a vLLM running on CPUs
-(or anywhere TCP reaches) without writing a checkpoint. The protocol, which the trainer side
-follows too:
+(or anywhere TCP reaches) without writing a checkpoint.
 
-The group: per push and per engine, a fresh gloo group over a TCPStore that trainer rank 0
-hosts. Trainer ranks 0..W-1 keep their rank; this engine's workers are ranks W..W+n-1 (worker k =
-`rank_offset` + k, k its rank inside the engine: `data_parallel_index * world_size + rank` of its
-parallel config, as vLLM's NCCL backend counts; 0 for the uni executor). A worker first marks
-`{store_prefix}/ready/{k}` in the store (the trainer ranks join the group only once worker 0's
-mark is there, so that an engine that never joins costs them no group timeout), then joins the
-group under the store prefix `{store_prefix}/gloo`. `init_info`:
+The session, its keys, the group's formation (retried by the trainer) and the aborts are those of
+vlmcp/engine/push_wire.py, which the trainer follows too: per push and per engine, a fresh gloo
+group over a TCPStore that trainer rank 0 hosts. Trainer ranks 0..W-1 keep their rank; this
+engine's workers are members W..W+n-1 (worker k = `rank_offset` + k, k its rank inside the
+engine: `data_parallel_index * world_size + rank` of its parallel config, as vLLM's NCCL backend
+counts; 0 for the uni executor). `init_info`:
 
-    {"master_address": str, "master_port": int, "store_prefix": str,
-     "rank_offset": int (W), "world_size": int (W + n), "timeout_s": float}
+    {"protocol": 2, "master_address": str, "master_port": int,
+     "store_prefix": the session's prefix P, "rank_offset": int (W), "world_size": int (W + n),
+     "timeout_s": float, "attempt": int (k: marks P try<k>/ready/<worker>, joins the group under
+     P try<k>/gloo, writes its `joined` mark and waits for every member's),
+     "buckets": [B0, B1, ...] (staged updates only)}
 
-One update, streamed: `/start_weight_update` begins vLLM's layerwise reload; `/update_weights`
-with `{"update_info": {"buckets": [B0, B1, ...]}}`, each bucket
+or, to ask which dtype the engine holds each tensor in (the trainer's publish.push_dtype),
+`{"protocol", "master_address", "master_port", "store_prefix", "rank_offset", "world_size",
+"timeout_s", "describe": [checkpoint names], "describe_key": K}`: worker 0 puts
+`{name: dtype}` under K (`held_dtypes`) and nobody joins a group. Each bucket:
 
     {"src": trainer rank, "tag": int, "names": [HF checkpoint names], "dtype_names": ["bfloat16", ...],
      "shapes": [[...], ...], "bytes": the buffer's size (optional; checked when given)}
 
 for which trainer rank `src` sends ONE contiguous `torch.uint8` tensor of sum(numel * itemsize)
-bytes (the tensors' native bytes concatenated in `names` order) with `group.send([buf],
-dst=worker_rank, tag=tag)` to every worker of the engine. Buckets of one src are listed in the
-order that src sends them; different srcs interleave. The worker keeps one posted recv per src,
+bytes (the tensors' bytes concatenated in `names` order) with `group.send([buf], dst=worker,
+tag=tag)` to every worker of the engine.
+
+One update, streamed: `/start_weight_update` begins vLLM's layerwise reload; `/update_weights`
+with `{"update_info": {"buckets": [B0, B1, ...]}}`. Buckets of one src are listed in the order
+that src sends them; different srcs interleave. The worker keeps one posted receive per src,
 waits for the buckets in list order, slices each buffer back into tensors and hands them to
-`model.load_weights`, then posts that src's next recv. `/finish_weight_update` finalises the
+`model.load_weights`, then posts that src's next receive. `/finish_weight_update` finalises the
 layerwise reload and, on a CPU, prepacks the experts of the MoE layers it reloaded again
 (`vllm_worker`: vLLM's reload leaves the CPU experts in the loader's plain layout; a layer it did
 not reload still holds packed weights, which a second packing would scramble).
 
-One update, staged (the engine's downtime is the load alone, not the transfer): `init_info` also
-lists the buckets (`"buckets": [B0, B1, ...]`, as above). Once in the group, the worker receives
-them on a thread of its own into host buffers, one per bucket, while the engine goes on serving
-its current weights; the trainer sends them right after joining. Then `/pause`,
-`/start_weight_update`, and `/update_weights` with `{"update_info": {"staged": true}}` waits for
-that thread and loads the buffers in list order; the rest as above. It costs the engine one more
-copy of the pushed bytes in host memory, until the update ends. A failed or timed-out receive
-fails that `/update_weights` (the engine was not paused for it by a trainer that saw its own send
-fail).
+One update, staged (the engine's downtime is the load alone, not the transfer): `init_info` lists
+the buckets. Once in the group, the worker posts a receive for every bucket at once, into host
+buffers, on a thread of its own, while the engine goes on serving its current weights (all of
+them at once: a src whose send failed then holds up no other src's sends); the trainer sends
+them right after joining. Then `/pause`, `/start_weight_update`, and `/update_weights` with
+`{"update_info": {"staged": true}}` waits for that thread and loads the buffers in list order;
+the rest as above. It costs the engine one more copy of the pushed bytes in host memory, until the
+update ends or the push fails: an aborted session, a newer `init`, or `/shutdown_weight_transfer_engine`
+cancels the receives still pending and drops every buffer, so at most one staged copy exists.
 
 A failed update (a bad bucket list, a receive that fails or times out, a name the model does not
-have) is one error naming the bucket, its src and the peer; the group is dropped (its stream is out
-of step: init again) and the layerwise reload is finalised at once, so that the engine serves on
-(layers the update had fully loaded hold the new weights, the others the old ones), since vLLM
-ends the update session on that error and accepts no `/finish_weight_update` after it.
+have) is one error naming the bucket, its src and the peer, recorded in the session (the trainer
+ranks stop sending at once); the group is dropped (its stream is out of step: init again) and the
+layerwise reload is finalised at once, so that the engine serves on (layers the update had fully
+loaded hold the new weights, the others the old ones), since vLLM ends the update session on that
+error and accepts no `/finish_weight_update` after it. A session that another member aborted ends
+this worker's receives within a poll (push_wire.WorkWatch).
 
 Loaded by vLLM only (`vllm_plugin.register` names it lazily); vlmcp's own environment never
 imports it.
@@ -57,12 +65,10 @@ imports it.
 
 from __future__ import annotations
 
+import json
 import logging
-import threading
-from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from datetime import timedelta
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -73,6 +79,9 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from vlmcp.engine.push_wire import (PROTOCOL, PushAborted, Session, StagedReceive, WireBucket,
+                                    WorkWatch, expect_type, join_as_worker, parse_buckets,
+                                    streamed_arrivals, worker_session)
 from vlmcp.engine.vllm_worker import cpu_moe_experts, repack_cpu_moe_experts_of
 
 #: Under vLLM's logger, whose handler prints it in the server's log.
@@ -81,25 +90,34 @@ logger = logging.getLogger("vllm.vlmcp_gloo")
 
 @dataclass
 class GlooInitInfo(WeightTransferInitInfo):
-    """Where the trainer's TCPStore is and where this engine's workers sit in the push group."""
+    """Where the trainer's TCPStore is, the session, and where this engine's workers sit in its
+    group (see the module docstring)."""
 
+    protocol: int
     master_address: str
     master_port: int
     store_prefix: str
     rank_offset: int
     world_size: int
     timeout_s: float
+    attempt: int = 0
     #: A staged update's buckets (received right after joining), None: updates stream.
-    buckets: list[GlooBucket] | None = None
+    buckets: list[WireBucket] | None = None
+    #: A describe request's checkpoint names (no group), and the key its answer goes under.
+    describe: list[str] | None = None
+    describe_key: str | None = None
 
     def __post_init__(self) -> None:
+        if self.protocol != PROTOCOL:
+            raise ValueError(f"init_info: protocol {self.protocol!r}, but this engine's vlmcp_gloo "
+                             f"speaks {PROTOCOL}: install the trainer's vlmcp in the engine venv")
         if self.buckets is not None:
-            self.buckets = _parse_buckets(self.buckets, "init_info")
-        _expect(self.master_address, str, "master_address")
-        _expect(self.store_prefix, str, "store_prefix")
-        for name in ("master_port", "rank_offset", "world_size"):
-            _expect(getattr(self, name), int, name)
-        _expect(self.timeout_s, (int, float), "timeout_s")
+            self.buckets = parse_buckets(self.buckets, "init_info")
+        expect_type(self.master_address, str, "master_address")
+        expect_type(self.store_prefix, str, "store_prefix")
+        for name in ("master_port", "rank_offset", "world_size", "attempt"):
+            expect_type(getattr(self, name), int, name)
+        expect_type(self.timeout_s, (int, float), "timeout_s")
         if not 0 < self.master_port < 65536:
             raise ValueError(f"init_info: master_port {self.master_port} is not a TCP port")
         if self.rank_offset < 1:
@@ -110,72 +128,11 @@ class GlooInitInfo(WeightTransferInitInfo):
                              f"after rank_offset {self.rank_offset}")
         if not self.timeout_s > 0:
             raise ValueError(f"init_info: timeout_s {self.timeout_s} is not positive")
-
-
-@dataclass
-class GlooBucket:
-    """One buffer a trainer rank sends: the tensors `names`, of `dtype_names` and `shapes`."""
-
-    src: int
-    tag: int
-    names: list[str]
-    dtype_names: list[str]
-    shapes: list[list[int]]
-    bytes: int | None = None
-    dtypes: list[torch.dtype] = field(init=False, repr=False)
-    nbytes: list[int] = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        _expect(self.src, int, "src")
-        _expect(self.tag, int, "tag")
-        if self.src < 0:
-            raise ValueError(f"src {self.src} is negative")
-        for name in ("names", "dtype_names", "shapes"):
-            _expect(getattr(self, name), list, name)
-        if not self.names:
-            raise ValueError("names is empty (a bucket holds at least one tensor)")
-        if not len(self.names) == len(self.dtype_names) == len(self.shapes):
-            raise ValueError(f"names, dtype_names and shapes differ in length "
-                             f"({len(self.names)}, {len(self.dtype_names)}, {len(self.shapes)})")
-        self.dtypes, self.nbytes = [], []
-        for name, dtype_name, shape in zip(self.names, self.dtype_names, self.shapes):
-            if not isinstance(name, str) or not name:
-                raise ValueError(f"name {name!r} is not a non-empty string")
-            dtype = getattr(torch, dtype_name, None) if isinstance(dtype_name, str) else None
-            if not isinstance(dtype, torch.dtype):
-                raise ValueError(f"{name}: dtype {dtype_name!r} is not a torch dtype name")
-            if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
-                raise ValueError(f"{name}: shape {shape!r} is not a list of sizes")
-            numel = 1
-            for size in shape:
-                numel *= size
-            self.dtypes.append(dtype)
-            self.nbytes.append(numel * dtype.itemsize)
-        if self.bytes is not None and self.bytes != sum(self.nbytes):
-            raise ValueError(f"bytes {self.bytes!r} is not the {sum(self.nbytes)} bytes of its "
-                             "tensors")
-
-    @property
-    def size(self) -> int:
-        """The bytes of the buffer the trainer sends for this bucket."""
-        return sum(self.nbytes)
-
-    def describe(self, index: int) -> str:
-        more = f" and {len(self.names) - 1} more" if len(self.names) > 1 else ""
-        return (f"bucket {index} (src {self.src}, tag {self.tag}, {self.size} bytes: "
-                f"{self.names[0]}{more})")
-
-    def tensors(self, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """The bucket's tensors, sliced out of `buffer` (views; a tensor whose offset does not
-        suit its dtype's alignment is copied first)."""
-        pairs, offset = [], 0
-        for name, dtype, shape, nbytes in zip(self.names, self.dtypes, self.shapes, self.nbytes):
-            chunk = buffer[offset:offset + nbytes]
-            if offset % dtype.itemsize:
-                chunk = chunk.clone()
-            pairs.append((name, chunk.view(dtype).view(shape)))
-            offset += nbytes
-        return pairs
+        if (self.describe is None) != (self.describe_key is None):
+            raise ValueError("init_info: describe and describe_key come together")
+        if self.describe is not None:
+            expect_type(self.describe, list, "describe")
+            expect_type(self.describe_key, str, "describe_key")
 
 
 @dataclass
@@ -183,7 +140,7 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
     """One update: the buckets in the order the worker waits for them (streamed), or `staged`:
     those of init_info, already received or under way."""
 
-    buckets: list[GlooBucket] | None = None
+    buckets: list[WireBucket] | None = None
     staged: bool = False
 
     def __post_init__(self) -> None:
@@ -196,33 +153,40 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
             return
         if self.buckets is None:
             raise ValueError("update_info: no buckets (and not staged)")
-        self.buckets = _parse_buckets(self.buckets, "update_info")
+        self.buckets = parse_buckets(self.buckets, "update_info")
 
 
-def _parse_buckets(buckets: Any, where: str) -> list[GlooBucket]:
-    """`buckets` (a JSON list of bucket objects) as GlooBuckets; ValueError naming `where` and
-    the bucket."""
-    _expect(buckets, list, f"{where}: buckets")
-    if not buckets:
-        raise ValueError(f"{where}: buckets is empty")
-    parsed = []
-    for index, bucket in enumerate(buckets):
-        if isinstance(bucket, GlooBucket):
-            parsed.append(bucket)
+def held_dtypes(model: torch.nn.Module, names: list[str]) -> dict[str, str]:
+    """{checkpoint name: the dtype of the vLLM parameter it loads into} for each of `names`
+    whose parameter is found: through the model's own name mapping (`hf_to_vllm_mapper`), and
+    for a tensor vLLM stacks into a fused one (`packed_modules_mapping`: q, k and v into qkv) the
+    fused parameter. A name not found is left out (the trainer then sends it in
+    publish.push_dtype); a parameter kept in another dtype than the model's that no name reaches
+    is logged."""
+    params = dict(model.named_parameters())
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    packed = getattr(model, "packed_modules_mapping", {}) or {}
+    found: dict[str, str] = {}
+    reached = set()
+    for name in names:
+        mapped = mapper.map_name(name) if mapper is not None else name
+        if mapped is None:
             continue
-        if not isinstance(bucket, dict):
-            raise ValueError(f"{where}: bucket {index} is {type(bucket).__name__}, not an object")
-        try:
-            parsed.append(GlooBucket(**bucket))
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"{where}: bucket {index}: {exc}") from None
-    return parsed
-
-
-def _expect(value: Any, kind: type | tuple[type, ...], name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, kind):
-        kinds = kind if isinstance(kind, tuple) else (kind,)
-        raise ValueError(f"{name} {value!r} is not of type {' or '.join(k.__name__ for k in kinds)}")
+        candidates = [mapped] + [mapped.replace(f".{part}.", f".{fused}.")
+                                 for fused, parts in packed.items() for part in parts
+                                 if f".{part}." in mapped]
+        target = next((c for c in candidates if c in params), None)
+        if target is not None:
+            found[name] = str(params[target].dtype).removeprefix("torch.")
+            reached.add(target)
+    dtypes = {p.dtype for p in params.values()}
+    main = max(dtypes, key=lambda d: sum(p.numel() for p in params.values() if p.dtype == d))
+    missed = sorted(n for n, p in params.items() if p.dtype != main and n not in reached)
+    if missed:
+        logger.warning("vlmcp_gloo: %d parameters held in another dtype than %s are reached by "
+                       "no pushed name (a publish.push_dtype push may round them): %s",
+                       len(missed), main, ", ".join(missed[:8]))
+    return found
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
@@ -235,11 +199,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                  model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         self.group: dist.ProcessGroupGloo | None = None
-        self.rank: int | None = None
+        self.session: Session | None = None
         self.init_info: GlooInitInfo | None = None
         self._reloading = False
         self._processed_moe: list[Any] = []
-        self._staging: _Staging | None = None
+        self._staging: StagedReceive | None = None
 
     # -- the group --------------------------------------------------------------------------
 
@@ -249,40 +213,41 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         return parallel.data_parallel_index * parallel.world_size + parallel.rank
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
-        """Join the trainer's push group (replacing an earlier one)."""
+        """Join attempt `init_info.attempt` of the push's group (replacing an earlier group and
+        dropping what it staged), or answer a describe request."""
         self.shutdown()
-        rank = init_info.rank_offset + self.worker_rank()
-        if rank >= init_info.world_size:
-            raise ValueError(f"init_info: this worker is rank {rank} (rank_offset "
-                             f"{init_info.rank_offset} + worker {self.worker_rank()}), beyond "
-                             f"world_size {init_info.world_size}")
-        timeout = timedelta(seconds=init_info.timeout_s)
-        peer = f"{init_info.master_address}:{init_info.master_port}"
-        try:
-            store = dist.TCPStore(init_info.master_address, init_info.master_port,
-                                  is_master=False, timeout=timeout)
-        except Exception as exc:
-            raise RuntimeError(f"vlmcp_gloo: cannot reach the trainer's TCPStore at {peer}: "
-                               f"{exc}") from exc
-        try:
-            store.set(f"{init_info.store_prefix}/ready/{self.worker_rank()}", "1")
-            group = dist.ProcessGroupGloo(
-                dist.PrefixStore(f"{init_info.store_prefix}/gloo", store), rank,
-                init_info.world_size, timeout)
-        except Exception as exc:
-            raise RuntimeError(f"vlmcp_gloo: joining the push group {init_info.store_prefix!r} "
-                               f"at {peer} as rank {rank} of {init_info.world_size} failed "
-                               f"(within {init_info.timeout_s:g} s): {exc}") from exc
-        self.group, self.rank, self.init_info = group, rank, init_info
-        logger.info("vlmcp_gloo: joined push group %r at %s as rank %d of %d",
-                    init_info.store_prefix, peer, rank, init_info.world_size)
+        worker = self.worker_rank()
+        member = init_info.rank_offset + worker
+        if member >= init_info.world_size:
+            raise ValueError(f"init_info: this worker is member {member} (rank_offset "
+                             f"{init_info.rank_offset} + worker {worker}), beyond world_size "
+                             f"{init_info.world_size}")
+        session = worker_session(init_info.master_address, init_info.master_port,
+                                 init_info.store_prefix, member, init_info.rank_offset,
+                                 init_info.world_size, init_info.timeout_s)
+        if init_info.describe is not None:
+            if worker == 0:
+                session.store.set(init_info.describe_key,
+                                  json.dumps(held_dtypes(self.model, init_info.describe)))
+            return
+        group = join_as_worker(session, init_info.attempt)
+        self.group, self.session, self.init_info = group, session, init_info
+        logger.info("vlmcp_gloo: joined push group %r (attempt %d) at %s:%d as member %d of %d",
+                    init_info.store_prefix, init_info.attempt + 1, init_info.master_address,
+                    init_info.master_port, member, init_info.world_size)
         if init_info.buckets is not None:
-            self._staging = _Staging(self._received(init_info.buckets))
+            self._staging = StagedReceive(session, group, init_info.buckets, self._member())
 
     def shutdown(self) -> None:
-        """Drop the push group and a staged update's buffers (the model and the engine stay; a
-        staging thread still receiving ends with the group's timeout)."""
-        self.group = self.rank = self.init_info = self._staging = None
+        """Drop the push group and a staged update's receives and buffers (the model and the
+        engine stay)."""
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            staging.stop()
+        self.group = self.session = self.init_info = None
+
+    def _member(self) -> str:
+        return f"member {self.session.member} of push group {self.init_info.store_prefix!r}"
 
     # -- one update -------------------------------------------------------------------------
 
@@ -332,11 +297,15 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Receive and load one update. Unlike the base class, no `torch.accelerator.synchronize()`
-        on a CPU (it raises there: no accelerator); on any failure the group is dropped and the
-        layerwise reload finalised (see the module docstring), then the error raised."""
+        on a CPU (it raises there: no accelerator); on any failure this worker's own error is
+        recorded in the session, the group is dropped and the layerwise reload finalised (see
+        the module docstring), then the error raised."""
         try:
             self.receive_weights(self.parse_update_info(update_info))
         except BaseException as exc:
+            session = self.session
+            if session is not None and not isinstance(exc, PushAborted):
+                session.fail(f"engine worker {self.worker_rank()}: update failed: {exc}")
             self.shutdown()
             if self._reloading:
                 try:
@@ -359,10 +328,15 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         if update_info.staged:
             if self._staging is None:
                 raise RuntimeError("a staged update, but init_info listed no buckets")
-            arrived = self._staging.result(self.init_info.timeout_s)
+            staging, self._staging = self._staging, None
+            self._load(staging.result(self.init_info.timeout_s))
         else:
-            arrived = self._received(update_info.buckets)
+            with WorkWatch(self.session) as watch:
+                self._load(streamed_arrivals(watch, self.group, update_info.buckets,
+                                             self._member()))
 
+    def _load(self, arrived: Iterator[tuple[int, WireBucket, torch.Tensor]]) -> None:
+        """Hand each arrived bucket's tensors to vLLM's loader, in order."""
         from vllm.model_executor.model_loader.mtp_validation import (
             disable_mtp_completeness_check,
         )
@@ -377,81 +351,3 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                     raise RuntimeError(f"{bucket.describe(index)}: loading it into the model "
                                        f"failed: {type(exc).__name__}: {exc}") from exc
                 del pairs
-        self._staging = None
-
-    def _received(self, buckets: list[GlooBucket]
-                  ) -> Iterator[tuple[int, GlooBucket, torch.Tensor]]:
-        """(index, bucket, its `[bytes]` uint8 buffer) in list order, as they arrive: one posted
-        recv per src, that src's next posted once the consumer asks for the next bucket. The
-        buckets' srcs are checked here, the receives start at the first look."""
-        offset = self.init_info.rank_offset
-        for index, bucket in enumerate(buckets):
-            if bucket.src >= offset:
-                raise ValueError(f"{bucket.describe(index)}: src {bucket.src} is not a trainer "
-                                 f"rank (0..{offset - 1})")
-        return _arrivals(self.group, buckets, f"rank {self.rank} of push group "
-                         f"{self.init_info.store_prefix!r}")
-
-
-def _arrivals(group: dist.ProcessGroupGloo, buckets: list[GlooBucket], member: str
-              ) -> Iterator[tuple[int, GlooBucket, torch.Tensor]]:
-    """GlooWeightTransferEngine._received's receives (`member`: this worker, for errors)."""
-    queues: dict[int, deque[int]] = {}
-    for index, bucket in enumerate(buckets):
-        queues.setdefault(bucket.src, deque()).append(index)
-    posted: dict[int, tuple[int, torch.Tensor, Any]] = {}
-
-    def post(src: int) -> None:
-        if queues[src]:
-            index = queues[src].popleft()
-            buffer = torch.empty(buckets[index].size, dtype=torch.uint8)
-            try:
-                work = group.recv([buffer], src, buckets[index].tag)
-            except Exception as exc:
-                raise RuntimeError(f"{buckets[index].describe(index)}: posting the receive "
-                                   f"from trainer rank {src} failed: {exc}") from exc
-            posted[src] = (index, buffer, work)
-
-    for src in queues:
-        post(src)
-    for index, bucket in enumerate(buckets):
-        posted_index, buffer, work = posted.pop(bucket.src)
-        assert posted_index == index, (posted_index, index)
-        try:
-            work.wait()
-        except Exception as exc:
-            raise RuntimeError(
-                f"{bucket.describe(index)}: receiving from trainer rank {bucket.src} "
-                f"(this worker is {member}) failed: {exc}") from exc
-        del work
-        yield index, bucket, buffer
-        del buffer
-        post(bucket.src)
-
-
-class _Staging:
-    """A staged update's receive: a thread that drains `arrivals` (`_received`) into memory
-    while the engine serves on."""
-
-    def __init__(self, arrivals: Iterator[tuple[int, GlooBucket, torch.Tensor]]):
-        self._arrived: list[tuple[int, GlooBucket, torch.Tensor]] = []
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._drain, args=(arrivals,), daemon=True,
-                                        name="vlmcp-gloo-staging")
-        self._thread.start()
-
-    def _drain(self, arrivals: Iterator[tuple[int, GlooBucket, torch.Tensor]]) -> None:
-        try:
-            self._arrived.extend(arrivals)
-        except BaseException as exc:  # handed to the update that waits for it
-            self._error = exc
-
-    def result(self, timeout_s: float) -> list[tuple[int, GlooBucket, torch.Tensor]]:
-        """Every bucket, once received (its error, raised here, when a receive failed)."""
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            raise TimeoutError(f"the staged buckets did not all arrive within {timeout_s:g} s "
-                               f"({len(self._arrived)} had)")
-        if self._error is not None:
-            raise RuntimeError(f"staging the update failed: {self._error}") from self._error
-        return self._arrived

@@ -132,6 +132,7 @@ class VllmServer:
             out.flush()
             self.process = subprocess.Popen(
                 command, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
                 preexec_fn=end_with_parent if self.die_with_parent else None)
 
     def wait_ready(self, started: float) -> None:
@@ -158,15 +159,33 @@ class VllmServer:
         return (errors or lines or [""])[-1][-400:]
 
     def stop(self) -> None:
-        """End the server process (SIGTERM, then SIGKILL after 30 s)."""
-        if self.process is None or self.process.poll() is not None:
+        """End the server and every process it started (vLLM's engine core runs in a process of
+        its own): SIGTERM to its process group, then SIGKILL after 30 s; after a server that
+        already exited, SIGKILL to what it left behind."""
+        if self.process is None:
             return
-        self.process.terminate()
+        if self.process.poll() is not None:
+            self._signal_group(signal.SIGKILL)
+            return
+        self._signal_group(signal.SIGTERM)
         try:
             self.process.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            self.process.kill()
+            self.kill()
+        self._signal_group(signal.SIGKILL)
+
+    def kill(self) -> None:
+        """SIGKILL the server and every process it started at once (as a crash of its machine
+        would end them)."""
+        if self.process is not None:
+            self._signal_group(signal.SIGKILL)
             self.process.wait()
+
+    def _signal_group(self, signum: int) -> None:
+        try:
+            os.killpg(self.process.pid, signum)
+        except ProcessLookupError:  # the group is gone already
+            pass
 
 
 class VllmHttpClient(EngineClient):

@@ -43,6 +43,10 @@ from vlmcp.errors import EngineError
 
 logger = logging.getLogger(__name__)
 
+#: What a push that failed after the engine's update started leaves behind, in words.
+PAUSED_NOTE = ("the server stays paused (a half-updated model is never resumed); the next push "
+               "brings it to the latest version (to serve before that: restart it, or reload a "
+               "complete step and resume it, docs/rl-loop.md)")
 #: What a server needs for a push (said when it lacks the weight-transfer backend).
 SERVER_SETUP = ("start the server with --weight-transfer-config '{\"backend\": \"vlmcp_gloo\"}' "
                 "and VLLM_SERVER_DEV_MODE=1")
@@ -62,6 +66,13 @@ class VllmPushControl:
         self.downtime_s: float | None = None
         self._step: int | None = None
         self._paused_at = 0.0
+        self._updating = False
+
+    @property
+    def updating(self) -> bool:
+        """Whether the server is paused in an update this push started and did not end: it
+        holds part of the new weights and is not resumed (PAUSED_NOTE)."""
+        return self._updating
 
     @property
     def url(self) -> str:
@@ -114,6 +125,7 @@ class VllmPushControl:
             raise EngineError(f"{exc}; the push of step {step} into {self.url} did not start: "
                               f"the old weights are intact and the server {self._resume()}"
                               ) from exc
+        self._updating = True
 
     def update(self, update_info: dict[str, Any]) -> None:
         """Have the engine receive and load the buckets `update_info` lists (the trainer sends
@@ -138,6 +150,7 @@ class VllmPushControl:
                 self.http.post("/resume")
         except EngineError as exc:
             raise self._left_paused(exc, step) from exc
+        self._updating = False
         self.downtime_s = time.perf_counter() - self._paused_at
 
     def release(self) -> None:
@@ -167,5 +180,4 @@ class VllmPushControl:
     def _left_paused(self, exc: EngineError, step: int | None) -> EngineError:
         """The error of the push of `step` that failed after its update started."""
         return EngineError(f"{exc}; the push of step {step} into {self.url} failed after "
-                           "its update started: the server stays paused (a half-updated model is "
-                           "never resumed); the next push brings it to the latest version")
+                           f"its update started: {PAUSED_NOTE}")

@@ -406,49 +406,41 @@ def _check_divisible(n: int, group: ProcessGroup | None, what: str) -> None:
 
 class Rendezvous:
     """A key-value store that trainer rank 0 hosts for groups made outside the training world
-    (a weight push: the trainer ranks and an inference engine's workers). Rank 0 serves it on
-    every interface at a free port; the other ranks join it at rank 0's address (MASTER_ADDR,
-    as the launcher set it). Build it on every rank at the same point (`open`: the port travels
-    over the default group); later use needs no collective of the training world."""
+    (a weight push: the trainer ranks and an inference engine's workers). Rank 0 serves it at a
+    free port on the one address `bind` (its socket bound there: nothing on another interface
+    can reach it), or on every interface for "0.0.0.0"; the other ranks join it at that address,
+    or at rank 0's address as the launcher set it (MASTER_ADDR) when it listens everywhere. No
+    authentication: whoever reaches the port can read and write its keys. Build it on every rank
+    at the same point (`open`: the address travels over the default group); later use needs no
+    collective of the training world."""
 
     def __init__(self, store: dist.Store, host: str, port: int, timeout_s: float):
         self.store, self.host, self.port, self.timeout_s = store, host, port, timeout_s
 
     @classmethod
-    def open(cls, timeout_s: float) -> Rendezvous:
-        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    def open(cls, timeout_s: float, bind: str | None = "0.0.0.0") -> Rendezvous:
+        """`bind`: the address rank 0 listens on (read on rank 0 only)."""
         timeout = timedelta(seconds=timeout_s)
-        store = (dist.TCPStore("0.0.0.0", 0, is_master=True, timeout=timeout,
-                               wait_for_workers=False) if rank() == 0 else None)
-        port = broadcast_object(store.port if store is not None else None)
+        store = None
+        if rank() == 0:
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((bind or "0.0.0.0", 0))
+            listener.listen()
+            store = dist.TCPStore(bind or "0.0.0.0", listener.getsockname()[1], is_master=True,
+                                  timeout=timeout, wait_for_workers=False,
+                                  master_listen_fd=listener.detach())
+            address = (None if bind in (None, "0.0.0.0") else bind, store.port)
+        else:
+            address = None
+        host, port = broadcast_object(address)
+        host = host or os.environ.get("MASTER_ADDR", "127.0.0.1")
         if store is None:
             store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
         return cls(store, host, port, timeout_s)
 
     def put(self, key: str, value: str) -> None:
         self.store.set(key, value)
-
-    def get(self, key: str, timeout_s: float) -> str:
-        """The value of `key` once some process set it; raises TimeoutError after `timeout_s`."""
-        try:
-            self.store.wait([key], timedelta(seconds=timeout_s))
-        except dist.DistStoreError as exc:
-            raise TimeoutError(f"no {key!r} within {timeout_s:g} s: {exc}") from exc
-        return self.store.get(key).decode()
-
-    def gloo_group(self, prefix: str, member: int, size: int) -> ProcessGroup:
-        """A gloo group of `size` processes under the store's `prefix`: this process is member
-        `member`. Creating it waits until all `size` joined (the store's timeout); its
-        operations raise after that timeout too."""
-        scoped = dist.PrefixStore(prefix, self.store)
-        return dist.ProcessGroupGloo(scoped, member, size, timedelta(seconds=self.timeout_s))
-
-
-def send_bytes(group: ProcessGroup, buffer: torch.Tensor, dst: int, tag: int) -> None:
-    """Send `buffer` ([N] uint8, CPU, contiguous) to member `dst` of `group` (a
-    `Rendezvous.gloo_group`) under `tag`; returns once it is sent. Raises on a peer that left or
-    after the group's timeout."""
-    group.send([buffer], dst, tag).wait()
 
 
 def local_address_towards(host: str, port: int) -> str:

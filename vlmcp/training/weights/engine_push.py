@@ -7,105 +7,115 @@ installs into the engine venv; vLLM's own backends (`nccl`, `ipc`) need CUDA and
 
 Every trainer rank sends the share it would write (training/weights/shards.py: whole tensors, HF
 names as in the published safetensors, under ZeRO-3 gathered to their writer, under EP the experts
-a rank holds), from its publish thread, straight from the host copy of step N:
+a rank holds), from its publish thread, straight from the host copy of step N. Each push into one
+engine is a session of vlmcp/engine/push_wire.py over rank 0's `Rendezvous` store (its keys, the
+group's retried formation, the aborts every wait obeys):
 
-    one push of step N into one engine of n workers, over rank 0's `Rendezvous` store, keys under
-    push/<seq>/<engine>/:
-      every rank   meta/<r>       its buckets: [{src, tag, names, dtype_names, shapes, bytes}]
-      rank 0       GET /get_world_size (probe; an unreachable engine: abort, nobody waits)
-                   POST /init_weight_transfer_engine (side thread) -> the engine's workers set
-                   ready/<k> and join a gloo group of W + n: trainer r is member r, worker k
-                   member W + k
-      every rank   waits for ready/0 (or abort), joins the group
-    staged (publish.push_staged, the default; init_info listed every rank's buckets, interleaved,
-    and the workers receive them into host buffers while the engine serves on):
-      every rank   sends each of its buckets to every worker: one [bytes] uint8 buffer, its
-                   tensors' bytes in `names` order (tag: its index on that rank); sets sent/<r>
-                   (ok, or its error)
-      rank 0       once every sent/<r> is ok: POST /pause, /start_weight_update,
-                   /update_weights {staged: true} (loads the received buffers)
-    streamed (push_staged false: no extra engine memory, the transfer inside the pause):
-      rank 0       POST /pause, /start_weight_update, sets send = ok (or error), then POST
-                   /update_weights {buckets of all ranks, interleaved} (side thread, returns once
-                   every bucket is loaded)
-      every rank   waits for send; sends its buckets as above
+    rank 0       (publish.push_dtype set, the engine's first push only) POST
+                 /init_weight_transfer_engine {describe: [names]}: worker 0 puts the dtype it
+                 holds each tensor in under engines/<e>/dtypes; a tensor travels in that dtype
+                 when known, else in push_dtype
+    every rank   meta/<r>: its buckets
+    rank 0       GET /get_world_size (probe; an unreachable engine: abort, nobody waits), then
+                 attempt k = 0, 1, ...: POST /init_weight_transfer_engine (side thread): the
+                 workers mark ready and join a gloo group of W + n (trainer r is member r, worker
+                 k member W + k); staged, init_info lists every rank's buckets, interleaved
+    every rank   waits for worker 0's mark, joins, and waits for every member's `joined` mark;
+                 an attempt that failed anywhere is retried (push_wire.FORM_ATTEMPTS)
+    staged (publish.push_staged, the default: the workers receive into host buffers while the
+    engine serves on)
+      every rank sends each of its buckets to every worker ([bytes] uint8, its tensors' bytes in
+                 `names` order, tag its index on that rank), then sent/<r>
+      rank 0     once every rank's sent/<r> is there: POST /pause, /start_weight_update,
+                 /update_weights {staged: true} (loads the received buffers)
+    streamed (push_staged false: no extra engine memory, the transfer inside the pause)
+      rank 0     POST /pause, /start_weight_update, then `go`, then POST /update_weights {every
+                 rank's buckets, interleaved} (side thread, returns once every bucket is loaded)
+      every rank waits for `go`, sends its buckets as above, then sent/<r>
     then
-      rank 0       POST /finish_weight_update {version N} (the engine repacks CPU experts there),
-                   prefix and encoder caches reset, /resume, then POST
-                   /shutdown_weight_transfer_engine after the resume
+      rank 0     POST /finish_weight_update {version N} (the engine repacks CPU experts there),
+                 prefix and encoder caches reset, /resume, POST /shutdown_weight_transfer_engine
+      every rank left/<r>; rank 0 then reads every member's error, if any, and deletes the
+                 session's keys once every rank has left it (so the store holds no more keys
+                 after 10,000 pushes than after one)
 
 So the engine serves step N whole or not at all: it is paused before the first byte is loaded
 and resumed only after the last was loaded and labelled N; a failure after /start_weight_update
 leaves it paused (never serving a half-updated model) and the next push brings it to the latest
 step, also after a restart, since every push makes its group anew. Staged, a send that fails
-fails the push before the pause: the engine serves on, unpaused. A rank that waits gives up after
-publish.engine_timeout_s; so do the gloo sends and the HTTP requests: nothing hangs. Failures are
-PushFailed naming the engine and the step (publish.on_engine_error "error": the run stops after a
-checkpoint, as for a failed write), or logged and reported in the publish's row ("warn").
+fails the push before the pause: the engine serves on, unpaused, and its workers drop what they
+received. A member that fails aborts the session: every other member's waits and gloo
+operations end within a poll (push_wire.WorkWatch), and the push's error names every failing
+member (its own line, the trainer ranks' and the workers'), never a bystander's timeout. A wait
+still gives up after publish.engine_timeout_s. Failures are PushFailed naming the engine and the
+step (publish.on_engine_error "error": the run stops after a checkpoint, as for a failed write),
+or logged and reported in the publish's row ("warn").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import os
+import socket
 import time
 import urllib.parse
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from vlmcp.engine.weight_push_http import VllmPushControl
+from vlmcp.engine.push_wire import (FORM_ATTEMPTS, POLL_S, PROTOCOL, GroupNotFormed, PushAborted,
+                                    Session, WireBucket, WorkWatch, send_buckets,
+                                    settle_sessions)
+from vlmcp.engine.weight_push_http import PAUSED_NOTE, VllmPushControl
 from vlmcp.errors import EngineError
 from vlmcp.parallel import comm
 from vlmcp.training.weights.sharded_write import PushFailed
 
 logger = logging.getLogger(__name__)
 
-#: Seconds between two looks at the store while waiting for the engine's workers or an abort.
-_POLL_S = 0.02
+#: Where rank 0 keeps an engine's dtype table for the run (outside any session's keys).
+_DTYPES = "engines/{index}/dtypes"
 
 
-@dataclass(frozen=True)
-class Bucket:
-    """One send of one trainer rank: the tensors `names` (dtypes, shapes) packed back to back
-    into `bytes` bytes; `tag` is its index among that rank's buckets."""
-
-    src: int
-    tag: int
-    names: list[str]
-    dtype_names: list[str]
-    shapes: list[list[int]]
-    bytes: int
-
-
-def wire_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
-    """The dtype `tensor` travels in: `dtype` (publish.push_dtype) for a floating tensor, else
-    its own."""
-    return dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+def wire_dtype(tensor: torch.Tensor, dtype: torch.dtype | None, held: str | None = None
+               ) -> torch.dtype:
+    """The dtype `tensor` travels in: a floating tensor in the dtype the engine holds it in
+    (`held`, when the engine named it), else in `dtype` (publish.push_dtype); else its own."""
+    if not tensor.is_floating_point():
+        return tensor.dtype
+    if held is not None:
+        return getattr(torch, held)
+    return dtype if dtype is not None else tensor.dtype
 
 
 def buckets_of(share: dict[str, torch.Tensor], src: int, bucket_bytes: int,
-               dtype: torch.dtype | None = None) -> list[Bucket]:
+               dtype: torch.dtype | None = None, held: dict[str, str] | None = None
+               ) -> list[WireBucket]:
     """`share` ({HF name: whole tensor}, this rank's, in its order) cut into buckets of at most
-    `bucket_bytes` bytes (a larger tensor is a bucket of its own), its floating tensors in
-    `dtype` (None: their own)."""
-    buckets: list[Bucket] = []
+    `bucket_bytes` bytes (a larger tensor is a bucket of its own), each floating tensor in its
+    `wire_dtype` (`held`: {name: dtype name} the engine holds)."""
+    held = held or {}
+    buckets: list[WireBucket] = []
     names: list[str] = []
     size = 0
 
     def close() -> None:
         nonlocal names, size
         if names:
-            buckets.append(Bucket(src, len(buckets), names,
-                                  [str(wire_dtype(share[n], dtype)).removeprefix("torch.")
-                                   for n in names],
-                                  [list(share[n].shape) for n in names], size))
+            buckets.append(WireBucket(
+                src, len(buckets), names,
+                [str(wire_dtype(share[n], dtype, held.get(n))).removeprefix("torch.")
+                 for n in names],
+                [list(share[n].shape) for n in names]))
         names, size = [], 0
 
     for name, tensor in share.items():
-        nbytes = tensor.numel() * torch.empty((), dtype=wire_dtype(tensor, dtype)).element_size()
+        nbytes = tensor.numel() * wire_dtype(tensor, dtype, held.get(name)).itemsize
         if names and size + nbytes > bucket_bytes:
             close()
         names.append(name)
@@ -114,24 +124,10 @@ def buckets_of(share: dict[str, torch.Tensor], src: int, bucket_bytes: int,
     return buckets
 
 
-def pack(bucket: Bucket, share: dict[str, torch.Tensor], out: torch.Tensor | None = None
-         ) -> torch.Tensor:
-    """The bucket's bytes: `[bucket.bytes]` uint8, its tensors' bytes in `names` order, each in
-    its dtype of `bucket.dtype_names` (into `out`'s first bytes when given)."""
-    buffer = out[:bucket.bytes] if out is not None else torch.empty(bucket.bytes, dtype=torch.uint8)
-    offset = 0
-    for name, dtype in zip(bucket.names, bucket.dtype_names):
-        tensor = share[name].to(getattr(torch, dtype))
-        flat = tensor.contiguous().reshape(-1).view(torch.uint8)
-        buffer[offset:offset + flat.numel()].copy_(flat)
-        offset += flat.numel()
-    return buffer
-
-
-def interleaved(per_rank: list[list[Bucket]]) -> list[Bucket]:
+def interleaved(per_rank: list[list[WireBucket]]) -> list[WireBucket]:
     """Every rank's buckets, round robin over the ranks (each rank's in its own order), so that
     the engine waits for the ranks' sends in turn while all of them are under way."""
-    out: list[Bucket] = []
+    out: list[WireBucket] = []
     for index in range(max((len(b) for b in per_rank), default=0)):
         out += [buckets[index] for buckets in per_rank if index < len(buckets)]
     return out
@@ -165,6 +161,35 @@ class PushSettings:
     staged: bool = True
 
 
+def store_address(settings: PushSettings) -> tuple[str, str | None]:
+    """(the address rank 0's push store listens on, the address the engines are told to reach it
+    at: None for each engine's own interface). It listens on one interface when one address
+    serves every peer: publish.push_host, else the interface that reaches the engines (an engine
+    on this host reaches any of its addresses) and, with trainer ranks on other hosts, the one
+    that reaches them (MASTER_ADDR). Peers on several interfaces: every interface, logged."""
+    if settings.host:
+        return settings.host, settings.host
+    needed = set()
+    for url in settings.urls:
+        parts = urllib.parse.urlsplit(url)
+        address = comm.local_address_towards(parts.hostname or "127.0.0.1", parts.port or 80)
+        if not address.startswith("127."):
+            needed.add(address)
+    world = comm.world_size()
+    if int(os.environ.get("LOCAL_WORLD_SIZE", world)) < world:
+        master = socket.gethostbyname(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+        if not master.startswith("127."):
+            needed.add(master)
+    if len(needed) > 1:
+        logger.warning("publish.engines: the push's rendezvous store on trainer rank 0 listens "
+                       "on every interface, since its peers reach it at %s; set "
+                       "publish.push_host to one address they all reach to restrict it "
+                       "(docs/rl-loop.md)", ", ".join(sorted(needed)))
+        return "0.0.0.0", None
+    address = needed.pop() if needed else "127.0.0.1"
+    return address, address
+
+
 class EnginePush:
     """The push of published steps into `settings.urls` (see the module docstring). Build it on
     every rank at the same point (it opens rank 0's store); `push` runs on every rank's publish
@@ -172,10 +197,15 @@ class EnginePush:
 
     def __init__(self, settings: PushSettings):
         self.settings = settings
-        self.rendezvous = comm.Rendezvous.open(settings.timeout_s)
+        bind, self._engine_host = store_address(settings) if comm.rank() == 0 else (None, None)
+        self.rendezvous = comm.Rendezvous.open(settings.timeout_s, bind)
         self.world = comm.world_size()
         self.rank = comm.rank()
         self._seq = 0
+        #: Rank 0: the prefixes of the sessions whose keys are not deleted yet.
+        self._open: list[str] = []
+        #: {engine index: {name: dtype name}} each engine holds (publish.push_dtype only).
+        self._held: dict[int, dict[str, str]] = {}
         #: Rank 0: each engine's part of the latest push (read by the publish's row).
         self.outcomes: list[EngineOutcome] = []
         #: Bytes of one engine's copy of the latest push, over all ranks (rank 0).
@@ -183,14 +213,15 @@ class EnginePush:
 
     def push(self, step: int, share: dict[str, torch.Tensor]) -> None:
         """Push this rank's `share` of step `step` into every engine (every rank, its publish
-        thread). Raises PushFailed naming the engines that failed and the step under
-        publish.on_engine_error "error" (on rank 0; another rank raises only for its own sends);
-        under "warn" it logs them and returns."""
+        thread). Raises PushFailed naming the engines that failed, the step and every failing
+        member's error under publish.on_engine_error "error" (on rank 0; another rank raises
+        only for its own failures); under "warn" it logs them and returns."""
         self._seq += 1
-        buckets = buckets_of(share, self.rank, self.settings.bucket_bytes, self.settings.dtype)
-        outcomes = [self._one_engine(step, index, url, share, buckets)
+        outcomes = [self._one_engine(step, index, url, share)
                     for index, url in enumerate(self.settings.urls)]
         self.outcomes = outcomes
+        if self.rank == 0:
+            self._open = settle_sessions(self.rendezvous.store, self._open, self.world)
         failed = [o for o in outcomes if o.problem]
         if not failed:
             return
@@ -201,175 +232,209 @@ class EnginePush:
         logger.error("rank %d: pushing step %d into the engines failed, training on "
                      "(publish.on_engine_error=\"warn\"): %s", self.rank, step, text)
 
-    def _one_engine(self, step: int, index: int, url: str, share: dict[str, torch.Tensor],
-                    buckets: list[Bucket]) -> EngineOutcome:
+    def keys(self) -> int:
+        """How many keys rank 0's store holds (rank 0)."""
+        return self.rendezvous.store.num_keys()
+
+    def _one_engine(self, step: int, index: int, url: str, share: dict[str, torch.Tensor]
+                    ) -> EngineOutcome:
         outcome = EngineOutcome(url)
-        prefix = f"push/{self._seq}/{index}/"
+        session = Session(self.rendezvous.store, f"push/{self._seq}/{index}/", self.rank,
+                          self.world, self.settings.timeout_s)
+        if self.rank == 0:
+            self._open.append(session.prefix)
+        driver = _Driver(self, session, step, url, index) if self.rank == 0 else None
         started = time.perf_counter()
-        store = self.rendezvous
-        store.put(prefix + f"meta/{self.rank}", json.dumps([asdict(b) for b in buckets]))
-        driver = _Driver(self, step, url, prefix) if self.rank == 0 else None
         try:
-            workers = driver.start() if driver is not None else None
-            group = self._join(prefix, workers)
-            if group is None:
-                if driver is not None:
-                    outcome.problem = driver.problem
-                return outcome
-            workers = int(store.get(prefix + "workers", self.settings.timeout_s))
-            if self.settings.staged:
-                self._send(group, buckets, share, workers)
-                store.put(prefix + f"sent/{self.rank}", "ok")
-                if driver is not None:
-                    driver.begin()
-            else:
-                if driver is not None:
-                    driver.begin()
-                elif store.get(prefix + "send", self.settings.timeout_s) != "ok":
-                    return outcome
-                self._send(group, buckets, share, workers)
+            held = self._held_dtypes(session, index, driver, share) \
+                if self.settings.dtype is not None else {}
+            buckets = buckets_of(share, self.rank, self.settings.bucket_bytes,
+                                 self.settings.dtype, held)
+            session.put(f"meta/{self.rank}", json.dumps([b.to_json() for b in buckets]))
             if driver is not None:
-                driver.finish()
-        except (EngineError, PushFailed, RuntimeError, TimeoutError) as exc:
-            outcome.problem = (driver.problem if driver is not None and driver.problem else
-                               f"engine {url}, step {step}: rank {self.rank}: "
-                               f"{type(exc).__name__}: {exc}")
+                driver.start()
+            session = dataclasses.replace(session, workers=int(session.wait_key(
+                "workers", "the engine's worker count")))
+            group = self._form(session, driver)
+            self._transfer(session, driver, group, buckets, share)
+        except PushAborted:
+            pass  # another member failed: its own error is the push's (read by rank 0 below)
+        except GroupNotFormed as exc:  # every rank saw it; rank 0 reports it
             if driver is not None:
-                driver.fail(outcome.problem)
-            elif self.settings.staged:  # rank 0 waits for it before the pause
-                store.put(prefix + f"sent/{self.rank}", outcome.problem)
+                session.fail(f"engine {url}, step {step}: the push group did not form in "
+                             f"{FORM_ATTEMPTS} attempts: {exc}")
+        except Exception as exc:  # any failure of one member is the session's, never a hang
+            detail = str(exc) if isinstance(exc, EngineError) else f"{type(exc).__name__}: {exc}"
+            session.fail(f"engine {url}, step {step}: {session.who()}: {detail}")
         finally:
+            session.put(f"left/{self.rank}", "1")
             if driver is not None:
+                outcome.problem = driver.close()
                 outcome.phases, outcome.downtime_s = driver.phases(), driver.downtime_s()
-                driver.close()
+            elif session.has(f"failed/{self.rank}"):
+                outcome.problem = session.read(f"failed/{self.rank}")
             outcome.seconds = time.perf_counter() - started
         return outcome
 
-    def _join(self, prefix: str, workers: int | None) -> comm.ProcessGroup | None:
-        """Wait until the engine's first worker is joining (or rank 0 aborted: None), then join
-        the push's gloo group as member `rank`."""
-        store, deadline = self.rendezvous, time.perf_counter() + self.settings.timeout_s
-        ready, abort = prefix + "group/ready/0", prefix + "abort"
-        while not store.store.check([ready]):
-            if store.store.check([abort]):
-                return None
-            if time.perf_counter() > deadline:
-                raise TimeoutError(f"the engine's workers did not join the push within "
-                                   f"{self.settings.timeout_s:g} s (publish.engine_timeout_s)")
-            time.sleep(_POLL_S)
-        size = self.world + int(workers if workers is not None else
-                                store.get(prefix + "workers", self.settings.timeout_s))
-        return store.gloo_group(prefix + "group/gloo", self.rank, size)
+    def _held_dtypes(self, session: Session, index: int, driver: _Driver | None,
+                     share: dict[str, torch.Tensor]) -> dict[str, str]:
+        """{name: dtype} the engine holds the pushed tensors in, asked once per engine (rank 0
+        describes, every rank reads the table from the store)."""
+        if index not in self._held:
+            key = _DTYPES.format(index=index)
+            session.put(f"names/{self.rank}", json.dumps(list(share)))
+            if driver is not None and not self.rendezvous.store.check([key]):
+                driver.describe(key)
+            self._held[index] = json.loads(session.wait_store_key(
+                key, "the engine's table of the dtypes it holds"))
+        return self._held[index]
 
-    def _send(self, group: comm.ProcessGroup, buckets: list[Bucket],
-              share: dict[str, torch.Tensor], workers: int) -> None:
-        """Every bucket of this rank to every worker of the engine (members W .. W + n - 1)."""
-        scratch = torch.empty(max((b.bytes for b in buckets), default=0), dtype=torch.uint8)
-        for bucket in buckets:
-            buffer = pack(bucket, share, scratch)
-            for worker in range(workers):
-                comm.send_bytes(group, buffer, self.world + worker, bucket.tag)
+    def _form(self, session: Session, driver: _Driver | None) -> Any:
+        """The session's gloo group: attempt after attempt until one forms on every member
+        (rank 0 asks the engine for each; the others follow worker 0's ready mark)."""
+        attempt = 0
+        while True:
+            if driver is not None:
+                driver.init(attempt)
+            session.wait_key(f"try{attempt}/ready/0", "the engine's workers joining the push")
+            try:
+                return session.form_group(attempt)
+            except GroupNotFormed as exc:
+                attempt += 1
+                if attempt == FORM_ATTEMPTS:
+                    raise
+                if driver is not None:
+                    logger.warning("engine %s, step %d: %s; trying again", driver.url,
+                                   driver.step, exc)
+
+    def _transfer(self, session: Session, driver: _Driver | None, group: Any,
+                  buckets: list[WireBucket], share: dict[str, torch.Tensor]) -> None:
+        """This rank's sends, staged or streamed, and rank 0's control plane around them."""
+        workers = range(self.world, session.size)
+        with WorkWatch(session) as watch:
+            if not self.settings.staged:
+                if driver is not None:
+                    driver.begin()
+                else:
+                    session.wait_key("go", "the engine's pause for the push")
+            send_buckets(watch, group, buckets, share, workers)
+            session.put(f"sent/{self.rank}", "ok")
+            if driver is not None:
+                if self.settings.staged:
+                    driver.begin()
+                driver.finish()
 
 
 class _Driver:
-    """Rank 0's side of one push into one engine: the HTTP control plane and the store's keys
-    the other ranks wait on."""
+    """Rank 0's side of one push into one engine: the HTTP control plane, and the session's keys
+    the other members wait on."""
 
-    def __init__(self, push: EnginePush, step: int, url: str, prefix: str):
-        self.push, self.step, self.url, self.prefix = push, step, url, prefix
+    def __init__(self, push: EnginePush, session: Session, step: int, url: str, index: int):
+        self.push, self.session, self.step, self.url, self.index = push, session, step, url, index
         settings = push.settings
         self.control = VllmPushControl(url, timeout_s=settings.timeout_s,
                                        pause_mode=settings.pause_mode)
-        self.problem: str | None = None
         self._side = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlmcp-push-http")
         self._init: Future | None = None
         self._update: Future | None = None
         self._init_at = 0.0
-        #: Seconds from the workers' init request to every rank's sends done (staged).
+        self._joined = False
+        #: Seconds from the workers' first init request to every rank's sends done (staged).
         self._stage_s: float | None = None
-        self._buckets: list[Bucket] = []
+        self._buckets: list[WireBucket] = []
+        self._workers = 0
 
-    def start(self) -> int:
-        """Probe the engine and start its workers' side of the group (on a side thread);
-        returns how many workers it has. Sets `abort` for every rank when it cannot."""
-        store, settings = self.push.rendezvous, self.push.settings
-        per_rank = [[Bucket(**b) for b in json.loads(store.get(self.prefix + f"meta/{r}",
-                                                               settings.timeout_s))]
-                    for r in range(self.push.world)]
+    def _init_info(self, **fields: Any) -> dict[str, Any]:
+        host = self.push._engine_host
+        if host is None:
+            parsed = urllib.parse.urlsplit(self.url)
+            host = comm.local_address_towards(parsed.hostname or "127.0.0.1", parsed.port or 80)
+        return {"protocol": PROTOCOL, "master_address": host,
+                "master_port": self.push.rendezvous.port, "store_prefix": self.session.prefix,
+                "rank_offset": self.push.world, "timeout_s": self.push.settings.timeout_s,
+                **fields}
+
+    def describe(self, key: str) -> None:
+        """Have the engine's worker 0 put the dtype it holds each pushed tensor in under `key`
+        (every rank's names, from the session's `names/<r>`)."""
+        names = [name for r in range(self.push.world) for name in json.loads(
+            self.session.wait_key(f"names/{r}", f"rank {r}'s tensor names"))]
+        try:
+            self.control.init_transfer(self._init_info(world_size=self.push.world + 1,
+                                                       describe=names, describe_key=key))
+        except EngineError as exc:
+            raise EngineError(f"{exc} (asking it which dtype it holds each tensor in, for "
+                              "publish.push_dtype)") from exc
+
+    def start(self) -> None:
+        """Read every rank's buckets and probe the engine for its worker count (puts `workers`).
+        An unreachable engine fails the session before any group is formed."""
+        session = self.session
+        per_rank = [[WireBucket(**b) for b in json.loads(session.wait_key(
+            f"meta/{r}", f"rank {r}'s buckets"))] for r in range(self.push.world)]
         self._buckets = interleaved(per_rank)
-        self.push.pushed_bytes = sum(b.bytes for b in self._buckets)
-        try:
-            workers = self.control.probe()
-        except EngineError as exc:
-            self.fail(f"engine {self.url}, step {self.step}: {exc}")
-            raise
-        store.put(self.prefix + "workers", str(workers))
-        parsed = urllib.parse.urlsplit(self.url)
-        host = settings.host or comm.local_address_towards(parsed.hostname or "127.0.0.1",
-                                                           parsed.port or 80)
-        init_info = {"master_address": host, "master_port": store.port,
-                     "store_prefix": self.prefix + "group", "rank_offset": self.push.world,
-                     "world_size": self.push.world + workers, "timeout_s": settings.timeout_s}
-        if settings.staged:
-            init_info["buckets"] = [asdict(b) for b in self._buckets]
-        self._init = self._side.submit(self._init_or_abort, init_info)
-        self._init_at = time.perf_counter()
-        return workers
+        self.push.pushed_bytes = sum(b.size for b in self._buckets)
+        self._workers = self.control.probe()
+        session.put("workers", str(self._workers))
 
-    def _init_or_abort(self, init_info: dict[str, Any]) -> None:
+    def init(self, attempt: int) -> None:
+        """Ask the engine's workers to join attempt `attempt` of the group (on the side thread).
+        A request that fails before worker 0 marked itself ready fails the session at once;
+        after it, the members' `joined` marks tell the attempt's outcome."""
+        info = self._init_info(world_size=self.push.world + self._workers, attempt=attempt)
+        if self.push.settings.staged:
+            info["buckets"] = [b.to_json() for b in self._buckets]
+        if attempt == 0:
+            self._init_at = time.perf_counter()
+        self._init = self._side.submit(self._init_or_abort, info, attempt)
+
+    def _init_or_abort(self, info: dict[str, Any], attempt: int) -> None:
         try:
-            self.control.init_transfer(init_info)
+            self.control.init_transfer(info)
         except EngineError as exc:
-            self.fail(f"engine {self.url}, step {self.step}: {exc}")
+            if not self.session.has(f"try{attempt}/ready/0"):
+                self.session.fail(f"engine {self.url}, step {self.step}: {exc}")
             raise
+        self._joined = True
 
     def begin(self) -> None:
         """After the group formed (staged: after every rank's sends): pause the engine and
-        start its update; streamed, then let the ranks send. POST /update_weights goes on on the
-        side thread."""
-        store, settings = self.push.rendezvous, self.push.settings
-        if settings.staged:
-            self._wait_sent()
-        self._init.result()
-        try:
-            self.control.begin(self.step)
-        except EngineError as exc:
-            self.fail(f"engine {self.url}, step {self.step}: {exc}")
-            raise
-        if settings.staged:
+        start its update; streamed, then let the ranks send (`go`). POST /update_weights goes
+        on on the side thread."""
+        session, staged = self.session, self.push.settings.staged
+        if staged:
+            session.wait_all((f"sent/{r}" for r in range(self.push.world)),
+                             "every rank's sends to the engine")
+            self._stage_s = time.perf_counter() - self._init_at
+        self._wait(self._init, "the workers' join request")
+        self.control.begin(self.step)
+        if staged:
             info: dict[str, Any] = {"staged": True}
         else:
-            store.put(self.prefix + "send", "ok")
-            info = {"buckets": [asdict(b) for b in self._buckets]}
+            session.put("go", "1")
+            info = {"buckets": [b.to_json() for b in self._buckets]}
         self._update = self._side.submit(self.control.update, info)
 
-    def _wait_sent(self) -> None:
-        """Wait until every rank's sends of a staged push are done (rank 0's are); PushFailed
-        with the first rank's own error when one failed."""
-        store, timeout = self.push.rendezvous, self.push.settings.timeout_s
-        for rank in range(1, self.push.world):
-            said = store.get(self.prefix + f"sent/{rank}", timeout)
-            if said != "ok":
-                self.fail(said)
-                raise PushFailed(said)
-        self._stage_s = time.perf_counter() - self._init_at
-
     def finish(self) -> None:
-        """After this rank's own sends: wait for the engine to load every bucket, then finish,
-        relabel, reset the caches and resume it."""
-        try:
-            self._update.result()
-            self.control.end(self.step)
-        except EngineError as exc:
-            self.fail(f"engine {self.url}, step {self.step}: {exc}")
-            raise
+        """After this rank's own sends: wait for the engine to load every bucket (or the session
+        to abort), then finish, relabel, reset the caches and resume it."""
+        self._wait(self._update, "the engine's load of the buckets")
+        self.control.end(self.step)
 
-    def fail(self, problem: str) -> None:
-        """Record the first problem and release every rank still waiting on this push."""
-        self.problem = self.problem or problem
-        store = self.push.rendezvous
-        store.put(self.prefix + "abort", "1")
-        store.put(self.prefix + "send", "error")
+    def _wait(self, future: Future, what: str) -> None:
+        """The side thread's `future`, raising its error; PushAborted when the session aborts
+        first, TimeoutError after publish.engine_timeout_s."""
+        deadline = time.monotonic() + self.push.settings.timeout_s
+        while True:
+            try:
+                future.result(timeout=POLL_S)
+                return
+            except FutureTimeout:
+                if self.session.aborted():
+                    raise PushAborted(self.session.abort_reason()) from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{what} did not end within "
+                                       f"{self.push.settings.timeout_s:g} s") from None
 
     def phases(self) -> dict[str, float]:
         """{phase: seconds}: `stage` (staged: from the workers' init request until the group
@@ -381,9 +446,22 @@ class _Driver:
     def downtime_s(self) -> float | None:
         return self.control.downtime_s
 
-    def close(self) -> None:
-        """Release the engine's side of the group (after the resume: outside its downtime) and
-        the side thread, without waiting for a request the engine never answered."""
-        if self._init is not None and self._init.done() and self._init.exception() is None:
+    def close(self) -> str | None:
+        """After rank 0's part: release the engine's side of the group (after the resume,
+        outside its downtime) and the side thread, without waiting for a request the engine
+        never answered; then wait until every rank has left the session and return every
+        member's error, or None when the engine serves the step."""
+        if self._joined:
             self.control.release()
         self._side.shutdown(wait=False)
+        session = self.session
+        try:
+            session.wait_all((f"left/{r}" for r in range(self.push.world)),
+                             "every rank leaving the push", abortable=False)
+        except TimeoutError as exc:
+            logger.warning("engine %s, step %d: %s", self.url, self.step, exc)
+        problems = session.failures()
+        if problems and self.control.updating and not any(PAUSED_NOTE in p for p in problems):
+            problems.append(f"engine {self.url}, step {self.step}: the push failed after the "
+                            f"engine's update started: {PAUSED_NOTE}")
+        return "; ".join(problems) or None

@@ -1,0 +1,158 @@
+"""The push's sessions (vlmcp/engine/push_wire.py, training/weights/engine_push.py) between real
+trainer ranks (processes over gloo, `EnginePush` as `vlmcp train` builds it) and a stand-in
+engine whose workers follow the same protocol (tests/helpers/fake_push_engine.py: real gloo
+members, vLLM's HTTP routes without vLLM): a rank whose send fails ends the push at once with its
+own error, staged and streamed, and a failed staged push leaves the engine unpaused and holding
+no staged copy; the rendezvous store holds no more keys after 20 pushes than after one; an
+attempt at the group that fails on one member is retried, and one that fails every time fails the
+push naming it; publish.push_dtype sends each tensor in the dtype the engine holds it in; the
+store listens only on the address the engines reach."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+
+import pytest
+import torch
+
+from tests.helpers.distributed import run_ranks
+from tests.helpers.fake_push_engine import FakePushEngine
+
+pytestmark = pytest.mark.e2e
+
+#: Long enough that a push which waited for it is told from one that did not (seconds).
+TIMEOUT_S = 120.0
+BUCKET_BYTES = 4096
+
+
+def _share(rank: int, broken: bool) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s tensors: four buckets of BUCKET_BYTES (fp32), distinct per rank; `broken`:
+    the second bucket's tensor cannot be packed (a meta tensor: the rank's send fails after its
+    first bucket went out)."""
+    gen = torch.Generator().manual_seed(rank)
+    share = {f"r{rank}.t{i}": torch.randn(BUCKET_BYTES // 4, generator=gen) for i in range(4)}
+    if broken:
+        share[f"r{rank}.t1"] = torch.empty(BUCKET_BYTES // 4, device="meta")
+    return share
+
+
+def _push_rank(url: str, pushes: int, staged: bool, broken_rank: int | None,
+               dtype: str | None = None) -> list[dict]:
+    """`pushes` pushes of this rank's share into `url` (publish.on_engine_error "warn"): per push
+    its seconds, problem and (rank 0) the store's key count, counted once every rank has left
+    the push; then (rank 0) whether the store's address and another of this host reach it."""
+    from vlmcp.parallel import comm
+    from vlmcp.training.weights.engine_push import EnginePush, PushSettings
+
+    share = _share(comm.rank(), comm.rank() == broken_rank)
+    push = EnginePush(PushSettings((url,), BUCKET_BYTES, TIMEOUT_S, "wait", "warn", None,
+                                   getattr(torch, dtype) if dtype else None, staged))
+    rows = []
+    for step in range(1, pushes + 1):
+        started = time.perf_counter()
+        push.push(step, share)
+        seconds = time.perf_counter() - started
+        comm.barrier()  # every rank has left the push (its keys are settled), none is ahead
+        rows.append({"seconds": seconds, "problem": push.outcomes[0].problem,
+                     "keys": push.keys() if comm.rank() == 0 else None})
+        comm.barrier()
+    if comm.rank() == 0:
+        host, port = push.rendezvous.host, push.rendezvous.port
+        rows[-1]["bound"] = {address: _reaches(address, port) for address in (host, "127.0.0.2")}
+    return rows
+
+
+def _reaches(address: str, port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.connect((address, port))
+        except ConnectionRefusedError:
+            return False
+    return True
+
+
+#: name: (the stand-in engine's settings, the pushes: (count, staged, broken rank, push_dtype)).
+SCENARIOS = {
+    "staged_send_fails": ({}, (1, True, 1, None)),
+    "streamed_send_fails": ({}, (1, False, 1, None)),
+    "twenty_pushes": ({}, (20, True, None, None)),
+    "retried_group": ({"fail_attempts": {0: 0}}, (1, True, None, None)),
+    "failed_group": ({"fail_attempts": {0: 0, 1: 0, 2: 0}}, (1, True, None, None)),
+    "push_dtype": ({"held": {"r0.t2": "float32", "r1.t0": "float32"}}, (2, True, None, "bfloat16")),
+}
+
+
+def _every_scenario(urls: dict[str, str]) -> dict[str, list[dict]]:
+    return {name: _push_rank(urls[name], *SCENARIOS[name][1]) for name in SCENARIOS}
+
+
+@pytest.fixture(scope="module")
+def pushed() -> dict[str, tuple[FakePushEngine, list[dict], list[dict]]]:
+    """{scenario: (its engine, rank 0's rows, rank 1's rows)}: every scenario in one launch of
+    two ranks, each against a stand-in engine of its own."""
+    with contextlib.ExitStack() as stack:
+        engines = {name: stack.enter_context(FakePushEngine(**settings))
+                   for name, (settings, _) in SCENARIOS.items()}
+        rank0, rank1 = run_ranks(_every_scenario, 2, {n: e.url for n, e in engines.items()})
+        yield {name: (engines[name], rank0[name], rank1[name]) for name in SCENARIOS}
+
+
+def _expected(world: int) -> dict[str, torch.Tensor]:
+    return {name: t for rank in range(world) for name, t in _share(rank, False).items()}
+
+
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "streamed"])
+def test_a_rank_whose_send_fails_ends_the_push_at_once_with_its_own_error(staged, pushed):
+    engine, rank0, rank1 = pushed["staged_send_fails" if staged else "streamed_send_fails"]
+    paths = engine.fake.paths()
+    problem = rank0[0]["problem"]
+    assert "trainer rank 1" in problem and "meta tensor" in problem, problem
+    # rank 0 was sending its own buckets when rank 1 failed: it stopped within a poll, not at
+    # the gloo timeout of the send the worker would never have taken
+    assert rank0[0]["seconds"] < TIMEOUT_S / 4, rank0
+    assert rank1[0]["problem"] in problem
+    if staged:  # the failed send failed the push before the pause: the engine serves on
+        assert not any(p.startswith("/pause") for p in paths), paths
+        assert engine.staged_bytes() == 0
+    else:  # paused for the transfer, and left paused: never resumed on half an update
+        assert "/pause" in {p.split("?")[0] for p in paths} and "/resume" not in paths
+        assert "stays paused" in problem
+
+
+def test_the_store_holds_as_many_keys_after_20_pushes_as_after_one(pushed):
+    engine, rank0, _ = pushed["twenty_pushes"]
+    assert all(row["problem"] is None for row in rank0), rank0
+    assert [row["keys"] for row in rank0] == [rank0[0]["keys"]] * 20
+    weights = engine.weights[0]
+    assert weights.keys() == _expected(2).keys()
+    assert all(torch.equal(weights[n], t) for n, t in _expected(2).items())
+
+
+def test_a_group_attempt_that_fails_on_one_member_is_retried_and_the_push_lands(pushed):
+    engine, rank0, rank1 = pushed["retried_group"]
+    assert rank0[0]["problem"] is None and rank1[0]["problem"] is None
+    assert all(torch.equal(engine.weights[0][n], t) for n, t in _expected(2).items())
+
+
+def test_a_group_that_fails_every_attempt_fails_the_push_naming_the_failing_member(pushed):
+    problem = pushed["failed_group"][1][0]["problem"]
+    assert "did not form in 3 attempts" in problem and "engine worker 0" in problem, problem
+
+
+def test_push_dtype_sends_each_tensor_in_the_dtype_the_engine_holds_it_in(pushed):
+    engine, rank0, _ = pushed["push_dtype"]
+    assert rank0[-1]["problem"] is None
+    weights, held = engine.weights[0], engine.held
+    for name, tensor in _expected(2).items():
+        if name in held:  # the trainer's own fp32 bits, not bf16-rounded ones
+            assert weights[name].dtype == torch.float32 and torch.equal(weights[name], tensor)
+        else:
+            assert torch.equal(weights[name], tensor.to(torch.bfloat16))
+
+
+def test_the_push_store_listens_only_on_the_address_the_engines_reach(pushed):
+    # the engines on 127.0.0.1, the ranks on this host: another address of this host
+    # (127.0.0.2) finds nothing listening on the store's port
+    assert pushed["twenty_pushes"][1][-1]["bound"] == {"127.0.0.1": True, "127.0.0.2": False}
