@@ -16,7 +16,7 @@ FLOORS = {
     # the engine clients speak HTTP with the standard library: the trainer pushes through them
     "vlmcp.model": 2, "vlmcp.engine": 2,
     "vlmcp.training": 3,
-    "vlmcp.bench": 4, "vlmcp.demo": 4, "vlmcp.cli": 4, "vlmcp.__main__": 4,
+    "vlmcp.bench": 4, "vlmcp.demo": 4, "vlmcp.rl": 4, "vlmcp.cli": 4, "vlmcp.__main__": 4,
 }
 ROOT_MODULES = {"__init__.py", "__main__.py", "cli.py", "device.py", "errors.py"}
 

@@ -1,4 +1,4 @@
-"""Command line: `vlmcp {train,validate,inspect,export,score,bench,demo}` (also `python -m vlmcp ...`).
+"""Command line: `vlmcp {train,validate,inspect,export,score,bench,demo,rl}` (also `python -m vlmcp ...`).
 
 Heavy imports (torch, transformers, deepspeed) happen inside the commands, so `--help` is quick.
 Exit codes: 0 success, 1 a problem with the job or data (one line per problem on stderr; also a
@@ -11,12 +11,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 
 from vlmcp.config import load_job, schema_fields
+from vlmcp.config.schema import JobConfig
 from vlmcp.errors import ConfigError, JobError, ProcessorError
 from vlmcp.parallel.modes import DELTANET_KERNELS, DELTANET_MODES, VISION_MODES
 
@@ -283,6 +285,14 @@ def _add_bench_other_measures(bench: argparse.ArgumentParser) -> None:
                             "the engine's downtime per update, the training's critical path, the "
                             "bytes written to disk and where the push's time goes, --repeats "
                             "rounds each")
+    bench.add_argument("--rl", action="store_true",
+                       help="instead of a step benchmark: the whole loop (`vlmcp rl`, one vLLM "
+                            "server from the engine venv, one trainer rank) on the demo model and "
+                            "on one of about 1.1 GB in bf16, synchronous (rl.max_off_policy 0) "
+                            "and asynchronous (1), --repeats fresh runs of --steps steps each; "
+                            "reports each step's time split into generate, score, train, push "
+                            "and the two sides' waits, min / median / max "
+                            "(vlmcp/bench/rl_loop.py)")
     bench.add_argument("--length-mix", action="store_true",
                        help="instead of a step benchmark: train whole RL steps of mixed lengths "
                             "(seeded log-normal replies, a few at the limit, images) on --sp-size "
@@ -368,27 +378,54 @@ def _add_demo(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     demo.add_argument("--set", dest="overrides", action="append", default=[],
                       metavar="KEY.PATH=VALUE", help="override a key of the demo job; repeatable")
     demo.add_argument("--rl", action="store_true",
-                      help="online RL instead: a short CE warm start, then this process samples "
-                           "answers from the newest published weights (--engine) and writes "
-                           "rollout steps while `vlmcp train` trains ppo_clip on them and "
-                           "publishes weights, one step off-policy; output in OUT/rl "
-                           "(vlmcp/demo/rl.py; --steps sets the RL steps)")
-    demo.add_argument("--engine", choices=("auto", "transformers", "vllm"), default="auto",
-                      help="the RL demo's inference engine: vllm (a vLLM server in its own "
-                           "process from the engine venv that `make engine` builds, bf16, "
-                           "reloading every published step in place), transformers (in this "
-                           "process, fp32), or auto (default): vllm where the engine venv exists, "
-                           "else transformers")
+                      help="online RL instead: a short CE warm start, then the loop as a job of "
+                           "`vlmcp rl` (OUT/rl/job.json): a vLLM server from the engine venv "
+                           "that `make engine` builds, the trainer (ppo_clip at SP 2, torchrun) "
+                           "and the orchestrator, one step off-policy; output in OUT/rl "
+                           "(vlmcp/demo/rl.py; --steps sets the RL steps, --set the rl job's keys)")
     demo.add_argument("--weights", choices=("push", "files"), default=None,
-                      help="how the RL demo's vLLM engine gets each trained step: push (default: "
+                      help="how the RL demo's engine gets each trained step: push (default: "
                            "the trainer pushes it into the running server in memory, "
-                           "publish.engines) or files (published to OUT/rl/weights and reloaded "
-                           "from the disk); the transformers engine always reads the files")
+                           "rl.weights push) or files (published to OUT/rl/weights and reloaded "
+                           "by the orchestrator)")
     demo.add_argument("--video", action="store_true",
                       help="video variant: synthetic digit clips (4 to 8 temporal groups, the "
                            "digit in one of them, noise in the others), 'Which digit appears in "
                            "the video?', trained at SP 2; exits 1 below 80 %% held-out accuracy "
                            "(vlmcp/demo/video.py)")
+
+
+_RL_EPILOG = """\
+the parts, each startable on its own (a cluster's launcher starts the trainer's ranks):
+  vlmcp rl JOB.json --part engines                      vLLM servers; prints their URLs
+  torchrun --nproc_per_node 8 -m vlmcp rl JOB.json --part trainer
+  vlmcp rl JOB.json --part orchestrator                 against rl.engines
+A signal (SIGTERM, SIGINT) stops every part after a trainer checkpoint; --set train.resume=true
+continues the same prompt stream. docs/rl-loop.md: the rl section, rewards, metrics.
+"""
+
+
+def _add_rl(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`vlmcp rl`: the whole online RL loop, or one of its parts."""
+    rl = commands.add_parser(
+        "rl", help="the whole online RL loop from one job: engines, orchestrator, trainer",
+        description="Start the engines (rl.engines, or rl.num_engines vLLM servers from the "
+                    "engine venv), the trainer's ranks (torchrun on one host, output in "
+                    "OUTPUT_DIR/rl/trainer.log) and the orchestrator (this process): prompts "
+                    "from rl.prompts, answers from the engines, rewards, group advantages, "
+                    "rollout steps into rollouts.dir, paced by rl.max_off_policy; the weights "
+                    "come back through the push (rl.weights push) or publish.dir. One summary "
+                    "line per step; every metric in OUTPUT_DIR/rl/metrics.jsonl.",
+        epilog=_RL_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_job_args(rl)
+    rl.add_argument("--part", choices=("all", "engines", "orchestrator", "trainer"),
+                    default="all", help="start one part only (default: all three)")
+    rl.add_argument("--nproc", type=int, default=None,
+                    help="trainer ranks on this host (default: the least common multiple of "
+                         "parallel.sp_size and parallel.ep_size)")
+    rl.add_argument("--engine-urls", nargs="+", default=None, metavar="URL",
+                    help="--part trainer: the engines' base URLs when rl.engines is empty "
+                         "(vlmcp rl passes the ones it started)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -408,6 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_score(commands)
     _add_bench(commands)
     _add_demo(commands)
+    _add_rl(commands)
     return parser
 
 
@@ -444,6 +482,14 @@ def _settle_device() -> None:
 def _cmd_train(args: argparse.Namespace) -> int:
     # os.environ: the settings `accelerate launch --config_file X.yaml` exports (config/launch_env.py).
     job = load_job(args.job, args.overrides, environ=os.environ)
+    if job.rl.enabled:
+        return _report(["the job has an rl section: train it with `vlmcp rl JOB.json` (all "
+                        "parts) or, under your launcher, `vlmcp rl JOB.json --part trainer`"])
+    return _train(job)
+
+
+def _train(job: JobConfig) -> int:
+    """Train `job` on this rank (`vlmcp train`, and the trainer part of `vlmcp rl`)."""
     from vlmcp.parallel import comm
     from vlmcp.training.loop import train
     from vlmcp.training.signals import StopRequested
@@ -473,8 +519,13 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     from vlmcp.training.preflight import run_preflight
 
     report = run_preflight(job, world_size, decode_images=True)
-    if report.problems:
-        return _report(report.problems)
+    problems = list(report.problems)
+    if job.rl.enabled:
+        from vlmcp.rl.preflight import rl_problems_before_start
+
+        problems += rl_problems_before_start(job)
+    if problems:
+        return _report(problems)
     for note in report.resume.notes if report.resume is not None else []:
         print(f"train.resume: {note}")
     if job.rollouts.dir:
@@ -570,13 +621,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                         "pip install 'vlmcp[demo]'"])
     if args.rl and args.video:
         return _report(["demo: --rl and --video are separate demos; give one of them"])
-    if args.engine != "auto" and not args.rl:
-        return _report([f"demo: --engine {args.engine} applies to the RL demo only (--rl)"])
     if args.weights is not None and not args.rl:
         return _report([f"demo: --weights {args.weights} applies to the RL demo only (--rl)"])
-    if args.weights == "push" and args.engine == "transformers":
-        return _report(["demo: --weights push needs a vLLM engine (--engine vllm or auto); the "
-                        "transformers engine reads the published files"])
     if args.video:
         from vlmcp.demo.video import run_video_demo
 
@@ -587,7 +633,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         from vlmcp.demo.rl import run_rl_demo
 
         return run_rl_demo(out_dir=out, nproc=args.nproc, sp_size=args.sp_size,
-                           steps=args.steps, overrides=args.overrides, engine=args.engine,
+                           steps=args.steps, overrides=args.overrides,
                            weights=args.weights or "push")
     from vlmcp.demo.image import run_demo
 
@@ -595,8 +641,32 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                     overrides=args.overrides)
 
 
+def _cmd_rl(args: argparse.Namespace) -> int:
+    job = load_job(args.job, args.overrides, environ=os.environ)
+    if not job.rl.enabled:
+        return _report([f"{args.job}: no rl section (neither rl.prompts nor rl.environment is "
+                        "set): `vlmcp train` trains it"])
+    if args.part == "trainer":
+        from vlmcp.config.rl_checks import trainer_job
+
+        engines = args.engine_urls or job.rl.engines
+        if job.rl.weights == "push" and not engines:
+            return _report(["--part trainer pushes into the engines: name them in rl.engines "
+                            "(or --engine-urls)"])
+        return _train(trainer_job(job, engines))
+    from vlmcp.rl import launch
+
+    if args.part == "engines":
+        return launch.run_engines(job)
+    if args.part == "orchestrator":
+        return launch.run_orchestrator(job)
+    nproc = args.nproc or math.lcm(job.parallel.sp_size, job.parallel.ep_size)
+    return launch.run_all(job, args.job, args.overrides, nproc)
+
+
 COMMANDS = {"train": _cmd_train, "validate": _cmd_validate, "inspect": _cmd_inspect,
-            "export": _cmd_export, "score": _cmd_score, "bench": _cmd_bench, "demo": _cmd_demo}
+            "export": _cmd_export, "score": _cmd_score, "bench": _cmd_bench, "demo": _cmd_demo,
+            "rl": _cmd_rl}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

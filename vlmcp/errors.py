@@ -114,3 +114,9 @@ class CollectiveError(JobError):
     """A torch.distributed collective that failed on this rank (a peer rank ended, was killed or
     lost its connection); raised by the rank that saw it, which exits without waiting for its
     peers."""
+
+
+class OrchestratorError(JobError):
+    """The RL loop's orchestrator cannot go on (`vlmcp rl`): a prompt that cannot be rendered, a
+    reward function that raised or timed out under rl.on_reward_error "error", no engine left to
+    generate, the trainer gone."""

@@ -57,14 +57,15 @@ import torch.nn.functional as F
 from transformers import AutoModelForImageTextToText
 
 from vlmcp.bench.jobs import scratch_folder
+from vlmcp.data.formats import parse_record
 from vlmcp.data.processor import VLProcessor, load_processor
 from vlmcp.demo.assets import write_digits_dataset
 from vlmcp.demo.image import torchrun_command
-from vlmcp.demo.orchestrator import DigitPrompt, load_prompts
-from vlmcp.demo.vllm_policy import chat_choices
 from vlmcp.engine.venv import engine_python, missing_engine, named_engine_python
 from vlmcp.engine.vllm_http import CPU_ARGS, VllmHttpClient, VllmServer
 from vlmcp.errors import EngineError
+from vlmcp.rl.generation import image_part
+from vlmcp.training.evaluate import generation_prompt
 from vlmcp.training.weights.publish import published_steps
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,50 @@ TEXTS = ("Describe the picture.", "What digit is this?", "Count from one to five
          "Say hello.", "Spell the word digit.")
 #: The sides compared with the engine, in report order.
 SIDES = ("vlmcp_fp32", "vlmcp_bf16", "hf_fp32", "hf_bf16", "hf_bf16_fp32_head", "hf_bf16_decode")
+
+
+@dataclass
+class DigitPrompt:
+    """One digit question: its prompt tokens and pixels, the image path, the question's text."""
+
+    input_ids: torch.Tensor          # [1, L]
+    mm_token_type_ids: torch.Tensor  # [1, L]
+    pixel_values: torch.Tensor       # [patches, C*T*P*P]
+    image_grid_thw: torch.Tensor     # [1, 3]
+    image: str
+    question: str                    # the user's text beside the image
+
+
+def load_prompts(jsonl: Path, processor: VLProcessor) -> list[DigitPrompt]:
+    """The digit prompts of a messages-format file (`vlmcp.demo.assets`), as training renders
+    them."""
+    prompts = []
+    for number, text in enumerate(jsonl.read_text().splitlines(), start=1):
+        record = json.loads(text)
+        sample = parse_record(record, f"{jsonl}:{number}", jsonl.parent, processor, 10**6)
+        prompt = generation_prompt(sample, NEW_TOKENS)
+        prompts.append(DigitPrompt(prompt.input_ids, prompt.mm_token_type_ids,
+                                   prompt.pixel_values, prompt.image_grid_thw,
+                                   sample.image_paths[0],
+                                   record["messages"][0]["content"].replace("<image>", "")))
+    return prompts
+
+
+def chat_choices(client: VllmHttpClient, model_dir: Path, prompt: DigitPrompt,
+                 **params: Any) -> list[dict]:
+    """The `choices` of one `/v1/chat/completions` request for `prompt` (its image as a data
+    URL beside its question; `params`: the sampling fields). Raises EngineError when the prompt
+    tokens vLLM rendered are not vlmcp's own."""
+    content = [{"type": "image_url", "image_url": {"url": image_part(Path(prompt.image))["url"]}},
+               {"type": "text", "text": prompt.question}]
+    out = client.post("/v1/chat/completions", {
+        "model": str(model_dir), "messages": [{"role": "user", "content": content}],
+        "return_token_ids": True, **params})
+    if out["prompt_token_ids"] != prompt.input_ids[0].tolist():
+        raise EngineError(f"{prompt.image}: the engine rendered prompt tokens "
+                          f"{out['prompt_token_ids']}, vlmcp {prompt.input_ids[0].tolist()}; "
+                          "the checkpoint's chat template and the tokens format disagree")
+    return out["choices"]
 
 
 @dataclass

@@ -603,6 +603,11 @@ _IGNORED_BY_MODE = {
                     "offload_activations", "loss_chunk_mb", "loss_only", "find_max_len",
                     "saved_bytes", "compare_alst", "data_scale", "rollout_rss",
                     "engine_mismatch", "routes", "publish", "length_mix"),
+    "rl": ("model", "moe", "images", "videos", "vision", "pairs", "sp_size", "dtype",
+           "hidden_size", "intermediate_size", "vocab_size", "deltanet_cp", "deltanet_kernel",
+           "gradient_checkpointing", "tiled_mlp", "offload_activations", "loss_chunk_mb",
+           "loss_only", "find_max_len", "saved_bytes", "compare_alst", "data_scale",
+           "rollout_rss", "engine_mismatch", "routes", "publish", "length_mix", "engine_push"),
     "publish": ("model", "moe", "images", "videos", "vision", "pairs", "deltanet_cp",
                 "deltanet_kernel", "gradient_checkpointing", "tiled_mlp", "offload_activations",
                 "loss_chunk_mb", "loss_only", "find_max_len", "saved_bytes", "compare_alst",
@@ -707,6 +712,13 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         if problems:
             raise ValueError("; ".join(problems))
         return _write_report(args, run_length_mix(args))
+    if args.rl:
+        problems = [p for p in _ignored_flags(args) if p.startswith("--rl ")]
+        if problems:
+            raise ValueError("; ".join(problems))
+        from vlmcp.bench.rl_loop import run_rl_loop_bench
+
+        return _write_report(args, run_rl_loop_bench(args))
     if args.engine_push:
         problems = [p for p in _ignored_flags(args) if p.startswith("--engine-push ")]
         if problems:

@@ -17,6 +17,7 @@ from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
+from vlmcp.config.rl_checks import rl_problems
 from vlmcp.config.schema import (JobConfig, LoraSection, ModelSection, PublishSection, RolloutsSection,
                                  VideoSection)
 from vlmcp.data.sources import data_files
@@ -52,7 +53,7 @@ def _matches(value: Any, tp: Any) -> tuple[bool, Any]:
             return True, float(value)
         except OverflowError:  # an integer beyond the float range: not finite, as 1e400 is not
             return True, math.inf if value > 0 else -math.inf
-    if tp is str or tp is dict:
+    if tp is str or tp is dict or tp is list:
         return isinstance(value, tp), value
     origin = typing.get_origin(tp)
     if origin is list:
@@ -175,9 +176,10 @@ def cross_key_problems(job: JobConfig) -> list[str]:
     problems.extend(_memory_feature_checks(job))
     problems.extend(_video_checks(job.data.video))
     problems.extend(_rollout_checks(job))
-    problems.extend(_publish_target_checks(job.publish))
+    problems.extend(_publish_target_checks(job.publish, _pushed_by_rl(job)))
     problems.extend(_publish_writer_checks(job))
     problems.extend(_engine_push_checks(job))
+    problems.extend(rl_problems(job))
     problems.extend(_overlapping_dirs(job))
     return problems
 
@@ -227,17 +229,24 @@ _PUSH_KEYS = ("dir_every", "bucket_mb", "engine_timeout_s", "engine_pause", "on_
 _DIR_KEYS = ("keep", "dir_every")
 
 
-def _publish_target_checks(publish: PublishSection) -> list[str]:
-    """Publishing is on with publish.dir, publish.engines or both; each one's own keys need it."""
-    if not publish.dir and not publish.engines:
+def _pushed_by_rl(job: JobConfig) -> bool:
+    """Whether `vlmcp rl` fills publish.engines in (rl.weights "push", `trainer_job`)."""
+    return job.rl.enabled and job.rl.weights == "push"
+
+
+def _publish_target_checks(publish: PublishSection, pushed_by_rl: bool = False) -> list[str]:
+    """Publishing is on with publish.dir, publish.engines or both; each one's own keys need it
+    (`pushed_by_rl`: publish.engines is filled in from the rl section)."""
+    engines = publish.engines or pushed_by_rl
+    if not publish.dir and not engines:
         return [problem.replace("'publish.dir' is not", "neither 'publish.dir' nor "
                                 "'publish.engines' is")
                 for problem in _keys_set_without(publish, "publish", "dir")]
     default = PublishSection()
     problems = [f"config key 'publish.{key}' is set but 'publish.{switch}' is {empty}"
-                for keys, switch, empty in ((_PUSH_KEYS, "engines", "empty"),
-                                            (_DIR_KEYS, "dir", "not"))
-                if not getattr(publish, switch)
+                for keys, switch, on, empty in ((_PUSH_KEYS, "engines", engines, "empty"),
+                                                (_DIR_KEYS, "dir", publish.dir, "not"))
+                if not on
                 for key in keys if getattr(publish, key) != getattr(default, key)]
     seen: set[str] = set()
     for url in publish.engines:

@@ -419,6 +419,117 @@ class PublishSection:
         "serves every engine and trainer rank, else on every interface, logged)"))
 
 
+#: Values of `rl.advantage`: the group-relative estimators (docs/rl-loop.md#advantages).
+ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+#: The built-in rewards `rl.rewards` may name instead of `module:function`.
+BUILTIN_REWARDS = ("exact_match", "math")
+
+
+@dataclass
+class RlSection:
+    """`vlmcp rl`'s section; on when rl.prompts or rl.environment is set (`enabled`)."""
+
+    prompts: str | list | None = field(default=None, metadata=_key(
+        "the whole RL loop (`vlmcp rl`): the prompt files, in any data format vlmcp reads "
+        "(messages, LLaVA/ShareGPT: a trailing assistant turn is the reference answer) or a "
+        "table of prompt and answer columns (JSON Lines; parquet and load_from_disk with the "
+        "`datasets` package); the columns beyond the prompt go to the rewards; relative to the "
+        "job file; null: off (docs/rl-loop.md)", files="plain"))
+    environment: dict | None = field(default=None, metadata=_key(
+        "instead of rl.prompts and rl.rewards: a verifiers environment, {\"id\": an installed "
+        "environment's id or \"path/to/env.py\" (relative to the job file), \"args\": its "
+        "config fields}: its taskset's tasks are the prompts, its rubric the reward, its "
+        "protocol (single- or multi-turn) runs every episode (the rl extra)"))
+    eval_prompts: str | list | None = field(default=None, metadata=_key(
+        "held-out prompts: greedy answers scored by the rewards every rl.eval_every steps",
+        files="plain"))
+    eval_every: int = field(default=0, metadata=_key(
+        "score rl.eval_prompts every N steps (and after the last); 0 never", min=0))
+    eval_max_prompts: int | None = field(default=None, metadata=_key(
+        "at most this many held-out prompts per evaluation (null: all)", min=1))
+    prompts_per_step: int = field(default=32, metadata=_key(
+        "groups (prompts) each rollout step trains on", min=1))
+    group_size: int = field(default=8, metadata=_key(
+        "answers sampled per prompt; the advantages are relative to the group", min=2))
+    max_new_tokens: int = field(default=256, metadata=_key(
+        "the most tokens one answer may have (longer ones are cut: truncated)", min=1))
+    temperature: float = field(default=1.0, metadata=_key(
+        "sampling temperature (every token's `temperatures` entry)", min=1e-6))
+    top_p: float = field(default=1.0, metadata=_key("nucleus sampling's mass", min=1e-6,
+                                                    max=1.0))
+    top_k: int | None = field(default=None, metadata=_key(
+        "sample among the k likeliest tokens only (null: all)", min=1))
+    sampling_mask: str = field(default="text", metadata=_key(
+        "text: the vision placeholder tokens and the ids beyond the tokenizer are never sampled "
+        "(an answer holding one could not train); none: every id of the model's vocabulary",
+        choices=["text", "none"]))
+    rewards: list[dict] = field(default_factory=list, metadata=_key(
+        "the reward functions, each {\"function\": \"module:function\" (TRL's signature: "
+        "f(prompts, completions, completion_ids, **columns) -> list of floats), "
+        "\"path/to/file.py:function\", or a built-in: \"exact_match\", \"math\" "
+        "(math-verify), \"weight\": w (default 1)}; the reward is their weighted sum"))
+    advantage: str = field(default="grpo", metadata=_key(
+        "the group-relative advantage: grpo (reward - group mean) / (group std + 1e-6), "
+        "dr_grpo (reward - group mean), rloo (reward - mean of the other answers)",
+        choices=list(ADVANTAGE_ESTIMATORS)))
+    dynamic_sampling: bool = field(default=True, metadata=_key(
+        "DAPO's dynamic sampling: a group whose answers all got the same reward is dropped "
+        "(counted) and further prompts are sampled until the step has rl.prompts_per_step "
+        "groups"))
+    max_prompts_per_step: int | None = field(default=None, metadata=_key(
+        "with rl.dynamic_sampling: the most prompts one step samples; a step that reaches it "
+        "trains on the groups it has (null: 4 x rl.prompts_per_step)", min=1))
+    merge_identical_answers: bool = field(default=False, metadata=_key(
+        "write identical answers of a group (same tokens, same versions) once, with their "
+        "summed advantage scaled by (tokens written / tokens sampled) over the step: the "
+        "token-normalised loss of policy_gradient and ppo_clip is then exactly that of every "
+        "answer, for less training work (short answers repeat; docs/rl-loop.md)"))
+    overlong_filter: bool = field(default=False, metadata=_key(
+        "answers cut at rl.max_new_tokens train with zero loss weight (DAPO's overlong "
+        "filtering); their reward still counts in their group"))
+    max_off_policy: int = field(default=1, metadata=_key(
+        "every token of rollout step N comes from policy version N-1-k or newer: the "
+        "orchestrator waits for the weights (pacing), k steps of generation overlap training; "
+        "0 is synchronous", min=0))
+    on_reward_error: str = field(default="error", metadata=_key(
+        "a reward function that raises or exceeds rl.reward_timeout_s: stop the run after a "
+        "checkpoint with one error naming the prompt's file:line and the function, or skip the "
+        "group (counted)", choices=["error", "skip"]))
+    reward_timeout_s: float = field(default=60.0, metadata=_key(
+        "the longest one reward call (one group's answers) may take", min=0.01))
+    reward_workers: int = field(default=2, metadata=_key(
+        "processes the rewards run in, beside generation (a call past its timeout ends its "
+        "process)", min=1))
+    engines: list[str] = field(default_factory=list, metadata=_key(
+        "base URLs of running vLLM servers to generate with (started with --logprobs-mode "
+        "processed_logprobs --enable-scale-out, and the push backend for rl.weights push); "
+        "empty: `vlmcp rl` starts rl.num_engines from the engine venv on model.path"))
+    num_engines: int = field(default=1, metadata=_key(
+        "vLLM servers `vlmcp rl` starts when rl.engines is empty", min=1))
+    engine_args: list[str] = field(default_factory=list, metadata=_key(
+        "extra command-line arguments of the vLLM servers `vlmcp rl` starts"))
+    engine_start_timeout_s: float = field(default=600.0, metadata=_key(
+        "the longest a started vLLM server may take to answer", min=1.0))
+    weights: str = field(default="push", metadata=_key(
+        "how the engines get each trained step: push (publish.engines, set to the engines by "
+        "`vlmcp rl`) or files (publish.dir, reloaded into each engine by the orchestrator)",
+        choices=["push", "files"]))
+    concurrency: int = field(default=64, metadata=_key(
+        "generation requests in flight over all engines (one request: one prompt's group)",
+        min=1))
+    request_timeout_s: float = field(default=600.0, metadata=_key(
+        "the longest one generation request may take", min=1.0))
+    on_engine_error: str = field(default="retry", metadata=_key(
+        "an engine that dies or fails a request: retry its requests on the other engines "
+        "(counted; the run stops when none is left), or stop the run at once",
+        choices=["retry", "error"]))
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the job has an rl section: rl.prompts or rl.environment is set."""
+        return self.prompts is not None or self.environment is not None
+
+
 @dataclass
 class LoraSection:
     r: int = field(default=0, metadata=_key(
@@ -461,6 +572,9 @@ class JobConfig:
         "online training on the steps a producer writes (docs/rl-loop.md)"))
     publish: PublishSection = field(default_factory=PublishSection, metadata=_key(
         "weights published after steps, for an inference engine (docs/rl-loop.md)"))
+    rl: RlSection = field(default_factory=RlSection, metadata=_key(
+        "the whole RL loop of `vlmcp rl`: prompts, engines, rewards, advantages, pacing "
+        "(docs/rl-loop.md); `vlmcp train` ignores it"))
     deepspeed: str | dict = field(default_factory=lambda: {"zero_optimization": {"stage": 0}},
                                   metadata=_key("DeepSpeed JSON path or inline dict"))
     output_dir: str = field(default="runs/job", metadata=_key(

@@ -40,11 +40,13 @@ endpoint, which reports `weight_versions`; it needs `--enable-scale-out`).
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -76,14 +78,24 @@ PUSH_ARGS = ("--weight-transfer-config", '{"backend": "vlmcp_gloo"}')
 CHECKOUT = Path(__file__).resolve().parents[2]
 
 
+def end_with_parent() -> None:
+    """In a child process before it executes (a `preexec_fn`): on Linux, have the kernel send it
+    SIGTERM when the process that started it dies, even by SIGKILL, so that no server or rank
+    outlives its launcher; elsewhere nothing."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class VllmServer:
     """A vLLM OpenAI server in a process of its own, started from the engine venv's Python on
     `model_dir` (127.0.0.1, `port` or a free one, vlmcp's checkout on its PYTHONPATH), its output in
-    `log`. `start()` returns once /health answers; `stop()` ends it."""
+    `log`. `start()` returns once /health answers; `stop()` ends it. With `die_with_parent` the
+    server gets SIGTERM when this process dies (`end_with_parent`, Linux)."""
 
     def __init__(self, python: str | Path, model_dir: str | Path, log: str | Path, *,
                  args: Sequence[str] = CPU_ARGS, env: dict[str, str] | None = None,
-                 start_timeout_s: float = 600.0, port: int | None = None):
+                 start_timeout_s: float = 600.0, port: int | None = None,
+                 die_with_parent: bool = False):
         self.python, self.model_dir, self.log = Path(python), Path(model_dir), Path(log)
         self.args, self.start_timeout_s = list(args), start_timeout_s
         path = os.pathsep.join(p for p in (str(CHECKOUT), os.environ.get("PYTHONPATH")) if p)
@@ -92,6 +104,7 @@ class VllmServer:
         self.fixed_port = port
         self.port = 0
         self.process: subprocess.Popen | None = None
+        self.die_with_parent = die_with_parent
 
     @property
     def url(self) -> str:
@@ -101,6 +114,14 @@ class VllmServer:
         """Start the server and wait until it answers; returns the seconds that took. Raises
         EngineError with the end of its log when it exits or does not answer in time."""
         started = time.perf_counter()
+        self.launch()
+        self.wait_ready(started)
+        return time.perf_counter() - started
+
+    def launch(self) -> None:
+        """Start the server's process (call `wait_ready` next). With `die_with_parent`, call it
+        on the thread that lives as long as the server should: Linux's parent-death signal
+        follows the thread that started the process."""
         self.port = self.fixed_port or free_local_port()
         command = [str(self.python), "-m", "vllm.entrypoints.launchers.api_server.entry",
                    "--model", str(self.model_dir), "--host", "127.0.0.1", "--port",
@@ -109,8 +130,15 @@ class VllmServer:
         with self.log.open("a") as out:
             out.write(f"$ {' '.join(command)}\n")
             out.flush()
-            self.process = subprocess.Popen(command, env=self.env, stdout=out,
-                                            stderr=subprocess.STDOUT, start_new_session=True)
+            self.process = subprocess.Popen(
+                command, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=end_with_parent if self.die_with_parent else None)
+
+    def wait_ready(self, started: float) -> None:
+        """Wait until the launched server answers /health, at most `start_timeout_s` after
+        `started` (a perf_counter time). Raises EngineError with the end of its log when it
+        exits or does not answer in time (then it is stopped)."""
         while time.perf_counter() - started < self.start_timeout_s:
             if self.process.poll() is not None:
                 raise EngineError(f"the vLLM server on {self.model_dir} exited "
@@ -118,7 +146,7 @@ class VllmServer:
                                   f"{self._log_tail()} (the whole log: {self.log})")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5):
-                    return time.perf_counter() - started
+                    return
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 time.sleep(0.5)
         self.stop()
