@@ -11,7 +11,8 @@ trainer rank 0's TCPStore (`comm.Rendezvous`). Its members: trainer ranks 0..W-1
 the engine's workers 0..n-1 (member W + k). Every key of the session lies under P, so rank 0
 deletes the whole session once every trainer rank has left it (`left/<r>`):
 
-    P meta/<r>              trainer rank r's buckets (JSON list of `WireBucket`)
+    P plan                  rank 0: the push's mode (dense or sparse), token and base
+    P meta/<r>              trainer rank r's buckets (JSON list of `WireBucket`), changed counts
     P workers               n, the engine's worker count (rank 0, from the engine)
     P dtypes                {checkpoint name: dtype} the engine holds (a describe session only)
     P try<k>/ready/<w>      worker w is joining attempt k of the group
@@ -22,6 +23,8 @@ deletes the whole session once every trainer rank has left it (`left/<r>`):
     P go                    streamed pushes: rank 0 paused the engine, send now
     P sent/<r>              trainer rank r sent every bucket it holds
     P report/<w>            worker w's placements (and checksums) after the update (vllm_held)
+    P check/<r>             trainer rank r's delivery check of its share
+    P done/<r>              trainer rank r's part is over
     P outcome               rank 0: the push's outcome (every rank reads it before it leaves)
     P left/<r>              trainer rank r is done with the session's keys
 
@@ -166,14 +169,15 @@ class WireBucket:
                 f"{self.names[0]}{more})")
 
     def pack(self, share: dict[str, Any], out: torch.Tensor | None = None) -> torch.Tensor:
-        """The bucket's bytes from `share` ({name: tensor}, or for a tensor not encoded dense
-        the list of its wire parts, push_patch.encode): `[size]` uint8, each tensor in its dtype
-        of `dtype_names` (into `out`'s first bytes when given)."""
+        """The bucket's bytes from `share` ({name: tensor}, cast to its dtype of `dtype_names`,
+        or the list of its wire parts, push_patch.encode): `[size]` uint8 (into `out`'s first
+        bytes when given)."""
         buffer = out[:self.size] if out is not None else torch.empty(self.size, dtype=torch.uint8)
         offset = 0
         for name, dtype, (kind, _), nbytes in zip(self.names, self.dtypes, self.kinds,
                                                  self.nbytes):
-            parts = [share[name].to(dtype)] if kind == push_patch.DENSE else share[name]
+            value = share[name]
+            parts = value if isinstance(value, list) else [value.to(dtype)]
             for part in parts:
                 flat = part.contiguous().reshape(-1).view(torch.uint8)
                 buffer[offset:offset + flat.numel()].copy_(flat)
@@ -207,11 +211,11 @@ class WireBucket:
         return patches
 
 
-def parse_buckets(buckets: Any, where: str) -> list[WireBucket]:
+def parse_buckets(buckets: Any, where: str, allow_empty: bool = False) -> list[WireBucket]:
     """`buckets` (a JSON list of bucket objects) as WireBuckets; ValueError naming `where` and
-    the bucket."""
+    the bucket. Empty only when `allow_empty` (a sparse push in which nothing changed)."""
     expect_type(buckets, list, f"{where}: buckets")
-    if not buckets:
+    if not buckets and not allow_empty:
         raise ValueError(f"{where}: buckets is empty")
     parsed = []
     for index, bucket in enumerate(buckets):

@@ -126,7 +126,8 @@ class GlooInitInfo(WeightTransferInitInfo):
             raise ValueError(f"init_info: protocol {self.protocol!r}, but this engine's vlmcp_gloo "
                              f"speaks {PROTOCOL}: install the trainer's vlmcp in the engine venv")
         if self.buckets is not None:
-            self.buckets = parse_buckets(self.buckets, "init_info")
+            self.buckets = parse_buckets(self.buckets, "init_info",
+                                         allow_empty=self.mode == SPARSE_MODE)
         expect_type(self.master_address, str, "master_address")
         expect_type(self.store_prefix, str, "store_prefix")
         for name in ("master_port", "rank_offset", "world_size", "attempt"):
@@ -178,7 +179,7 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
             return
         if self.buckets is None:
             raise ValueError("update_info: no buckets (and not staged)")
-        self.buckets = parse_buckets(self.buckets, "update_info")
+        self.buckets = parse_buckets(self.buckets, "update_info", allow_empty=True)
 
 
 def held_dtypes(model: torch.nn.Module, names: list[str]) -> dict[str, str]:
@@ -327,7 +328,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             self.held.reprocess(self._touched)
         else:
             self._end_reload()
-        info, session = self.init_info, self.session
+        info = self.init_info
         if info is None:
             return
         self.held.seal(info.token)
@@ -415,6 +416,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         once the staging thread has them all."""
         if self.group is None or self.init_info is None:
             raise RuntimeError("no push group: POST /init_weight_transfer_engine first")
+        if not update_info.staged and not update_info.buckets \
+                and self.init_info.mode == DENSE_MODE:
+            raise ValueError("update_info: a dense push lists no buckets")
         if update_info.staged:
             if self._staging is None:
                 raise RuntimeError("a staged update, but init_info listed no buckets")

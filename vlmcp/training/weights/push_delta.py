@@ -9,9 +9,9 @@ host: the share's elements at the engine's itemsize (a bf16 engine: 2 bytes per 
 the share; the fp32 master copy stays where it is). A push then compares each tensor of the new
 share bit for bit with its base (`delta`) and sends, per tensor, the cheapest encoding of
 vlmcp/engine/push_patch.py: the changed elements' indices and values, a bitmap and the values,
-or the whole tensor; unchanged tensors not at all. The base becomes the new share once every
-engine confirmed the push (`advance`); an engine that did not holds another version, and gets
-a dense push (the anchor) next.
+or the whole tensor; unchanged tensors not at all. The base becomes the new share once an engine
+confirmed the push (`advance`); an engine that did not holds another version, and gets a dense
+push (the anchor) next.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class Delta:
 
 class PushBase:
     """A rank's share as last pushed, in the dtype each engine holds each tensor in (see the
-    module docstring). Empty until the first push every engine confirmed."""
+    module docstring). Empty until the first push an engine confirmed."""
 
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
@@ -112,7 +112,3 @@ class PushBase:
             else:
                 held.copy_(tensor.detach())
         self.step = step
-
-    def drop(self) -> None:
-        """Forget the base (the next push is dense)."""
-        self.tensors, self.step = {}, None
