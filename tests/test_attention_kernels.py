@@ -15,6 +15,7 @@ from tests.helpers.references import causal_attention_f64
 from vlmcp.model.attention import (
     cpu_backward_kv_heads,
     flash_kernels_apply,
+    kv_groups_as_batch,
     varlen_attn_usable,
     varlen_causal_attention,
 )
@@ -101,6 +102,31 @@ def test_varlen_attention_on_cpu_runs_on_the_fused_kernel():
     tensors, weight = _inputs(kv_heads=2)
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         _out_and_grads(lambda q, k, v: varlen_causal_attention(q, k, v, CU, scaling=None), tensors, weight)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2], ids=["mqa", "gqa"])
+def test_each_kv_groups_query_heads_as_a_batch_entry_is_gqa_attention_on_a_fused_kernel(kv_heads):
+    """The layout CUDA's fused kernels get for GQA instead of sdpa's broadcast (which they refuse):
+    within fp32's error of the float64 definition, forward and backward, and on CPU too it runs
+    on a fused kernel (restricted to it, a math fallback would raise)."""
+    length = CU[2] - CU[1] + 17
+    tensors, weight = _inputs(kv_heads, cu=(0, length))
+    scale = 0.3
+
+    def grouped(q, k, v):
+        heads = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            out = kv_groups_as_batch(*heads, is_causal=True, scale=scale)
+        return out[0].transpose(0, 1)
+
+    out, grads = _out_and_grads(grouped, tensors, weight)
+    ref, ref_grads = _out_and_grads(lambda q, k, v: causal_attention_f64(q, k, v, (0, length), scale),
+                                    tensors, weight)
+    ref32, ref32_grads = _out_and_grads(
+        lambda q, k, v: causal_attention_f64(q, k, v, (0, length), scale, torch.float32), tensors, weight)
+    assert_within_fp32_error(out, ref32, ref, name="out")
+    for name, got, fp32, expected in zip("qkv", grads, ref32_grads, ref_grads, strict=True):
+        assert_within_fp32_error(got, fp32, expected, name=name)
 
 
 class _LargestTensor(TorchDispatchMode):

@@ -336,9 +336,10 @@ def test_readme_stays_a_landing_page_of_about_200_lines():
 
 
 def _tour_paths() -> set[str]:
-    """Module paths the README's code tour lists: its text block, indentation as nesting."""
-    text = README.read_text()
-    block = text[text.index("## Code tour"):].split("```text\n", 1)[1].split("```", 1)[0]
+    """Module paths the code tour (docs/code-tour.md) lists: its text block, indentation as
+    nesting."""
+    text = (REPO / "docs" / "code-tour.md").read_text()
+    block = text.split("```text\n", 1)[1].split("```", 1)[0]
     paths: set[str] = set()
     parents: list[tuple[int, str]] = []
     for line in block.splitlines():
@@ -353,7 +354,7 @@ def _tour_paths() -> set[str]:
     return paths
 
 
-def test_readme_code_tour_lists_every_module_of_the_package():
+def test_the_code_tour_lists_every_module_of_the_package():
     modules = {str(path.relative_to(REPO)) for path in (REPO / "vlmcp").rglob("*.py")
                if path.name != "__init__.py"}
     assert sorted(modules - _tour_paths()) == []

@@ -27,6 +27,8 @@ from vlmcp.errors import ConfigError
 from vlmcp.model.expert_load import load_row
 from vlmcp.model.loss import DEFAULT_LOSS_CHUNK_MB
 from vlmcp.training.ds.config import fill_deepspeed_config, load_deepspeed_config
+from vlmcp.training.ds.edits import DeepSpeedEdits
+from vlmcp.training.ds.expert_comms import fill_comms_logger
 
 SPEC = RouteSpec(layers=4, top_k=2, num_experts=4)
 WORLD = 2
@@ -145,6 +147,18 @@ def test_ep_turns_deepspeeds_comms_logger_on_for_the_expert_all_to_all_only():
                                            "prof_ops": ["all_to_all_single"], "verbose": False,
                                            "debug": False}
     assert "comms_logger" not in _filled({}, ep_size=1)
+
+
+def test_on_cuda_ep_leaves_the_comms_logger_off_unless_the_config_has_one():
+    """DeepSpeed's logger syncs the device after every collective: on CUDA it is the user's
+    choice (the rows' expert_a2a entries are then null), a section of theirs is kept."""
+    edits = DeepSpeedEdits()
+    config: dict = {}
+    fill_comms_logger(config, 2, edits, on_cuda=True)
+    assert config == {} and not edits.problems
+    mine = {"comms_logger": {"enabled": True, "prof_ops": ["all_to_all_single"]}}
+    fill_comms_logger(mine, 2, edits, on_cuda=True)
+    assert mine == {"comms_logger": {"enabled": True, "prof_ops": ["all_to_all_single"]}}
 
 
 def test_a_users_comms_logger_is_kept_turned_off_by_enabled_false_or_refused_without_the_op():

@@ -6,8 +6,11 @@ to the sample's routes where it has some: tests/helpers/replay_reference.py), fp
 with fp32's own error (`assert_within_fp32_error`).
 
 Layouts (SP, EP) over world W: (1, 2) the EP group within DP, with another pack on each DP rank;
-(2, 2) the EP group on the SP group; (2, 4) with DP 2, the EP group spanning both SP groups; (4, 2)
-two EP groups inside one SP group. ZeRO 2 and ZeRO 3 at every layout (under SP, ZeRO 3 runs
+(2, 2) the EP group on the SP group, also at DP 2 (each expert's expert-data-parallel group of two
+ranks); (2, 4) with DP 2, the EP group spanning both SP groups; (4, 2) two EP groups inside one SP
+group. ZeRO 2 and ZeRO 3 at every layout, ZeRO 0 and 1 at (2, 2) (ZeRO 0: the engine's own
+reduction and clipping, checked by the clipped gradients the optimizer steps with and the reported
+norm) (under SP, ZeRO 3 runs
 through training/ds/initialize.py, which lifts DeepSpeed's refusal of AutoEP there); native routing and
 replayed routes, `ppo_clip`, routes that send every token to one EP rank's experts (the other
 receives none), a pack whose shard on one rank has no route at all, and DeltaNet's heads mode
@@ -84,6 +87,23 @@ CASES = {
     "sp2_ep2_zero2_router_aux_loss": dict(
         world=2, sp=2, ep=2, stage=2, model={"router_aux_loss_coef": 0.5}, router_aux=True,
         packs=[[(23, [(1, 4, 4)], "none"), (14, [], "none")]]),
+    # ZeRO 0: the engine reduces the expert gradients (DeepSpeed divides them by the world, not
+    # DP, under SP: training/ds/expert_grads.py) and clips; a clip far below the norm: the
+    # optimizer steps with the gradient times clip / (the whole model's norm), on every rank
+    "sp2_ep2_zero0_replayed_routes_clipped_update": dict(
+        world=2, sp=2, ep=2, stage=0, model={}, clip=1e-3,
+        packs=[[(19, [], "nested"), (22, [(1, 4, 4)], "none")]]),
+    "sp2_ep2_zero1_native_routing": dict(
+        world=2, sp=2, ep=2, stage=1, model={},
+        packs=[[(23, [(1, 4, 4)], "none"), (14, [], "none")]]),
+    # the EP group on the SP group at DP 2: each expert's expert-data-parallel group has two
+    # ranks (E = P with EDP > 1), ZeRO 0 clipped and ZeRO 1
+    "sp2_ep2_dp2_zero0_clipped_update": dict(
+        world=4, sp=2, ep=2, stage=0, model={"num_key_value_heads": 2}, clip=1e-3,
+        packs=[[(16, [(1, 4, 4)], "holes"), (11, [], "none")], [(20, [], "nested")]]),
+    "sp2_ep2_dp2_zero1_replayed_routes": dict(
+        world=4, sp=2, ep=2, stage=1, model={"num_key_value_heads": 2},
+        packs=[[(13, [], "none"), (18, [], "nested")], [(24, [(1, 4, 4)], "holes")]]),
     # EP 4 spans both SP groups of DP 2 (another pack on each), routes replayed
     "sp2_ep4_dp2_zero2_replayed_routes": dict(
         world=4, sp=2, ep=4, stage=2, model={"num_key_value_heads": 2},
@@ -198,7 +218,7 @@ def _materialise(name: str, tmp_root):
                 offload_activations=spec.get("offload", False), grad_accum=1,
                 loss_chunk_mb=DEFAULT_LOSS_CHUNK_MB, objective=objective, ep=spec["ep"],
                 router_aux=spec.get("router_aux", False), tiled_mlp=spec.get("tiled_mlp", False),
-                lora=lora,
+                lora=lora, clip=spec.get("clip"),
                 packs=[[batch_of(rank)] for rank in range(len(per_rank))])
     return case, reference(exact=False), reference(exact=True)
 
@@ -282,3 +302,36 @@ def test_expert_parallel_step_equals_transformers_per_sample_with_every_expert_o
                 assert grad.shape[0] == local, pname
                 ref, truth = ref[held], truth[held]
             assert_within_fp32_error(grad, ref, truth, at_least=TOL, name=f"rank {rank} {pname}")
+
+
+def _norm(grads: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of a reference's whole trained gradient (the frozen vision tower left out)."""
+    return torch.stack([g.double().pow(2).sum() for n, g in grads.items()
+                        if not n.startswith("model.visual")]).sum().sqrt()
+
+
+@pytest.mark.parametrize("name", [n for n, spec in CASES.items() if spec.get("clip")])
+def test_at_zero0_each_rank_reports_and_clips_by_the_whole_models_norm_as_transformers_would(
+        name, tmp_root):
+    """ZeRO 0 under EP: the norm `vlmcp train` reports and clips by is the whole model's
+    gradient norm of the reference (every expert once), on every rank, and the optimizer of each
+    rank steps with the reference gradient times clip / (norm + 1e-6): the same factor on every
+    rank, for the dense weights and each rank's experts alike."""
+    spec = CASES[name]
+    (_, ref_grads, _), (_, truth_grads, _), per_rank = _results(spec["world"], tmp_root)[name]
+    ref_norm, truth_norm = _norm(ref_grads), _norm(truth_grads)
+    assert truth_norm > 10 * spec["clip"]  # the clip applies
+    local = SPEC.num_experts // spec["ep"]
+    for rank, result in enumerate(per_rank):
+        assert_within_fp32_error(result["grad_norm"], ref_norm, truth_norm, at_least=TOL,
+                                 name=f"rank {rank} grad norm")
+        held = slice((rank % spec["ep"]) * local, (rank % spec["ep"] + 1) * local)
+        scale32, scale64 = (spec["clip"] / (norm + 1e-6) for norm in (ref_norm, truth_norm))
+        stepped = hf_named_grads(result["stepped_grads"])
+        assert stepped.keys() == {n for n in ref_grads if not n.startswith("model.visual")}
+        for pname, grad in stepped.items():
+            ref, truth = ref_grads[pname], truth_grads[pname]
+            if ".mlp.experts." in pname:
+                ref, truth = ref[held], truth[held]
+            assert_within_fp32_error(grad, ref * scale32, truth * scale64, at_least=TOL,
+                                     name=f"rank {rank} {pname} clipped")

@@ -20,6 +20,7 @@ from vlmcp.model.router_loss import router_objective
 from vlmcp.parallel import comm
 from vlmcp.training.ds.edits import DeepSpeedEdits
 from vlmcp.training.ds.expert_comms import expert_a2a_row, fill_comms_logger
+from vlmcp.training.ds.expert_grads import global_grad_norm
 from vlmcp.training.ds.initialize import initialize_engine
 from vlmcp.training.ds.expert_parallel import fill_expert_parallel, moe_optimizer_factory
 from vlmcp.training.ds.zero3_sp import largest_tensor_numel, sp_exact_zero_settings
@@ -79,7 +80,10 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
     score_max_len; with score_dynamic, on training's degree plan), ep (parallel.ep_size: DeepSpeed's
     AutoEP splits the routed experts; the gradients then come under AutoEP's names, each rank's
     experts only), partition_all (ZeRO-3 partitions every parameter, however small), tiled_mlp
-    and offload_activations (train.* switches); each micro-batch runs inside
+    and offload_activations (train.* switches) and clip (DeepSpeed's gradient_clipping: the
+    gradients the optimizer steps with, clipped, come back as "stepped_grads"; under ZeRO 0, where
+    the optimizer is torch's own); at ZeRO 0 in fp32 the result also holds vlmcp's "grad_norm"
+    (the norm `vlmcp train` reports and clips by there); each micro-batch runs inside
     `module.micro_batch(batch)` (its routes replayed on a MoE model)}: one DeepSpeed
     step; returns the step loss, the metrics (training/objective_step.objective_metrics), every trainable
     parameter's full gradient (HF names) as DeepSpeed holds them at the accumulation boundary,
@@ -109,10 +113,12 @@ def engine_step(sp_size: int, cases: dict[str, dict]) -> dict[str, dict]:
         if ep_size > 1:
             edits = DeepSpeedEdits()
             fill_expert_parallel(config, ep_size, hf_config.text_config.num_experts_per_tok, edits)
-            fill_comms_logger(config, ep_size, edits)
+            fill_comms_logger(config, ep_size, edits, on_cuda=False)
             assert not edits.problems, edits.problems
         if case.get("partition_all"):
             config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+        if case.get("clip"):
+            config["gradient_clipping"] = case["clip"]
         keep_alive = HfDeepSpeedConfig(config) if case["stage"] == 3 else None
         cls = Qwen3_5MoeForConditionalGeneration if hf_config.model_type == "qwen3_5_moe" else Qwen3_5ForConditionalGeneration
         dtype = torch.bfloat16 if case.get("bf16") else torch.float32
@@ -181,12 +187,25 @@ def _one_step(engine, module: PackedVLM, objective: Loss, micro_batches: list, c
             offloaded["passed_hooks"] += offload_stats.skipped_marked_tensors + offload_stats.offloaded_tensors
         if not engine.is_gradient_accumulation_boundary():
             engine.step()
-    grads = {
-        ("model." + n if n.startswith(("language_model.", "visual.")) else n): safe_get_full_grad(p).detach().float().clone()
-        for n, p in engine.module.named_parameters()
-        if p.requires_grad
-    }
+    def hf(name: str) -> str:
+        return "model." + name if name.startswith(("language_model.", "visual.")) else name
+
+    trained = [(hf(n), p) for n, p in engine.module.named_parameters() if p.requires_grad]
+    grads = {n: safe_get_full_grad(p).detach().float().clone() for n, p in trained}
+    grad_norm = (global_grad_norm(engine.module)
+                 if case["stage"] == 0 and not case.get("bf16") else None)
+    stepped: dict[str, torch.Tensor] = {}
+    if case.get("clip"):  # the gradients the optimizer steps with, after DeepSpeed's clipping
+        names = {id(p): n for n, p in trained}
+
+        def record(optimizer, *_):
+            stepped.update({names[id(p)]: p.grad.detach().clone() for group in optimizer.param_groups
+                            for p in group["params"] if p.grad is not None})
+
+        hook = engine.optimizer.register_step_pre_hook(record)
     engine.step()
+    if case.get("clip"):
+        hook.remove()
     scores = None
     if rows:
         scores = score_samples(engine, [sum(len(s) for s in row) for row in rows],
@@ -202,6 +221,8 @@ def _one_step(engine, module: PackedVLM, objective: Loss, micro_batches: list, c
         "scores": scores,
         "router_aux": float(comm.all_reduce_sum(router_total)) / (sp.dp_size * case["grad_accum"]),
         "grads": grads,
+        "grad_norm": grad_norm,
+        "stepped_grads": stepped,
         "layer0_mlp_calls": len(calls),
         "tiled_shards": module.tiled_mlps.shards if module.tiled_mlps is not None else None,
         "tiled_layers": None if module.tiled_mlps is None else sum(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -137,7 +138,8 @@ def varlen_causal_attention(
       2. Everything else (CPU in any dtype, fp32 on CUDA, other head dims): sdpa one segment at
          a time on 4-D [1, H, L, D] tensors, which dispatches to a fused kernel (CPU flash; CUDA
          memory-efficient, flash or cuDNN). 3-D inputs would take the math kernel, which stores
-         L x L. CPU's fused kernel has no dropout, so dropout > 0 on CPU is quadratic (warned).
+         L x L; so would sdpa's GQA broadcast on CUDA, which its fused kernels refuse: there each
+         kv head's query group is a batch entry instead (`kv_groups_as_batch`). CPU's fused kernel has no dropout, so dropout > 0 on CPU is quadratic (warned).
          Each segment's q, k, v are made contiguous per head first (a copy where a head-sharded
          [S, H, D] holds more than one head; the copy replaces the view as what sdpa keeps for
          backward): CPU's flash kernel gives the same bits on either layout and runs a little
@@ -172,11 +174,33 @@ def varlen_causal_attention(
     for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]):
         qs = _contiguous_heads(q[a:b])
         ks, vs = (_contiguous_heads(t[a:b], kv_repeat) for t in (k, v))
-        out = F.scaled_dot_product_attention(
-            qs, ks, vs, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=qs.shape[1] != ks.shape[1]
-        )
+        attend = kv_groups_as_batch if qs.is_cuda and qs.shape[1] != ks.shape[1] else _sdpa_gqa
+        out = attend(qs, ks, vs, dropout_p=dropout, is_causal=True, scale=scaling)
         pieces.append(out[0].transpose(0, 1))
     return torch.cat(pieces, dim=0)
+
+
+def _sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """sdpa on [1, Hq, L, D] / [1, Hk, L, D], its own GQA broadcast when Hq != Hk."""
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1], **kwargs)
+
+
+def kv_groups_as_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any
+                       ) -> torch.Tensor:
+    """sdpa of q [1, Hq, L, D] on k [1, Hk, L, D], v [1, Hk, L, Dv] (query head h on kv head
+    h // (Hq / Hk)) with each kv head's query group as one batch entry: q viewed as
+    [Hk, Hq / Hk, L, D], k and v broadcast over the group by a zero-stride expand (no copy).
+    The same attention as sdpa's `enable_gqa`, which CUDA's fused kernels do not take: with it
+    sdpa falls back to its math kernel, which stores L x L (and raises where math is excluded:
+    "No available kernel", docs/gpu-check.md), while CUDA's memory-efficient kernel takes the
+    broadcast layout. Returns [1, Hq, L, Dv]."""
+    heads, kv_heads, length = q.shape[1], k.shape[1], q.shape[2]
+    group = heads // kv_heads
+    grouped_q = q.reshape(kv_heads, group, length, q.shape[-1])
+    grouped_k, grouped_v = (t.transpose(0, 1).expand(kv_heads, group, length, t.shape[-1])
+                            for t in (k, v))
+    out = F.scaled_dot_product_attention(grouped_q, grouped_k, grouped_v, **kwargs)
+    return out.reshape(1, heads, length, v.shape[-1])
 
 
 def _contiguous_heads(segment: torch.Tensor, repeat: int = 1) -> torch.Tensor:

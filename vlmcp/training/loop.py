@@ -73,6 +73,7 @@ from vlmcp.parallel.groups import SequenceParallel
 from vlmcp.training.checkpoint import checkpoint_dir, load_latest, save_checkpoint
 from vlmcp.training.ds.config import zero_stage
 from vlmcp.training.ds.expert_comms import expert_a2a_row, restart_expert_a2a
+from vlmcp.training.ds.expert_grads import global_grad_norm
 from vlmcp.training.evaluate import eval_loss, generation_accuracy
 from vlmcp.training.metrics import MetricsWriter
 from vlmcp.training.nonfinite import NonFiniteGuard
@@ -233,12 +234,6 @@ def _plain_fp32_engine(engine: Any) -> bool:
     return not (engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled())
 
 
-def _grad_norm(module: torch.nn.Module) -> float:
-    """L2 norm of the (all-reduced, unclipped) gradients of `module`."""
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
-    return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
-
-
 #: Entries of a training step's summed row values before the objective's metric sums.
 _STATS = 9
 
@@ -278,7 +273,7 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
                             + router_objective(router_share, run.module.router_aux_coef)
                             * (weight * router_scale))
         if index == last and _plain_fp32_engine(engine):
-            grad_norm = _grad_norm(engine.module)
+            grad_norm = global_grad_norm(engine.module)
             # DeepSpeed checks for NaN/Inf gradients itself everywhere else (training/nonfinite.py).
             if can_veto(engine.optimizer):
                 engine.optimizer.overflow = not math.isfinite(grad_norm)

@@ -35,6 +35,7 @@ import json
 import logging
 from typing import Any
 
+from vlmcp import device
 from vlmcp.config import JobConfig
 from vlmcp.data import json_text
 from vlmcp.errors import ConfigError
@@ -266,7 +267,7 @@ def fill_deepspeed_config(raw: dict[str, Any], job: JobConfig, *, dp_size: int,
     _torch_optimizer_keys(config, edits)
     if moe_top_k or job.parallel.ep_size == 1:
         fill_expert_parallel(config, job.parallel.ep_size, moe_top_k, edits)
-    fill_comms_logger(config, job.parallel.ep_size, edits)
+    fill_comms_logger(config, job.parallel.ep_size, edits, device.use_cuda())
     if job.parallel.ep_size > 1 and get_path(config, "hybrid_engine.enabled") is True:
         edits.problem(f"config key 'deepspeed.hybrid_engine.enabled' is true with "
                       f"parallel.ep_size={job.parallel.ep_size}: vlmcp builds the expert-parallel "

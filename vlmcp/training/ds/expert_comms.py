@@ -39,12 +39,15 @@ plus a host clock (CPU) or a pair of device events per profiled call. vlmcp's ow
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
 from vlmcp.parallel import comm
 from vlmcp.training.ds.edits import ABSENT, DeepSpeedEdits, shown
+
+logger = logging.getLogger(__name__)
 
 #: The deepspeed.comm op AutoEP's all-to-alls are recorded under.
 EXPERT_OP = "all_to_all_single"
@@ -57,11 +60,16 @@ _SECTION: dict[str, Any] = {"enabled": True, "prof_all": False, "prof_ops": [EXP
 ROW_KEYS = ("expert_a2a_bytes", "expert_a2a_s")
 
 
-def fill_comms_logger(config: dict[str, Any], ep_size: int, edits: DeepSpeedEdits) -> None:
+def fill_comms_logger(config: dict[str, Any], ep_size: int, edits: DeepSpeedEdits,
+                      on_cuda: bool) -> None:
     """Fill the DeepSpeed config's `comms_logger` section for `parallel.ep_size` = `ep_size`.
 
     At ep_size 1 the section is left as it is. Above: a missing section becomes `_SECTION`
-    (logged); a user's section is kept as written and read, unless it says `enabled: false` (the
+    (logged) on a CPU, where a collective is synchronous anyway; on CUDA (`on_cuda`) it stays
+    missing, logged, since the logger's device synchronisation after every collective would cost
+    ZeRO its overlap of communication with compute: the rows' expert_a2a_bytes and expert_a2a_s
+    are then null, and a section in the job's DeepSpeed config turns them on (measured on GPUs:
+    not yet). A user's section is kept as written and read, unless it says `enabled: false` (the
     way to turn the metric and its device syncs off): then it is removed, logged, because
     DeepSpeed 0.19.8 turns its logger on whenever the section is present, whatever `enabled`
     says. A section that is on but records no `all_to_all_single` (`prof_all` false and the op
@@ -71,6 +79,11 @@ def fill_comms_logger(config: dict[str, Any], ep_size: int, edits: DeepSpeedEdit
     if ep_size == 1:
         return
     section = config.get("comms_logger", ABSENT)
+    if section is ABSENT and on_cuda:
+        logger.info("parallel.ep_size > 1 on CUDA: no DeepSpeed comms_logger (it syncs the device "
+                    "after every collective); the rows' expert_a2a_bytes and expert_a2a_s are "
+                    "null; a comms_logger section in the DeepSpeed config records them")
+        return
     if section is ABSENT:
         edits.set(config, "comms_logger", dict(_SECTION),
                   "parallel.ep_size > 1: the rows' expert_a2a_bytes and expert_a2a_s")

@@ -15,8 +15,8 @@ its `w1`/`w2`/`w3` parameters directly, so no wrapper or hook can add a delta to
   parameters `lora_A_<weight>` [E_local, r, in] and `lora_B_<weight>` [E_local, out, r], tagged as
   expert parameters of the layer's EP group (ZeRO partitions and reduces them in their
   expert-data-parallel group, like `w1`), and its class becomes `LoraGroupedExperts`, whose forward
-  runs the experts on base + scaling * B @ A (the delta PEFT adds), split back into AutoEP's
-  w1 (gate) / w3 (up) rows of `gate_up_proj` [E, 2I, H] and w2 = `down_proj` [E, H, I];
+  adds scaling * B @ A (the delta PEFT adds) to each projection in low rank, split back into
+  AutoEP's w1 (gate) / w3 (up) rows of `gate_up_proj` [E, 2I, H] and w2 = `down_proj` [E, H, I];
 * `peft_expert_tensors`: the factors back in PEFT's own layout, for the adapter files.
 
 PEFT's layout (peft/tuners/lora/layer.py, `ParamWrapper.get_delta_weight`, PEFT 0.21): for a
@@ -28,6 +28,7 @@ parameter [E, d1, d2], `lora_A.weight` is [r*E, in] (expert e's A in rows e*r..(
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,43 +137,71 @@ def peft_expert_tensors(adapter: ExpertAdapter, lora_a: torch.Tensor, lora_b: to
 class LoraGroupedExperts(nn.Module):
     """The class an adapted AutoEP `GroupedExperts` instance takes (`attach_expert_adapters`):
     its parameters and settings stay; its forward adds the LoRA deltas to the local experts'
-    weights. Never constructed; `expert_adapters` ({transformers weight name: ExpertAdapter}) is
-    set on the instance."""
+    projections in low rank, x @ (W + s B A)^T = x @ W^T + s (x @ A^T) @ B^T, never forming
+    W + s B A: backward then keeps x and the [T, r] products, not a merged copy of every local
+    expert's weights. The base projections run as the experts module runs them: torch's grouped
+    GEMM (`use_grouped_mm`, AutoEP's default: the call DeepSpeed's `_run_experts_grouped_mm`
+    makes) or expert by expert; the rank-r products expert by expert (a grouped GEMM wants
+    16-byte-aligned strides, which a small r does not give). Never constructed;
+    `expert_adapters` ({transformers weight name: ExpertAdapter}) is set on the instance."""
 
     expert_adapters: dict[str, ExpertAdapter]
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x [T, H] (rows grouped by local expert, then padding rows), num_tokens_per_expert
         [E_local] -> [T, H] (zeros on padding rows)."""
-        w1, w2, w3 = self.w1, self.w2, self.w3
-        for weight, adapter in self.expert_adapters.items():
-            delta = adapter.delta(getattr(self, f"lora_A_{weight}"), getattr(self, f"lora_B_{weight}"))
-            if weight == "gate_up_proj":   # [E', 2I, H]: gate rows, then up rows
-                w1 = w1 + delta[:, :w1.shape[1]]
-                w3 = w3 + delta[:, w1.shape[1]:]
-            else:                          # down_proj [E', H, I]
-                w2 = w2 + delta
-        return expert_mlp(x, num_tokens_per_expert, w1, w2, w3,
-                          (self.activation, self.activation_alpha, self.activation_limit))
+        from deepspeed.moe.ep_experts import apply_expert_activation
+
+        sizes = num_tokens_per_expert.tolist()
+        grouped = self.use_grouped_mm and not getattr(self, "use_triton_grouped_mm", False)
+        offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
+
+        def project(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            """rows [T, in] -> [T, out], each expert's rows through its weight [E', out, in]."""
+            if grouped:
+                return torch._grouped_mm(rows, weight.to(rows.dtype).transpose(-2, -1),
+                                         offs=offsets)
+            return per_expert(rows, sizes, lambda e, part: part @ weight[e].to(rows.dtype).T)
+
+        gate, up = project(x, self.w1), project(x, self.w3)
+        adapter = self.expert_adapters.get("gate_up_proj")
+        if adapter is not None:   # [E', 2I, H]: gate rows, then up rows
+            delta = self.low_rank(x, sizes, adapter, "gate_up_proj")
+            gate = gate + delta[:, :gate.shape[1]]
+            up = up + delta[:, gate.shape[1]:]
+        hidden = apply_expert_activation(gate, up, self.activation, self.activation_alpha,
+                                         self.activation_limit, fused=False)
+        out = project(hidden, self.w2)
+        adapter = self.expert_adapters.get("down_proj")
+        if adapter is not None:   # [E', H, I]
+            out = out + self.low_rank(hidden, sizes, adapter, "down_proj")
+        return out
+
+    def low_rank(self, rows: torch.Tensor, sizes: list[int], adapter: ExpertAdapter,
+                 weight: str) -> torch.Tensor:
+        """rows [T, in] -> [T, out]: each expert's rows times its delta's transpose, s (B A)^T
+        (A [E', r, in], B [E', out, r]; held transposed, s B A: A [E', r, out], B [E', in, r]),
+        through the r-wide product only."""
+        lora_a, lora_b = getattr(self, f"lora_A_{weight}"), getattr(self, f"lora_B_{weight}")
+        scaling = adapter.scaling
+
+        def one(expert: int, part: torch.Tensor) -> torch.Tensor:
+            a, b = lora_a[expert].to(part.dtype), lora_b[expert].to(part.dtype)
+            if adapter.transposed:
+                return (part @ b) @ a * scaling
+            return (part @ a.T) @ b.T * scaling
+
+        return per_expert(rows, sizes, one)
 
 
-def expert_mlp(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-               w3: torch.Tensor, activation: tuple[str, float, float]) -> torch.Tensor:
-    """AutoEP's expert MLP, expert by expert: x [T, H] grouped by expert (counts [E']), padding
-    rows last; w1/w3 [E', I, H], w2 [E', H, I] -> [T, H], down(act(gate, up)) per row, padding
-    rows zero. The activation is DeepSpeed's (`apply_expert_activation`, unfused)."""
-    from deepspeed.moe.ep_experts import apply_expert_activation
-
-    sizes = counts.tolist()
+def per_expert(rows: torch.Tensor, sizes: list[int],
+               step: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """rows [T, in] grouped by expert (`sizes` rows each), padding rows last -> [T, out]:
+    `step(e, expert e's rows)` for each expert, zeros on the padding rows."""
     used = sum(sizes)
-    outputs = []
-    for expert, rows in enumerate(torch.split(x[:used], sizes)):
-        gate = rows @ w1[expert].to(x.dtype).T
-        up = rows @ w3[expert].to(x.dtype).T
-        hidden = apply_expert_activation(gate, up, *activation, fused=False)
-        outputs.append(hidden @ w2[expert].to(x.dtype).T)
-    outputs.append(x.new_zeros(x.shape[0] - used, w2.shape[1]))
-    return torch.cat(outputs)
+    out = torch.cat([step(expert, part)
+                     for expert, part in enumerate(torch.split(rows[:used], sizes))])
+    return torch.cat([out, out.new_zeros(rows.shape[0] - used, out.shape[1])])
 
 
 @functools.cache
