@@ -11,7 +11,7 @@ only the changed elements and leave the weights of a dense push; an engine of tw
 replicas of two tensor-parallel workers gets every tensor in both replicas; a sparse push into a
 restarted engine, or one whose patch fails part-way, is followed by a dense one that lands; a
 delivery check that fails (a tensor held as zeros, one the loader dropped) is one line naming
-the tensor."""
+the tensor; without publish.verify_push sparse pushes still land, unchecked."""
 
 from __future__ import annotations
 
@@ -51,11 +51,11 @@ def _share(rank: int, broken: bool, step: int = 1) -> dict[str, torch.Tensor]:
 
 
 def _push_rank(url: str, pushes: int, staged: bool, broken_rank: int | None,
-               dtype: str | None = None, dense_every: int = 1, restart_before: int = 0
-               ) -> list[dict]:
+               dtype: str | None = None, dense_every: int = 1, restart_before: int = 0,
+               verify: bool = True) -> list[dict]:
     """`pushes` pushes of this rank's share of steps 1, 2, ... into `url`
-    (publish.on_engine_error "warn", publish.dense_every `dense_every`; rank 0 restarts the
-    stand-in engine before push `restart_before`): per push its seconds, problem, mode, whether
+    (publish.on_engine_error "warn", publish.dense_every `dense_every`, publish.verify_push
+    `verify`; rank 0 restarts the stand-in engine before push `restart_before`): per push its seconds, problem, mode, whether
     it re-anchored, its bytes, changed fraction and (rank 0) the store's key count, counted once
     every rank has left the push; then (rank 0) whether the store's address and another of this
     host reach it."""
@@ -64,7 +64,7 @@ def _push_rank(url: str, pushes: int, staged: bool, broken_rank: int | None,
 
     push = EnginePush(PushSettings((url,), BUCKET_BYTES, TIMEOUT_S, "wait", "warn", None,
                                    getattr(torch, dtype) if dtype else None, staged,
-                                   dense_every))
+                                   dense_every, verify))
     rows = []
     for step in range(1, pushes + 1):
         if step == restart_before and comm.rank() == 0:
@@ -96,7 +96,7 @@ def _reaches(address: str, port: int) -> bool:
 
 BF16 = {"engine_dtype": torch.bfloat16}
 #: name: (the stand-in engine's settings, the pushes: (count, staged, broken rank, push_dtype,
-#: dense_every, the push a restart of the engine comes before)).
+#: dense_every, the push a restart of the engine comes before, verify_push)).
 SCENARIOS = {
     "staged_send_fails": ({}, (1, True, 1, None)),
     "streamed_send_fails": ({}, (1, False, 1, None)),
@@ -111,6 +111,7 @@ SCENARIOS = {
     "interrupted_patch": ({"fail_sparse": "r1.t0", **BF16}, (2, True, None, None, 10)),
     "corrupted": ({"corrupt": "r1.t2"}, (1, True, None, None)),
     "dropped": ({"drop": "r0.t3"}, (1, True, None, None)),
+    "unverified": ({"corrupt": "r1.t2", **BF16}, (2, True, None, None, 10, 0, False)),
 }
 
 
@@ -243,3 +244,12 @@ def test_a_push_whose_delivery_check_fails_is_one_line_naming_the_tensor(scenari
     problem = pushed[scenario][1][0]["problem"]
     assert problem is not None and "the delivery check failed" in problem, problem
     assert f"{tensor}: " in problem and says in problem and "\n" not in problem
+
+
+def test_without_verify_push_a_sparse_push_lands_and_no_checksum_is_compared(pushed):
+    """publish.verify_push false: the engine still reports where each tensor lies (the patches
+    need it), but nothing is checksummed, so a tensor it holds as zeros goes unnoticed."""
+    engine, rank0, _ = pushed["unverified"]
+    assert [(row["problem"], row["mode"]) for row in rank0] == [(None, "dense"), (None, "sparse")]
+    assert not engine.weights[0]["r1.t2"].any()
+

@@ -211,6 +211,43 @@ class WireBucket:
         return patches
 
 
+@dataclass(frozen=True)
+class WireTensor:
+    """One tensor as a trainer rank lists it for the wire: its checkpoint name, dtype name,
+    shape, bytes on the wire and (a sparse push) encoding."""
+
+    name: str
+    dtype_name: str
+    shape: list[int]
+    nbytes: int
+    encoding: list[Any] | None = None
+
+
+def cut_buckets(src: int, tensors: list[WireTensor], bucket_bytes: int) -> list[WireBucket]:
+    """`tensors` (trainer rank `src`'s, in its order) cut into buckets of at most `bucket_bytes`
+    bytes, a larger tensor a bucket of its own; each bucket lists the encodings when the tensors
+    carry them."""
+    buckets: list[WireBucket] = []
+    group: list[WireTensor] = []
+    size = 0
+
+    def close() -> None:
+        if group:
+            encodings = [t.encoding for t in group] if group[0].encoding is not None else None
+            buckets.append(WireBucket(src, len(buckets), [t.name for t in group],
+                                      [t.dtype_name for t in group],
+                                      [t.shape for t in group], encodings=encodings))
+
+    for tensor in tensors:
+        if group and size + tensor.nbytes > bucket_bytes:
+            close()
+            group, size = [], 0
+        group.append(tensor)
+        size += tensor.nbytes
+    close()
+    return buckets
+
+
 def parse_buckets(buckets: Any, where: str, allow_empty: bool = False) -> list[WireBucket]:
     """`buckets` (a JSON list of bucket objects) as WireBuckets; ValueError naming `where` and
     the bucket. Empty only when `allow_empty` (a sparse push in which nothing changed)."""

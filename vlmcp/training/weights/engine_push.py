@@ -87,7 +87,8 @@ import torch
 
 from vlmcp.engine.push_wire import (DENSE_MODE, FORM_ATTEMPTS, POLL_S, PROTOCOL, SPARSE_MODE,
                                     GroupNotFormed, PushAborted, Session, WireBucket,
-                                    WorkWatch, send_buckets, settle_sessions)
+                                    WireTensor, WorkWatch, cut_buckets, send_buckets,
+                                    settle_sessions)
 from vlmcp.engine.weight_push_http import PAUSED_NOTE, VllmPushControl
 from vlmcp.errors import EngineError
 from vlmcp.parallel import comm
@@ -119,28 +120,12 @@ def buckets_of(share: dict[str, torch.Tensor], src: int, bucket_bytes: int,
     `bucket_bytes` bytes (a larger tensor is a bucket of its own), each floating tensor in its
     `wire_dtype` (`held`: {name: dtype name} the engine holds)."""
     held = held or {}
-    buckets: list[WireBucket] = []
-    names: list[str] = []
-    size = 0
-
-    def close() -> None:
-        nonlocal names, size
-        if names:
-            buckets.append(WireBucket(
-                src, len(buckets), names,
-                [str(wire_dtype(share[n], dtype, held.get(n))).removeprefix("torch.")
-                 for n in names],
-                [list(share[n].shape) for n in names]))
-        names, size = [], 0
-
+    listed = []
     for name, tensor in share.items():
-        nbytes = tensor.numel() * wire_dtype(tensor, dtype, held.get(name)).itemsize
-        if names and size + nbytes > bucket_bytes:
-            close()
-        names.append(name)
-        size += nbytes
-    close()
-    return buckets
+        sent = wire_dtype(tensor, dtype, held.get(name))
+        listed.append(WireTensor(name, str(sent).removeprefix("torch."), list(tensor.shape),
+                                 tensor.numel() * sent.itemsize))
+    return cut_buckets(src, listed, bucket_bytes)
 
 
 def interleaved(per_rank: list[list[WireBucket]]) -> list[WireBucket]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vlmcp.engine import push_patch
-from vlmcp.engine.push_wire import WireBucket
+from vlmcp.engine.push_wire import WireBucket, WireTensor, cut_buckets
 
 
 @dataclass
@@ -39,27 +39,10 @@ class Delta:
     def buckets(self, src: int, bucket_bytes: int) -> list[WireBucket]:
         """The changed tensors cut into buckets of at most `bucket_bytes` (a larger tensor is a
         bucket of its own), each listing its encodings."""
-        buckets: list[WireBucket] = []
-        names: list[str] = []
-        size = 0
-
-        def close() -> None:
-            nonlocal names, size
-            if names:
-                buckets.append(WireBucket(
-                    src, len(buckets), names,
-                    [str(self.dtypes[n]).removeprefix("torch.") for n in names],
-                    [self.shapes[n] for n in names], encodings=[self.encodings[n] for n in names]))
-            names, size = [], 0
-
-        for name, parts in self.parts.items():
-            nbytes = sum(p.numel() * p.itemsize for p in parts)
-            if names and size + nbytes > bucket_bytes:
-                close()
-            names.append(name)
-            size += nbytes
-        close()
-        return buckets
+        return cut_buckets(src, [
+            WireTensor(name, str(self.dtypes[name]).removeprefix("torch."), self.shapes[name],
+                       sum(p.numel() * p.itemsize for p in parts), self.encodings[name])
+            for name, parts in self.parts.items()], bucket_bytes)
 
 
 class PushBase:
