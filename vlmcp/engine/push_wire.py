@@ -11,7 +11,8 @@ trainer rank 0's TCPStore (`comm.Rendezvous`). Its members: trainer ranks 0..W-1
 the engine's workers 0..n-1 (member W + k). Every key of the session lies under P, so rank 0
 deletes the whole session once every trainer rank has left it (`left/<r>`):
 
-    P plan                  rank 0: the push's mode (dense or sparse), token and base
+    P sparse/<r>            trainer rank r can push sparse ("1") or not ("0")
+    P plan                  rank 0: the push's mode (sparse when every rank can), token and base
     P meta/<r>              trainer rank r's buckets (JSON list of `WireBucket`), changed counts
     P workers               n, the engine's worker count (rank 0, from the engine)
     P dtypes                {checkpoint name: dtype} the engine holds (a describe session only)

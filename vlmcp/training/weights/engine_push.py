@@ -11,9 +11,12 @@ a rank holds), from its publish thread, straight from the host copy of step N. E
 engine is a session of vlmcp/engine/push_wire.py over rank 0's `Rendezvous` store (its keys, the
 group's retried formation, the aborts every wait obeys):
 
-    rank 0       mode: dense, or sparse (publish.dense_every > 1, the engine holds the previous
-                 push, confirmed by its report, and fewer than dense_every - 1 sparse pushes
-                 since its last dense one), the push's token and its base; every rank reads it
+    every rank   sparse/<r>: whether it can push sparse (publish.dense_every > 1, the engine
+                 holds the previous push, confirmed by its report, fewer than dense_every - 1
+                 sparse pushes since its last dense one, and the rank holds a base of its whole
+                 share)
+    rank 0       plan: sparse when every rank can, else dense; the push's token and its base;
+                 every rank follows it
     rank 0       (publish.push_dtype set, the engine's first push only) POST
                  /init_weight_transfer_engine {describe: [names]}: worker 0 puts the dtype it
                  holds each tensor in under engines/<e>/dtypes; a tensor travels in that dtype
@@ -308,21 +311,21 @@ class EnginePush:
         engine may take it, else dense; check it; every rank learns the outcome."""
         self._seq += 1
         engine = self._engines[index]
-        mode = SPARSE_MODE if delta is not None and self._sparse_next(index) else DENSE_MODE
-        outcome = EngineOutcome(url, mode=mode)
+        outcome = EngineOutcome(url)
         session = Session(self.rendezvous.store, f"push/{self._seq}/{index}/", self.rank,
                           self.world, self.settings.timeout_s)
         if self.rank == 0:
             self._open.append(session.prefix)
-        plan = {"mode": mode, "token": f"{self._run}/{step}",
-                "base": engine.token if mode == SPARSE_MODE else None}
-        driver = _Driver(self, session, step, url, index, plan) if self.rank == 0 else None
+        driver = _Driver(self, session, step, url, index) if self.rank == 0 else None
         started = time.perf_counter()
         try:
+            session.put(f"sparse/{self.rank}",
+                        "1" if delta is not None and self._sparse_next(index) else "0")
             if driver is not None:
-                session.put("plan", json.dumps(plan))
+                driver.plan_push(engine.token, f"{self._run}/{step}")
             plan = json.loads(session.wait_key("plan", "rank 0's plan of the push"))
-            if mode == SPARSE_MODE:
+            outcome.mode = plan["mode"]
+            if outcome.mode == SPARSE_MODE:
                 buckets = delta.buckets(self.rank, self.settings.bucket_bytes)
                 payload: dict[str, Any] = delta.parts
                 counts = [delta.changed, delta.total]
@@ -354,7 +357,7 @@ class EnginePush:
             detail = str(exc) if isinstance(exc, EngineError) else f"{type(exc).__name__}: {exc}"
             session.fail(f"engine {url}, step {step}: {session.who()}: {detail}")
         finally:
-            self._settle(session, driver, outcome, engine, mode)
+            self._settle(session, driver, outcome, engine)
             outcome.seconds = time.perf_counter() - started
         return outcome
 
@@ -375,9 +378,10 @@ class EnginePush:
                               f"{more}")
 
     def _settle(self, session: Session, driver: _Driver | None, outcome: EngineOutcome,
-                engine: _EngineState, mode: str) -> None:
+                engine: _EngineState) -> None:
         """The session's end on every rank: done/<r>; rank 0 reads every member's error and
-        puts the outcome; every rank reads it into the engine's state, then left/<r>."""
+        puts the outcome, then releases the engine's side of the group (the other ranks do not
+        wait for that); every rank reads the outcome into the engine's state, then left/<r>."""
         session.put(f"done/{self.rank}", "1")
         if driver is not None:
             problem = driver.close()
@@ -386,6 +390,7 @@ class EnginePush:
             session.put("outcome", json.dumps({
                 "problem": problem, "patchable": patchable, "bytes": driver.pushed_bytes,
                 "counts": driver.counts}))
+            driver.release()
             outcome.phases, outcome.downtime_s = driver.phases(), driver.downtime_s()
         result = json.loads(session.wait_key("outcome", "rank 0's outcome of the push",
                                              abortable=False))
@@ -400,7 +405,7 @@ class EnginePush:
         if result["problem"] is None:
             plan = json.loads(session.read("plan"))
             engine.token, engine.patchable = plan["token"], result["patchable"]
-            engine.sparse_since = engine.sparse_since + 1 if mode == SPARSE_MODE else 0
+            engine.sparse_since = engine.sparse_since + 1 if outcome.mode == SPARSE_MODE else 0
         else:
             engine.token = None
 
@@ -457,10 +462,10 @@ class _Driver:
     """Rank 0's side of one push into one engine: the HTTP control plane, and the session's keys
     the other members wait on."""
 
-    def __init__(self, push: EnginePush, session: Session, step: int, url: str, index: int,
-                 plan: dict[str, Any]):
+    def __init__(self, push: EnginePush, session: Session, step: int, url: str, index: int):
         self.push, self.session, self.step, self.url, self.index = push, session, step, url, index
-        self.plan = plan
+        #: The push's mode, token and base (`plan_push`).
+        self.plan: dict[str, Any] = {}
         #: Bytes of the engine's copy of the push, and (sparse) changed and total elements.
         self.pushed_bytes = 0
         self.counts: list[int] | None = None
@@ -586,14 +591,27 @@ class _Driver:
     def downtime_s(self) -> float | None:
         return self.control.downtime_s
 
-    def close(self) -> str | None:
-        """After rank 0's part: release the engine's side of the group (after the resume,
-        outside its downtime) and the side thread, without waiting for a request the engine
-        never answered; then wait until every rank has left the session and return every
-        member's error, or None when the engine serves the step."""
+    def plan_push(self, base: str | None, token: str) -> None:
+        """Put the push's plan: sparse (against `base`, the version the engine holds) when every
+        rank marked sparse/<r> (each holds a base of its whole share and the engine may take a
+        patch), else dense; labelled `token` once it lands."""
+        session = self.session
+        sparse = all(session.wait_key(f"sparse/{r}", f"rank {r}'s choice of the push") == "1"
+                     for r in range(self.push.world))
+        self.plan = {"mode": SPARSE_MODE if sparse else DENSE_MODE, "token": token,
+                     "base": base if sparse else None}
+        session.put("plan", json.dumps(self.plan))
+
+    def release(self) -> None:
+        """Release the engine's side of the group (after the resume, outside its downtime) and
+        the side thread, without waiting for a request the engine never answered."""
         if self._joined:
             self.control.release()
         self._side.shutdown(wait=False)
+
+    def close(self) -> str | None:
+        """After rank 0's part: wait until every rank ended its part of the session and return
+        every member's error, or None when the engine serves the step."""
         session = self.session
         try:
             session.wait_all((f"done/{r}" for r in range(self.push.world)),
