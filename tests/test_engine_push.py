@@ -188,7 +188,8 @@ def test_each_pushed_step_is_the_published_steps_weights_in_the_engine(engine, z
     assert [(r["step"], r["pushed"], r["push_sparse"]) for r in rows] == [
         (1, [engine.url], []), (2, [engine.url], [engine.url])]
     assert all(r["push_bytes"] > 0 and 0 < r["push_downtime_s"] and r["push_check_s"] > 0
-               for r in rows)
+               and r["push_base_bytes"] > 0 for r in rows)
+    assert rows[1]["push_bytes"] < rows[0]["push_bytes"]
     assert 0 < rows[1]["push_changed_fraction"] < 1 and "push_changed_fraction" not in rows[0]
     assert all(("stage" in r["push_phases_s"]) == staged for r in rows)
     assert _served_version(engine) == "2"
