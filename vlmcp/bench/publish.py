@@ -135,8 +135,10 @@ def _summary(ways: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
                for way, runs in ways.items()}
     serial = summary["serial"]
 
-    def ratio(way: str, key: str) -> float:
-        return round(summary[way][key]["median"] / serial[key]["median"], 3)
+    def ratio(way: str, key: str) -> float | None:
+        # None where the serial way measured 0 (a tiny model's RSS rise can round to 0 MB)
+        base = serial[key]["median"]
+        return round(summary[way][key]["median"] / base, 3) if base else None
 
     summary["ratios"] = {
         "background_critical_vs_serial": ratio("background", "critical_s"),
