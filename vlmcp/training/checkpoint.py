@@ -205,6 +205,17 @@ def _lora_layout(engine: Any, job: JobConfig) -> Iterator[None]:
         engine.has_moe_layers = True
 
 
+def _agree_saved(problem: str | None, tmp: Path, path: Path) -> None:
+    """Every rank: raise CheckpointError on every rank when any rank's part of the save of `path`
+    failed (`problem`: this rank's), after rank 0 removed the partial `tmp`."""
+    try:
+        fail_together(_lines(problem), CheckpointError, what=f"saving checkpoint {path}")
+    except CheckpointError:
+        if comm.rank() == 0:
+            remove_quietly(tmp)
+        raise
+
+
 def save_checkpoint(engine: Any, job: JobConfig, step: int, hf_key_prefixes: dict[str, str],
                     record: dict[str, Any]) -> Path:
     """Save the engine after `step` completed optimizer steps (call on every rank); `record`: the
@@ -223,19 +234,19 @@ def save_checkpoint(engine: Any, job: JobConfig, step: int, hf_key_prefixes: dic
             engine.save_checkpoint(str(directory), tag=tmp_tag, save_latest=False,
                                    client_state={"step": step, "hf_key_prefixes": hf_key_prefixes},
                                    exclude_frozen_parameters=bool(job.lora.r))
-        save_expert_adapters(engine, tmp, job.parallel.ep_size)
-        torch.save(_rng_states(), tmp / RNG_FILE.format(rank=comm.rank()))
     except Exception as exc:  # any failure is agreed: the other ranks wait in the barrier below
         problem = f"saving checkpoint {directory / tag}: {write_error(exc, tmp, needed)}"
         # The others wait in the barrier that closes DeepSpeed's save; join it before agreeing.
         comm.barrier()
+    _agree_saved(problem, tmp, directory / tag)
+    problem = None
     try:
-        fail_together(_lines(problem), CheckpointError,
-                      what=f"saving checkpoint {directory / tag}")
-    except CheckpointError:
-        if comm.rank() == 0:
-            remove_quietly(tmp)
-        raise
+        # its collectives come before its writes: a write that fails is this rank's alone
+        save_expert_adapters(engine, tmp, job.parallel.ep_size)
+        torch.save(_rng_states(), tmp / RNG_FILE.format(rank=comm.rank()))
+    except Exception as exc:
+        problem = f"saving checkpoint {directory / tag}: {write_error(exc, tmp, needed)}"
+    _agree_saved(problem, tmp, directory / tag)
     problem = None
     if comm.rank() == 0:
         try:

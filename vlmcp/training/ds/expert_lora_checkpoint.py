@@ -97,10 +97,9 @@ def save_expert_adapters(engine: Any, directory: Path, ep_size: int) -> None:
     described = {path: [{"parameter": a.parameter, "peft_name": a.peft_name,
                          "adapter": a.adapter, "num_experts": a.num_experts} for a in adapters]
                  for path, adapters in expert_adapters_of(engine.module).items()}
-    if described and comm.rank() == 0:
-        (directory / EXPERT_ADAPTERS_JSON).write_text(json.dumps(described, indent=1))
     params = _factor_params(engine.module)
     if not params:
+        _write_description(described, directory)
         return
     _link_optimizer_states(engine.optimizer)
     state = _base_state(engine.optimizer)
@@ -110,9 +109,17 @@ def save_expert_adapters(engine: Any, directory: Path, ep_size: int) -> None:
                               for name, param in params}
     step = state.get("step", 0)
     states["step"] = int(step.item() if torch.is_tensor(step) else step)
+    # every gather above is done before any write: a write that fails leaves no peer waiting
+    _write_description(described, directory)
     if comm.rank() < ep_size:
         torch.save(values, directory / EXPERT_ADAPTER_FILE.format(rank=comm.rank()))
         torch.save(states, directory / EXPERT_ADAPTER_STATE_FILE.format(rank=comm.rank()))
+
+
+def _write_description(described: dict[str, list[dict[str, Any]]], directory: Path) -> None:
+    """Rank 0: the adapters' description (`EXPERT_ADAPTERS_JSON`), when there are any."""
+    if described and comm.rank() == 0:
+        (directory / EXPERT_ADAPTERS_JSON).write_text(json.dumps(described, indent=1))
 
 
 def restore_expert_adapters(module: nn.Module, tag_dir: Path) -> None:
