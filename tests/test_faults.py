@@ -216,7 +216,7 @@ def test_a_frozen_rank_ends_the_whole_job_naming_the_collective(checkpoint, para
     out = tmp_path / "out"
     job = write_job(tmp_path / "job.json", _job(request.getfixturevalue(checkpoint), digits_jsonl,
                                                 out, parallel=parallel, max_steps=100000,
-                                                collective_timeout_s=30))
+                                                collective_timeout_s=15))
     log = tmp_path / "log"
     # After the first rank exits, torchrun SIGTERMs the others and SIGKILLs them 30 s later.
     with _after_the_first_row(job, out, log) as (proc, workers):
@@ -231,7 +231,7 @@ def test_a_frozen_rank_ends_the_whole_job_naming_the_collective(checkpoint, para
     assert proc.returncode != 0
     lines = [line for line in text.splitlines() if "did not finish within" in line]
     assert lines, text[-3000:]
-    assert "step " in lines[0] and "train.collective_timeout_s=30 s: waiting in collective " \
+    assert "step " in lines[0] and "train.collective_timeout_s=15 s: waiting in collective " \
         "torch.distributed." in lines[0], lines[0]
     # the peer waits in whichever collective comes first: an SP or EP group's, ZeRO's reduction
     # over the world, or the agreement on a stop signal between two steps (the world's)
