@@ -238,8 +238,7 @@ def save_checkpoint(engine: Any, job: JobConfig, step: int, hf_key_prefixes: dic
         problem = f"saving checkpoint {directory / tag}: {write_error(exc, tmp, needed)}"
         # The others wait in the barrier that closes DeepSpeed's save; join it before agreeing.
         comm.barrier()
-    _agree_saved(problem, tmp, directory / tag)
-    problem = None
+    _agree_saved(problem, tmp, directory / tag)  # raises wherever any rank failed
     try:
         # its collectives come before its writes: a write that fails is this rank's alone
         save_expert_adapters(engine, tmp, job.parallel.ep_size)
@@ -247,7 +246,6 @@ def save_checkpoint(engine: Any, job: JobConfig, step: int, hf_key_prefixes: dic
     except Exception as exc:
         problem = f"saving checkpoint {directory / tag}: {write_error(exc, tmp, needed)}"
     _agree_saved(problem, tmp, directory / tag)
-    problem = None
     if comm.rank() == 0:
         try:
             _publish(tmp, directory, tag, step, job.train.keep_checkpoints, record)
