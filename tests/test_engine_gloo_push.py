@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import shutil
 import threading
 import urllib.error
 import urllib.request
@@ -27,7 +28,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from tests.helpers.engine_reference import (NEEDS_ENGINE, NEW_TOKENS, TAU, demo_allowed_ids,
                                             text_prompt_ids)
@@ -37,6 +38,8 @@ from vlmcp.engine.venv import engine_python
 from vlmcp.engine.vllm_http import CPU_ARGS, PUSH_ARGS, VllmServer
 from vlmcp.model.tiny import VLLM_CPU_HEADS, build_tiny_checkpoint
 from vlmcp.parallel.comm import free_local_port
+from vlmcp.training.weights.push_check import check_share
+from vlmcp.training.weights.push_delta import PushBase
 
 ENGINE = engine_python()
 pytestmark = [pytest.mark.e2e, NEEDS_ENGINE]
@@ -95,11 +98,12 @@ def _buckets(weights: dict[str, torch.Tensor]) -> list[tuple[dict[str, Any], tor
     return buckets
 
 
-def _trainer_groups(url: str, prefix: str, staged: list[dict[str, Any]] | None = None
-                    ) -> list[dist.ProcessGroupGloo]:
+def _trainer_groups(url: str, prefix: str, staged: list[dict[str, Any]] | None = None,
+                    extra: dict[str, Any] | None = None) -> list[Any]:
     """Trainer ranks 0..TRAINERS-1 of a fresh push group with the server's worker, formed as
     vlmcp/engine/push_wire.py says (init_info sent to the server while the ranks wait for its
-    worker's ready mark and join; `staged`: the buckets of a staged update)."""
+    worker's ready mark and join; `staged`: the buckets of a staged update; `extra`: more
+    init_info, such as a sparse push's mode, base and token), then the store."""
     timeout = datetime.timedelta(seconds=TIMEOUT_S)
     store = dist.TCPStore("127.0.0.1", free_local_port(), is_master=True, timeout=timeout,
                           wait_for_workers=False)
@@ -109,6 +113,7 @@ def _trainer_groups(url: str, prefix: str, staged: list[dict[str, Any]] | None =
                  "world_size": TRAINERS + 1, "timeout_s": TIMEOUT_S, "attempt": 0}
     if staged is not None:
         init_info["buckets"] = staged
+    init_info.update(extra or {})
     groups: list[Any] = [None] * TRAINERS
     errors: list[BaseException] = []
 
@@ -134,13 +139,16 @@ def _trainer_groups(url: str, prefix: str, staged: list[dict[str, Any]] | None =
 
 
 def _push(url: str, weights: dict[str, torch.Tensor], version: str, prefix: str,
-          staged: bool) -> float:
-    """Push `weights` into the server as the trainer does, streamed (received during the
-    update) or staged (received before it); returns the seconds it took."""
+          staged: bool, extra: dict[str, Any] | None = None,
+          buckets: list[tuple[dict[str, Any], torch.Tensor]] | None = None
+          ) -> tuple[float, list[dict[str, Any]]]:
+    """Push `weights` (or the given `buckets`) into the server as the trainer does, streamed
+    (received during the update) or staged (received before it), with more init_info `extra`;
+    returns the seconds it took, and the worker's report when the push holds."""
     started = datetime.datetime.now()
-    buckets = _buckets(weights)
+    buckets = buckets if buckets is not None else _buckets(weights)
     listed = [b for b, _ in buckets]
-    groups = _trainer_groups(url, prefix, listed if staged else None)
+    groups = _trainer_groups(url, prefix, listed if staged else None, extra)
     answer: dict[str, Any] = {}
 
     def update() -> None:
@@ -168,7 +176,12 @@ def _push(url: str, weights: dict[str, torch.Tensor], version: str, prefix: str,
     _post(url, "/finish_weight_update", {"weight_version": version})
     _post(url, "/shutdown_weight_transfer_engine")
     _fresh_caches(url)
-    return (datetime.datetime.now() - started).total_seconds()
+    seconds = (datetime.datetime.now() - started).total_seconds()
+    reports = []
+    if (extra or {}).get("hold"):
+        session = Session(groups[-1], f"{prefix}/", 0, TRAINERS, TIMEOUT_S, workers=1)
+        reports.append(json.loads(session.wait_key("report/0", "the worker's report")))
+    return seconds, reports
 
 
 def _fresh_caches(url: str) -> None:
@@ -232,7 +245,7 @@ def test_pushing_b_over_gloo_gives_the_weights_and_logprobs_of_vllms_own_reload_
     _reload_from_disk(url, a, moe)
     assert _checksums(url) == on_a and sample() == sampled_a  # back to A exactly
 
-    seconds = _push(url, load_file(b / "model.safetensors"), "B", f"push-{staged}", staged)
+    seconds, _ = _push(url, load_file(b / "model.safetensors"), "B", f"push-{staged}", staged)
     assert _get(url, "/weight_info")["weight_version"] == "B"
     pushed = _checksums(url)
     assert sorted(n for n in pushed if pushed[n] != on_b[n]) == []
@@ -275,3 +288,66 @@ def test_a_bucket_naming_a_parameter_the_model_lacks_is_one_error_and_the_server
     with pytest.raises(HttpError, match="no push group"):
         _post(url, "/start_weight_update")
         _post(url, "/update_weights", {"update_info": {"buckets": [bucket]}})
+
+
+def _held(token: str, **more: Any) -> dict[str, Any]:
+    return {"hold": True, "verify": True, "token": token, **more}
+
+
+def _wire(buckets: list[Any], share: dict[str, Any]) -> list[tuple[dict[str, Any], torch.Tensor]]:
+    """WireBuckets and what they carry as the (bucket, bytes) pairs `_push` sends."""
+    return [(b.to_json(), b.pack(share)) for b in buckets]
+
+
+def _nudged(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`weights` with every 97th element of every third tensor times 1.5 (a change bf16 sees)."""
+    out = {}
+    for index, (name, tensor) in enumerate(sorted(weights.items())):
+        tensor = tensor.clone()
+        if index % 3 == 0:
+            tensor.view(-1)[::97] *= 1.5
+        out[name] = tensor
+    return out
+
+
+def test_a_sparse_patch_after_a_held_push_gives_vllms_reload_and_every_checksum_matches(
+        served, tmp_path):
+    url, moe, a, b = served["url"], served["moe"], served["A"], served["B"]
+    sample = lambda: _logprobs(url, a, served["prompt"], served["allowed"])  # noqa: E731
+    on_b = load_file(b / "model.safetensors")
+    _, reports = _push(url, on_b, "1", "held-1", True, _held("run/1"))
+    checked = check_share(on_b, reports, "run/1", digests=True)
+    assert checked.problems == [] and checked.patchable
+    assert checked.dtypes["model.language_model.layers.0.linear_attn.A_log"] == torch.float32
+    assert checked.dtypes["model.language_model.layers.1.self_attn.o_proj.weight"] == \
+        torch.bfloat16
+
+    on_c = _nudged(on_b)
+    base = PushBase()
+    base.advance(1, on_b, checked.dtypes)
+    delta = base.delta(on_c)
+    assert 0 < delta.changed < delta.total / 50
+    _, reports = _push(url, on_c, "2", "sparse-2", True,
+                       _held("run/2", mode="sparse", base="run/1"),
+                       buckets=_wire(delta.buckets(0, BUCKET_BYTES), delta.parts))
+    assert check_share(on_c, reports, "run/2", digests=True).problems == []
+    patched, sampled = _checksums(url), sample()
+    c = tmp_path / "C"
+    shutil.copytree(b, c)
+    save_file(on_c, str(c / "model.safetensors"), metadata={"format": "pt"})
+    _reload_from_disk(url, c, moe)
+    assert _checksums(url) == patched and sample() == sampled
+
+
+def test_zeros_pushed_for_one_o_proj_fail_the_delivery_check_naming_it_where_weight_checker_sees_nothing(
+        served):
+    url, b = served["url"], served["B"]
+    on_b = load_file(b / "model.safetensors")
+    _push(url, on_b, "3", "held-3", True, _held("run/3"))
+    right = _checksums(url)
+    zeroed = "model.language_model.layers.1.self_attn.o_proj.weight"
+    sent = {**on_b, zeroed: torch.zeros_like(on_b[zeroed])}
+    _, reports = _push(url, sent, "4", "held-4", True, _held("run/4"))
+    assert _checksums(url) == right  # vLLM's own check: the CPU linears' weights are not there
+    problems = check_share(on_b, reports, "run/4", digests=True).problems
+    assert len(problems) == 1 and problems[0].startswith(zeroed), problems

@@ -1,11 +1,12 @@
 """The push into a running vLLM (publish.engines) against the real engine in its own process (the
 engine venv, `make engine`, with vlmcp's gloo backend): `vlmcp train` under torchrun on 2 CPU
-ranks pushes every step into one server, and the server's weights after the last push equal,
-parameter by parameter (vLLM's /weight_checker checksums) and in a prompt's logprobs, those of
-the same step reloaded from publish.dir: dense and MoE, ZeRO 2 and 3, publish.push_dtype unset and
-bf16. Faults: an unreachable URL at
+ranks pushes every step into one server (the first dense, the second sparse, each checked against
+the engine's checksums), and the server's weights after the last push equal, parameter by
+parameter (vLLM's /weight_checker checksums) and in a prompt's logprobs, those of the same step
+reloaded from publish.dir: dense and MoE, ZeRO 2 and 3, expert parallelism 1 and 2,
+publish.push_dtype unset and bf16. Faults: an unreachable URL at
 the start, an engine killed in the middle of a push, an engine restarted between steps (brought
-to the latest step at the next push), SIGTERM to the trainer in the middle of a push (the resumed
+to the latest step at the next push: its sparse push refused, the step pushed dense at once), SIGTERM to the trainer in the middle of a push (the resumed
 run pushes its checkpoint's step first), and under publish.on_engine_error "warn" an engine that
 went down reported in the row while training goes on. One server per model."""
 
@@ -78,8 +79,9 @@ class Engine:
     """A vLLM server with the push backend on `checkpoint`, on a fixed port (a restart keeps its
     URL)."""
 
-    def __init__(self, checkpoint: Path, log: Path):
+    def __init__(self, checkpoint: Path, log: Path, moe: bool = False):
         self.checkpoint, self.log, self.port = checkpoint, log, free_local_port()
+        self.moe = moe
         self.server: VllmServer | None = None
         #: The checksums of the weights it started with.
         self.base: dict[str, str] = {}
@@ -145,19 +147,20 @@ def engine(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     checkpoint = build_tiny_checkpoint(root / "checkpoint", moe=request.param == "moe", seed=0,
                                        **VLLM_CPU_HEADS)
-    served = Engine(checkpoint, root / "server.log")
+    served = Engine(checkpoint, root / "server.log", moe=request.param == "moe")
     served.start()
     served.base = _checksums(served.client(root, version=0))
     yield served
     served.stop()
 
 
-def _job(engine: Engine, root: Path, zero: int, **publish) -> Path:
+def _job(engine: Engine, root: Path, zero: int, ep_size: int = 1, **publish) -> Path:
     rollouts = root / "rollouts"
     job = tiny_job(engine.checkpoint, Path("unused"), root / "out",
                    data={"max_seq_len": len(IDS), "num_workers": 0},
                    loss={"type": "policy_gradient"}, optimizer={"type": "adamw", "lr": 5e-2},
                    deepspeed={"zero_optimization": {"stage": zero}},
+                   parallel={"ep_size": ep_size},
                    rollouts={"dir": str(rollouts), "timeout_s": 300, "poll_s": 0.05},
                    publish={"dir": str(root / "weights"), "engines": [engine.url], **publish},
                    train={"max_steps": 2, "collective_timeout_s": 120})
@@ -171,14 +174,23 @@ def _job(engine: Engine, root: Path, zero: int, **publish) -> Path:
 def test_each_pushed_step_is_the_published_steps_weights_in_the_engine(engine, zero, staged,
                                                                        dtype, tmp_path):
     """Bit for bit what vLLM's own reload of the published (fp32) step gives, also when the push
-    travels in bf16: each tensor the engine holds in fp32 (the DeltaNet's A_log) goes as fp32."""
-    job = _job(engine, tmp_path, zero, push_staged=staged, push_dtype=dtype)
+    travels in bf16: each tensor the engine holds in fp32 (the DeltaNet's A_log) goes as fp32.
+    Step 1 is pushed dense, step 2 sparse (publish.dense_every 2), each checked against the
+    engine's checksums; the MoE's ZeRO-2 case trains under expert parallelism 2 (each rank
+    pushes the experts it holds)."""
+    ep_size = 2 if engine.moe and zero == 2 else 1
+    job = _job(engine, tmp_path, zero, ep_size, push_staged=staged, push_dtype=dtype,
+               dense_every=2)
     for number in (1, 2):
         _write_step(tmp_path / "rollouts", number)
     assert_ok(run_vlmcp(["train", str(job)], launcher="torchrun", nproc=2, timeout=600))
     rows = _rows(tmp_path / "out", "pushed")
-    assert [(r["step"], r["pushed"]) for r in rows] == [(1, [engine.url]), (2, [engine.url])]
-    assert all(r["push_bytes"] > 0 and 0 < r["push_downtime_s"] for r in rows)
+    assert [(r["step"], r["pushed"], r["push_sparse"]) for r in rows] == [
+        (1, [engine.url], []), (2, [engine.url], [engine.url])]
+    assert all(r["push_bytes"] > 0 and 0 < r["push_downtime_s"] and r["push_check_s"] > 0
+               and r["push_base_bytes"] > 0 for r in rows)
+    assert rows[1]["push_bytes"] < rows[0]["push_bytes"]
+    assert 0 < rows[1]["push_changed_fraction"] < 1 and "push_changed_fraction" not in rows[0]
     assert all(("stage" in r["push_phases_s"]) == staged for r in rows)
     assert _served_version(engine) == "2"
     client = engine.client(tmp_path / "weights", version=2)
@@ -256,8 +268,11 @@ def test_an_engine_killed_mid_push_stops_the_run_naming_it_and_the_step_after_a_
 @NEEDS_ENGINE
 def test_a_restarted_engine_gets_the_latest_step_and_a_sigterm_mid_push_loses_nothing(
         fresh_engine, tmp_path):
+    """With publish.dense_every 4, the restarted engine refuses step 2's sparse push (it does
+    not hold step 1) and gets step 2 dense at once (re-anchored); the resumed run's first push is
+    dense, the next sparse."""
     engine, out, weights = fresh_engine, tmp_path / "out", tmp_path / "weights"
-    job = _job(engine, tmp_path, 2)
+    job = _job(engine, tmp_path, 2, dense_every=4)
     raw = json.loads(job.read_text())
     raw["train"]["max_steps"] = 4
     job.write_text(json.dumps(raw))
@@ -282,13 +297,17 @@ def test_a_restarted_engine_gets_the_latest_step_and_a_sigterm_mid_push_loses_no
     assert newest_complete(out / "checkpoints")[0] == "step3"
     client.serve(2)
     assert _checksums(client) == pushed
+    rows = {r["step"]: r for r in _rows(out, "pushed")}
+    assert (rows[2]["pushed"], rows[2]["push_reanchored"], rows[2]["push_sparse"]) == (
+        [engine.url], [engine.url], [])
     # the resumed run pushes its checkpoint's step first, then step 4's
     raw["train"]["resume"] = True
     job.write_text(json.dumps(raw))
     _write_step(tmp_path / "rollouts", 4)
     assert_ok(run_vlmcp(["train", str(job)], launcher="torchrun", nproc=2, timeout=600))
     assert _served_version(engine) == "4"
-    assert [r["step"] for r in _rows(out, "pushed")][-2:] == [3, 4]
+    assert [(r["step"], r["push_sparse"]) for r in _rows(out, "pushed")][-2:] == [
+        (3, []), (4, [engine.url])]
 
 
 @NEEDS_ENGINE

@@ -7,9 +7,12 @@ import torch
 
 from vlmcp.cli import main
 from vlmcp.config import job_from_dict
+from vlmcp.engine import push_patch
+from vlmcp.engine.push_wire import WireBucket
 from vlmcp.errors import ConfigError
 from vlmcp.training.weights.engine_push import (PushSettings, buckets_of, interleaved,
                                                  store_address)
+from vlmcp.training.weights.push_delta import PushBase
 
 MINIMAL = {"model": {"path": "ckpt"}, "data": {"train": "train.jsonl"}}
 
@@ -120,3 +123,58 @@ def test_the_engine_push_bench_refuses_flags_it_does_not_use(tmp_path, capsys):
     assert main(["bench", "--engine-push", "--moe", "--hidden-size", "64", "--out", str(out)]) == 1
     assert "--engine-push does not use --moe, --hidden-size" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_each_encoding_of_a_change_decodes_to_the_same_patch_and_the_cheapest_is_picked():
+    new = (torch.arange(1000) % 100).to(torch.bfloat16).reshape(10, 100)
+    base = new.clone()
+    base.view(-1)[::7] += 1
+    changed = push_patch.changed_indices(new, base)
+    assert changed.tolist() == list(range(0, 1000, 7))
+    for kind in (push_patch.DENSE, push_patch.INDEX, push_patch.BITMAP):
+        values = new.view(-1) if kind == push_patch.DENSE else new.view(-1)[changed]
+        parts = push_patch.encode(kind, values, changed, 1000)
+        data = torch.cat([p.reshape(-1).view(torch.uint8) for p in parts])
+        assert data.numel() == push_patch.encoded_bytes(kind, 1000, changed.numel(),
+                                                       torch.bfloat16)
+        patch = push_patch.decode("w", kind, changed.numel(), (10, 100), torch.bfloat16, data)
+        rebuilt = base.clone().view(-1)
+        rebuilt[patch.indices if not patch.dense else slice(None)] = patch.values
+        assert torch.equal(rebuilt.view(10, 100), new)
+    # 143 of 1000 bf16 elements: the bitmap (125 + 286 bytes) beats indices (858) and dense
+    assert push_patch.cheapest(1000, 143, torch.bfloat16) == push_patch.BITMAP
+    assert push_patch.cheapest(1000, 10, torch.bfloat16) == push_patch.INDEX
+    assert push_patch.cheapest(1000, 960, torch.bfloat16) == push_patch.DENSE
+
+
+def test_a_region_locates_checkpoint_indices_in_a_narrowed_or_transposed_view():
+    tensor = torch.arange(24).reshape(4, 6)
+    for view in (tensor.narrow(0, 2, 2), tensor.narrow(1, 1, 3), tensor.t(),
+                 tensor.narrow(1, 2, 2).t()):
+        region = push_patch.Region.of(view)
+        indices = torch.arange(24)
+        inside, multi = region.locate(indices)
+        assert sorted(indices[inside].tolist()) == sorted(view.reshape(-1).tolist())
+        # the element at each multi-index of the view is the checkpoint element located there
+        assert [view[tuple(m)].item() for m in multi.tolist()] == indices[inside].tolist()
+        assert torch.equal(region.read(tensor.reshape(-1)), view)
+
+
+def test_a_sparse_bucket_packs_its_encoded_tensors_and_reads_back_as_patches():
+    base = PushBase()
+    share = {"a": torch.zeros(64, dtype=torch.float32), "b": torch.ones(8, 8),
+             "c": torch.zeros(4)}
+    base.advance(1, share, {"a": torch.bfloat16, "c": torch.bfloat16})
+    assert base.nbytes == 64 * 2 + 64 * 4 + 4 * 2
+    later = {name: tensor.clone() for name, tensor in share.items()}
+    later["a"][[3, 40]] = 2.0
+    later["c"] += 1.0  # every element: sent dense
+    delta = base.delta(later)
+    assert (delta.changed, delta.total) == (6, 132) and list(delta.parts) == ["a", "c"]
+    (bucket,) = delta.buckets(src=1, bucket_bytes=1 << 20)
+    assert bucket.encodings == [["index", 2], ["dense"]] and bucket.size == 2 * (4 + 2) + 4 * 2
+    bucket = WireBucket(**bucket.to_json())
+    patch, dense = bucket.patches(bucket.pack(delta.parts))
+    assert patch.indices.tolist() == [3, 40] and patch.values.tolist() == [2.0, 2.0]
+    assert patch.values.dtype == torch.bfloat16
+    assert dense.dense and dense.values.tolist() == [1.0] * 4

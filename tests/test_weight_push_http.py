@@ -55,7 +55,7 @@ def test_a_push_pauses_starts_updates_finishes_resets_both_caches_and_resumes_in
     with FakeVllm() as fake:
         _push(fake, pause_mode=mode)
     reset = "/reset_prefix_cache" + ("?reset_running_requests=true" if mode == "keep" else "")
-    assert fake.paths() == ["/get_world_size?include_dp=false", "/init_weight_transfer_engine",
+    assert fake.paths() == ["/get_world_size?include_dp=true", "/init_weight_transfer_engine",
                             f"/pause?mode={mode}&clear_cache=false", "/start_weight_update",
                             "/update_weights", "/finish_weight_update", reset,
                             "/reset_encoder_cache", "/resume", "/shutdown_weight_transfer_engine"]
@@ -78,10 +78,10 @@ def test_every_phase_is_timed_and_the_downtime_spans_pause_to_resume():
     assert control.downtime_s >= sum(control.times.values()) > 0
 
 
-def test_probe_returns_the_engines_worker_count_without_data_parallel():
+def test_probe_returns_the_engines_worker_count_over_every_data_parallel_replica():
     with FakeVllm({"/get_world_size": (200, {"world_size": 4})}) as fake:
         assert VllmPushControl(fake.url, timeout_s=TIMEOUT_S).probe() == 4
-    assert fake.paths() == ["/get_world_size?include_dp=false"]
+    assert fake.paths() == ["/get_world_size?include_dp=true"]
 
 
 @pytest.mark.parametrize("answer", [{"world_size": 0}, {"world_size": "1"}, {}],

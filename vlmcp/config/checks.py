@@ -225,7 +225,7 @@ def _publish_writer_checks(job: JobConfig) -> list[str]:
 
 #: The publish keys that only the push into engines reads, and those only publish.dir reads.
 _PUSH_KEYS = ("dir_every", "bucket_mb", "engine_timeout_s", "engine_pause", "on_engine_error",
-              "push_dtype", "push_staged", "push_host")
+              "push_dtype", "push_staged", "push_host", "dense_every", "verify_push")
 _DIR_KEYS = ("keep", "dir_every")
 
 

@@ -412,6 +412,20 @@ class PublishSection:
         "pause it only to load that copy (its downtime: the load, not the transfer; it holds one "
         "more copy of the pushed bytes meanwhile, and a failed send leaves it serving, "
         "unpaused); false: pause first and receive during the pause (no extra engine memory)"))
+    dense_every: int = field(default=1, metadata=_key(
+        "publish.engines: push every tensor (a dense anchor) at every N-th push into an engine, "
+        "and in between only the elements whose value in the engine's dtype changed since the "
+        "previous push (indices and values, or a bitmap, patched in place in the engine); an "
+        "engine that does not hold the previous push (restarted, a failed push) gets a dense "
+        "one; each rank keeps its share as last pushed in the engine's dtype for the delta; 1: "
+        "every push dense", min=1))
+    verify_push: bool = field(default=True, metadata=_key(
+        "publish.engines: after every push, check the checksums of every tensor the engine holds "
+        "(read from what it computes with) against the trainer's, each rank its share; a "
+        "mismatch, or a tensor the engine holds nowhere, fails the push naming the tensor "
+        "(under publish.on_engine_error); it runs once the engine serves again, off its "
+        "downtime; false: no checksums are computed or compared (with publish.dense_every "
+        "> 1 the engine still reports where each tensor lies, for the patches)"))
     push_host: str | None = field(default=None, metadata=_key(
         "publish.engines: the address the engines reach trainer rank 0 at (it hosts the push's "
         "rendezvous store, which then listens there only); null: this host's address on the "

@@ -11,7 +11,9 @@ trainer rank 0's TCPStore (`comm.Rendezvous`). Its members: trainer ranks 0..W-1
 the engine's workers 0..n-1 (member W + k). Every key of the session lies under P, so rank 0
 deletes the whole session once every trainer rank has left it (`left/<r>`):
 
-    P meta/<r>              trainer rank r's buckets (JSON list of `WireBucket`)
+    P sparse/<r>            trainer rank r can push sparse ("1") or not ("0")
+    P plan                  rank 0: the push's mode (sparse when every rank can), token and base
+    P meta/<r>              trainer rank r's buckets (JSON list of `WireBucket`), changed counts
     P workers               n, the engine's worker count (rank 0, from the engine)
     P dtypes                {checkpoint name: dtype} the engine holds (a describe session only)
     P try<k>/ready/<w>      worker w is joining attempt k of the group
@@ -21,6 +23,10 @@ deletes the whole session once every trainer rank has left it (`left/<r>`):
     P abort                 set by whoever failed (after its failed/<m>): every wait ends
     P go                    streamed pushes: rank 0 paused the engine, send now
     P sent/<r>              trainer rank r sent every bucket it holds
+    P report/<w>            worker w's placements (and checksums) after the update (vllm_held)
+    P check/<r>             trainer rank r's delivery check of its share
+    P done/<r>              trainer rank r's part is over
+    P outcome               rank 0: the push's outcome (every rank reads it before it leaves)
     P left/<r>              trainer rank r is done with the session's keys
 
 **The group, with retries.** A gloo group of W + n members forms per attempt k: the workers mark
@@ -53,8 +59,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from vlmcp.engine import push_patch
+
 #: The version of this protocol; the trainer and an engine's backend must speak the same one.
-PROTOCOL = 2
+PROTOCOL = 3
+#: A push's modes: every tensor through vLLM's layerwise reload, or patches applied in place.
+DENSE_MODE, SPARSE_MODE = "dense", "sparse"
 #: Attempts at forming one push's group before the push fails.
 FORM_ATTEMPTS = 3
 #: Seconds between two looks at the store while a member waits.
@@ -80,7 +90,9 @@ class GroupNotFormed(Exception):
 class WireBucket:
     """One buffer a trainer rank sends: the tensors `names` (checkpoint names), of `dtype_names`
     and `shapes`, their bytes back to back in `names` order; `tag` is its index among `src`'s
-    buckets; `bytes` the buffer's size (checked when given)."""
+    buckets; `bytes` the buffer's size (checked when given). `encodings` (a sparse push; None:
+    every tensor dense) says how each tensor travels (push_patch.py: ["dense"], ["index", k] or
+    ["bitmap", k])."""
 
     src: int
     tag: int
@@ -88,8 +100,10 @@ class WireBucket:
     dtype_names: list[str]
     shapes: list[list[int]]
     bytes: int | None = None
+    encodings: list[list[Any]] | None = None
     dtypes: list[torch.dtype] = field(init=False, repr=False)
     nbytes: list[int] = field(init=False, repr=False)
+    kinds: list[tuple[str, int]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         expect_type(self.src, int, "src")
@@ -103,8 +117,15 @@ class WireBucket:
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
             raise ValueError(f"names, dtype_names and shapes differ in length "
                              f"({len(self.names)}, {len(self.dtype_names)}, {len(self.shapes)})")
-        self.dtypes, self.nbytes = [], []
-        for name, dtype_name, shape in zip(self.names, self.dtype_names, self.shapes):
+        encodings = self.encodings
+        if encodings is not None:
+            expect_type(encodings, list, "encodings")
+            if len(encodings) != len(self.names):
+                raise ValueError(f"encodings has {len(encodings)} entries for "
+                                 f"{len(self.names)} tensors")
+        self.dtypes, self.nbytes, self.kinds = [], [], []
+        for index, (name, dtype_name, shape) in enumerate(
+                zip(self.names, self.dtype_names, self.shapes)):
             if not isinstance(name, str) or not name:
                 raise ValueError(f"name {name!r} is not a non-empty string")
             dtype = getattr(torch, dtype_name, None) if isinstance(dtype_name, str) else None
@@ -116,8 +137,11 @@ class WireBucket:
             numel = 1
             for size in shape:
                 numel *= size
+            kind = (push_patch.DENSE, numel) if encodings is None else \
+                push_patch.parse_encoding(encodings[index], numel, name)
             self.dtypes.append(dtype)
-            self.nbytes.append(numel * dtype.itemsize)
+            self.kinds.append(kind)
+            self.nbytes.append(push_patch.encoded_bytes(kind[0], numel, kind[1], dtype))
         if self.bytes is not None and self.bytes != sum(self.nbytes):
             raise ValueError(f"bytes {self.bytes!r} is not the {sum(self.nbytes)} bytes of its "
                              "tensors")
@@ -127,10 +151,17 @@ class WireBucket:
         """The bytes of the buffer the trainer sends for this bucket."""
         return sum(self.nbytes)
 
+    @property
+    def sparse(self) -> bool:
+        """Whether it lists encodings (a sparse push's bucket)."""
+        return self.encodings is not None
+
     def to_json(self) -> dict[str, Any]:
         """The bucket as the wire lists it."""
         fields = asdict(self)
-        del fields["dtypes"], fields["nbytes"]
+        del fields["dtypes"], fields["nbytes"], fields["kinds"]
+        if self.encodings is None:
+            del fields["encodings"]
         return {**fields, "bytes": self.size}
 
     def describe(self, index: int) -> str:
@@ -138,21 +169,29 @@ class WireBucket:
         return (f"bucket {index} (src {self.src}, tag {self.tag}, {self.size} bytes: "
                 f"{self.names[0]}{more})")
 
-    def pack(self, share: dict[str, torch.Tensor], out: torch.Tensor | None = None
-             ) -> torch.Tensor:
-        """The bucket's bytes from `share` ({name: tensor}): `[size]` uint8, each tensor in its
-        dtype of `dtype_names` (into `out`'s first bytes when given)."""
+    def pack(self, share: dict[str, Any], out: torch.Tensor | None = None) -> torch.Tensor:
+        """The bucket's bytes from `share` ({name: tensor}, cast to its dtype of `dtype_names`,
+        or the list of its wire parts, push_patch.encode): `[size]` uint8 (into `out`'s first
+        bytes when given)."""
         buffer = out[:self.size] if out is not None else torch.empty(self.size, dtype=torch.uint8)
         offset = 0
-        for name, dtype, nbytes in zip(self.names, self.dtypes, self.nbytes):
-            flat = share[name].to(dtype).contiguous().reshape(-1).view(torch.uint8)
-            buffer[offset:offset + nbytes].copy_(flat)
-            offset += nbytes
+        for name, dtype, (kind, _), nbytes in zip(self.names, self.dtypes, self.kinds,
+                                                 self.nbytes):
+            value = share[name]
+            parts = value if isinstance(value, list) else [value.to(dtype)]
+            for part in parts:
+                flat = part.contiguous().reshape(-1).view(torch.uint8)
+                buffer[offset:offset + flat.numel()].copy_(flat)
+                offset += flat.numel()
+        if offset != self.size:
+            raise ValueError(f"{self.describe(0)}: its tensors packed into {offset} bytes")
         return buffer
 
     def tensors(self, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """The bucket's tensors, sliced out of `buffer` (views; a tensor whose offset does not
-        suit its dtype's alignment is copied first)."""
+        """The bucket's tensors of a dense push, sliced out of `buffer` (views; a tensor whose
+        offset does not suit its dtype's alignment is copied first)."""
+        if self.sparse:
+            raise ValueError("a sparse push's bucket holds patches: read it with patches()")
         pairs, offset = [], 0
         for name, dtype, shape, nbytes in zip(self.names, self.dtypes, self.shapes, self.nbytes):
             chunk = buffer[offset:offset + nbytes]
@@ -162,12 +201,59 @@ class WireBucket:
             offset += nbytes
         return pairs
 
+    def patches(self, buffer: torch.Tensor) -> list[push_patch.Patch]:
+        """The bucket's tensors as patches (push_patch.decode), any encoding."""
+        patches, offset = [], 0
+        for name, dtype, shape, (kind, count), nbytes in zip(
+                self.names, self.dtypes, self.shapes, self.kinds, self.nbytes):
+            patches.append(push_patch.decode(name, kind, count, tuple(shape), dtype,
+                                             buffer[offset:offset + nbytes]))
+            offset += nbytes
+        return patches
 
-def parse_buckets(buckets: Any, where: str) -> list[WireBucket]:
+
+@dataclass(frozen=True)
+class WireTensor:
+    """One tensor as a trainer rank lists it for the wire: its checkpoint name, dtype name,
+    shape, bytes on the wire and (a sparse push) encoding."""
+
+    name: str
+    dtype_name: str
+    shape: list[int]
+    nbytes: int
+    encoding: list[Any] | None = None
+
+
+def cut_buckets(src: int, tensors: list[WireTensor], bucket_bytes: int) -> list[WireBucket]:
+    """`tensors` (trainer rank `src`'s, in its order) cut into buckets of at most `bucket_bytes`
+    bytes, a larger tensor a bucket of its own; each bucket lists the encodings when the tensors
+    carry them."""
+    buckets: list[WireBucket] = []
+    group: list[WireTensor] = []
+    size = 0
+
+    def close() -> None:
+        if group:
+            encodings = [t.encoding for t in group] if group[0].encoding is not None else None
+            buckets.append(WireBucket(src, len(buckets), [t.name for t in group],
+                                      [t.dtype_name for t in group],
+                                      [t.shape for t in group], encodings=encodings))
+
+    for tensor in tensors:
+        if group and size + tensor.nbytes > bucket_bytes:
+            close()
+            group, size = [], 0
+        group.append(tensor)
+        size += tensor.nbytes
+    close()
+    return buckets
+
+
+def parse_buckets(buckets: Any, where: str, allow_empty: bool = False) -> list[WireBucket]:
     """`buckets` (a JSON list of bucket objects) as WireBuckets; ValueError naming `where` and
-    the bucket."""
+    the bucket. Empty only when `allow_empty` (a sparse push in which nothing changed)."""
     expect_type(buckets, list, f"{where}: buckets")
-    if not buckets:
+    if not buckets and not allow_empty:
         raise ValueError(f"{where}: buckets is empty")
     parsed = []
     for index, bucket in enumerate(buckets):
@@ -518,6 +604,14 @@ def streamed_arrivals(watch: WorkWatch, group: dist.ProcessGroupGloo, buckets: l
         yield index, bucket, buffer
         del buffer
         post(bucket.src)
+
+
+def worker_index(data_parallel_index: int, workers_per_replica: int, rank: int) -> int:
+    """An engine worker's index among all the engine's workers: its replica's index times the
+    workers of a replica (tensor x pipeline parallel), plus its rank in the replica, as vLLM's
+    own NCCL weight transfer numbers them; the engine takes data-parallel replicas x workers
+    per replica members in the group (`/get_world_size?include_dp=true`)."""
+    return data_parallel_index * workers_per_replica + rank
 
 
 def worker_session(master_address: str, master_port: int, prefix: str, member: int,

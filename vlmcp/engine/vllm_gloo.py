@@ -65,8 +65,10 @@ imports it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -79,10 +81,12 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from vlmcp.engine.push_wire import (PROTOCOL, PushAborted, Session, StagedReceive, WireBucket,
-                                    WorkWatch, expect_type, join_as_worker, parse_buckets,
-                                    streamed_arrivals, worker_session)
-from vlmcp.engine.vllm_worker import cpu_moe_experts, repack_cpu_moe_experts_of
+from vlmcp.engine.push_wire import (DENSE_MODE, PROTOCOL, SPARSE_MODE, PushAborted, Session,
+                                    StagedReceive, WireBucket, WorkWatch, expect_type,
+                                    join_as_worker, parse_buckets, streamed_arrivals,
+                                    worker_index, worker_session)
+from vlmcp.engine.vllm_held import HeldWeights, LoadRecorder
+from vlmcp.engine.vllm_worker import cpu_moe_experts
 
 #: Under vLLM's logger, whose handler prints it in the server's log.
 logger = logging.getLogger("vllm.vlmcp_gloo")
@@ -106,13 +110,24 @@ class GlooInitInfo(WeightTransferInitInfo):
     #: A describe request's checkpoint names (no group), and the key its answer goes under.
     describe: list[str] | None = None
     describe_key: str | None = None
+    #: "dense" (vLLM's layerwise reload of every bucket) or "sparse" (patches in place).
+    mode: str = DENSE_MODE
+    #: The version this push leaves the engine at once finished, and (sparse) the one it must
+    #: hold before: a push token of the trainer (push_wire.push_token).
+    token: str | None = None
+    base: str | None = None
+    #: Keep the placements and held tensors (sparse pushes, the delivery check) and report
+    #: them after the update (P report/<worker>), with checksums when `verify`.
+    hold: bool = False
+    verify: bool = False
 
     def __post_init__(self) -> None:
         if self.protocol != PROTOCOL:
             raise ValueError(f"init_info: protocol {self.protocol!r}, but this engine's vlmcp_gloo "
                              f"speaks {PROTOCOL}: install the trainer's vlmcp in the engine venv")
         if self.buckets is not None:
-            self.buckets = parse_buckets(self.buckets, "init_info")
+            self.buckets = parse_buckets(self.buckets, "init_info",
+                                         allow_empty=self.mode == SPARSE_MODE)
         expect_type(self.master_address, str, "master_address")
         expect_type(self.store_prefix, str, "store_prefix")
         for name in ("master_port", "rank_offset", "world_size", "attempt"):
@@ -133,6 +148,17 @@ class GlooInitInfo(WeightTransferInitInfo):
         if self.describe is not None:
             expect_type(self.describe, list, "describe")
             expect_type(self.describe_key, str, "describe_key")
+        if self.mode not in (DENSE_MODE, SPARSE_MODE):
+            raise ValueError(f"init_info: mode {self.mode!r} is not {DENSE_MODE!r} or "
+                             f"{SPARSE_MODE!r}")
+        for name in ("hold", "verify"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"init_info: {name} {getattr(self, name)!r} is not true or false")
+        if self.mode == SPARSE_MODE and not (self.hold and self.base and self.token):
+            raise ValueError("init_info: a sparse push needs hold, its base and its token")
+        if self.buckets is not None and self.mode == DENSE_MODE and any(
+                b.sparse for b in self.buckets):
+            raise ValueError("init_info: a dense push's buckets list encodings")
 
 
 @dataclass
@@ -153,7 +179,7 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
             return
         if self.buckets is None:
             raise ValueError("update_info: no buckets (and not staged)")
-        self.buckets = parse_buckets(self.buckets, "update_info")
+        self.buckets = parse_buckets(self.buckets, "update_info", allow_empty=True)
 
 
 def held_dtypes(model: torch.nn.Module, names: list[str]) -> dict[str, str]:
@@ -201,21 +227,33 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.group: dist.ProcessGroupGloo | None = None
         self.session: Session | None = None
         self.init_info: GlooInitInfo | None = None
+        self.held = HeldWeights(model)
         self._reloading = False
-        self._processed_moe: list[Any] = []
+        self._recorder: LoadRecorder | None = None
+        self._watch: Any = None
+        self._touched: set[torch.nn.Module] = set()
         self._staging: StagedReceive | None = None
+        self._report: threading.Thread | None = None
 
     # -- the group --------------------------------------------------------------------------
 
     def worker_rank(self) -> int:
-        """This worker's rank inside its engine (0 for the uni executor)."""
+        """This worker's index among the engine's workers, over every data-parallel replica
+        (push_wire.worker_index); 0 for the uni executor."""
         parallel = self.parallel_config
-        return parallel.data_parallel_index * parallel.world_size + parallel.rank
+        return worker_index(parallel.data_parallel_index, parallel.world_size, parallel.rank)
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         """Join attempt `init_info.attempt` of the push's group (replacing an earlier group and
-        dropping what it staged), or answer a describe request."""
+        dropping what it staged), or answer a describe request. A sparse push whose base is not
+        the version this worker holds is refused (recorded in the session)."""
         self.shutdown()
+        self._finish_report()
+        if getattr(self.parallel_config, "local_engines_only", False):
+            raise ValueError("vlmcp_gloo: this server drives only its own data-parallel "
+                             "replicas (external or hybrid load balancing), while the push "
+                             "numbers the workers of every replica: push into a server that "
+                             "drives all of them (vLLM's internal load balancing)")
         worker = self.worker_rank()
         member = init_info.rank_offset + worker
         if member >= init_info.world_size:
@@ -230,17 +268,27 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                 session.store.set(init_info.describe_key,
                                   json.dumps(held_dtypes(self.model, init_info.describe)))
             return
+        self.held.keep = init_info.hold
+        if not init_info.hold:
+            self.held.forget()
+        refusal = self.held.holds(init_info.base) if init_info.mode == SPARSE_MODE else None
+        if refusal is not None:
+            problem = (f"engine worker {worker} {refusal}: it cannot take a patch against "
+                       f"{init_info.base} (restarted, or a push failed since)")
+            session.fail(problem)
+            raise ValueError(f"vlmcp_gloo: {problem}")
         group = join_as_worker(session, init_info.attempt)
         self.group, self.session, self.init_info = group, session, init_info
-        logger.info("vlmcp_gloo: joined push group %r (attempt %d) at %s:%d as member %d of %d",
-                    init_info.store_prefix, init_info.attempt + 1, init_info.master_address,
-                    init_info.master_port, member, init_info.world_size)
+        logger.info("vlmcp_gloo: joined push group %r (attempt %d, %s) at %s:%d as member %d of "
+                    "%d", init_info.store_prefix, init_info.attempt + 1, init_info.mode,
+                    init_info.master_address, init_info.master_port, member,
+                    init_info.world_size)
         if init_info.buckets is not None:
             self._staging = StagedReceive(session, group, init_info.buckets, self._member())
 
     def shutdown(self) -> None:
         """Drop the push group and a staged update's receives and buffers (the model and the
-        engine stay)."""
+        engine stay; a checksum report under way completes)."""
         staging, self._staging = self._staging, None
         if staging is not None:
             staging.stop()
@@ -252,48 +300,91 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     # -- one update -------------------------------------------------------------------------
 
     def start_weight_update(self) -> None:
-        """Begin vLLM's layerwise reload (the layers' weights are buffered until complete)."""
+        """Begin an update: a dense push begins vLLM's layerwise reload (the layers' weights are
+        buffered until complete), recorded when the push holds (vllm_held); a sparse one patches
+        in place. Either way the engine holds no complete pushed version until it finished."""
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        if self.init_info is None:
+            raise RuntimeError("no push group: POST /init_weight_transfer_engine first")
+        self._finish_report()
+        self.held.applied = None
+        self._touched = set()
+        self.held.recent.clear()
+        if self.init_info.mode == SPARSE_MODE:
+            return
         initialize_layerwise_reload(self.model)
         self._reloading = True
-        self._watch_moe_processing()
+        self._watch = self.held.watching()
+        self._watch.__enter__()
+        self._recorder = LoadRecorder() if self.init_info.hold else None
 
     def finish_weight_update(self) -> None:
-        """Finalise the layerwise reload, then on a CPU prepack the MoE experts again."""
-        self._end_reload()
+        """Finalise the update: a dense one ends the layerwise reload and on a CPU prepacks the
+        MoE experts again, a sparse one processes the layers it patched again; then the engine
+        holds this push's version and, holding, reports where each tensor lies (with
+        checksums when verifying) under the session's `report/<worker>`."""
+        if self.init_info is not None and self.init_info.mode == SPARSE_MODE:
+            self.held.reprocess(self._touched)
+        else:
+            self._end_reload()
+        info = self.init_info
+        if info is None:
+            return
+        self.held.seal(info.token)
+        if info.hold:
+            self._report = threading.Thread(target=self._put_report, args=(info,), daemon=True,
+                                            name="vlmcp-push-report")
+            self._report.start()
 
-    def _watch_moe_processing(self) -> None:
-        """Note each CPU-expert MoE layer whose post-load step the layerwise reload runs (it
-        does so once a layer's weights are all loaded, or at the end for a partly loaded one):
-        exactly the layers to repack afterwards. A layer the update did not touch keeps its
-        packed weights, which a second packing would scramble (a failed update, or one of part
-        of the model)."""
-        self._processed_moe: list[Any] = []
-        for module, _ in cpu_moe_experts(self.model):
-            method = module.quant_method
-            step = method.process_weights_after_loading
+    def _put_report(self, info: GlooInitInfo) -> None:
+        """Put this worker's placements (and checksums) under the session's report key (its
+        own store client: the thread runs on while the engine serves)."""
+        worker = self.worker_rank()
+        try:
+            report = {"worker": worker, "replica": self.parallel_config.data_parallel_index,
+                      "token": info.token, "names": self.held.checksums(info.verify)}
+            text = json.dumps(report)
+        except Exception as exc:  # the trainer waits for the report: tell it why there is none
+            text = json.dumps({"worker": worker, "error": f"{type(exc).__name__}: {exc}"})
+        try:
+            session = worker_session(info.master_address, info.master_port, info.store_prefix,
+                                     info.rank_offset + worker, info.rank_offset,
+                                     info.world_size, info.timeout_s)
+            session.put(f"report/{worker}", text)
+        except Exception as exc:  # the trainer is gone: nobody waits for the report
+            logger.warning("vlmcp_gloo: could not report the push's checksums: %s", exc)
 
-            def noted(layer: Any, _step: Any = step) -> Any:
-                self._processed_moe.append(layer)
-                return _step(layer)
-
-            method.process_weights_after_loading = noted  # on the instance, removed at the end
+    def _finish_report(self) -> None:
+        """Wait for a report under way (it reads the weights: no update may start meanwhile)."""
+        report, self._report = self._report, None
+        if report is not None:
+            report.join()
 
     def _end_reload(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+        recorder, self._recorder = self._recorder, None
+        watch, self._watch = self._watch, None
+        if not self._reloading:
+            return
         self._reloading = False
-        try:
-            finalize_layerwise_reload(self.model, self.model_config)
-        finally:
-            for module, _ in cpu_moe_experts(self.model):
-                vars(module.quant_method).pop("process_weights_after_loading", None)
-        processed = getattr(self, "_processed_moe", [])
-        if self.device.type == "cpu" and processed:
-            repacked = repack_cpu_moe_experts_of(self.model, only=processed)
+        with recorder if recorder is not None else contextlib.nullcontext():
+            try:
+                finalize_layerwise_reload(self.model, self.model_config)
+            finally:
+                if watch is not None:
+                    watch.__exit__(None, None, None)
+            repacked = 0
+            if self.device.type == "cpu":
+                for module, experts in cpu_moe_experts(self.model):
+                    if module in self.held.recent:
+                        self.held.process(module, experts.process_weights_after_loading)
+                        repacked += 1
+        if repacked:
             logger.info("vlmcp_gloo: repacked the CPU experts of %d MoE layers", repacked)
-        self._processed_moe = []
+        if recorder is not None:
+            self.held.resolve(recorder.landed())
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Receive and load one update. Unlike the base class, no `torch.accelerator.synchronize()`
@@ -325,6 +416,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         once the staging thread has them all."""
         if self.group is None or self.init_info is None:
             raise RuntimeError("no push group: POST /init_weight_transfer_engine first")
+        if not update_info.staged and not update_info.buckets \
+                and self.init_info.mode == DENSE_MODE:
+            raise ValueError("update_info: a dense push lists no buckets")
         if update_info.staged:
             if self._staging is None:
                 raise RuntimeError("a staged update, but init_info listed no buckets")
@@ -336,18 +430,28 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                                              self._member()))
 
     def _load(self, arrived: Iterator[tuple[int, WireBucket, torch.Tensor]]) -> None:
-        """Hand each arrived bucket's tensors to vLLM's loader, in order."""
+        """Hand each arrived bucket's tensors to vLLM's loader (dense), or its patches to the
+        held weights (sparse), in order."""
         from vllm.model_executor.model_loader.mtp_validation import (
             disable_mtp_completeness_check,
         )
 
+        sparse = self.init_info.mode == SPARSE_MODE
         with disable_mtp_completeness_check():
             for index, bucket, buffer in arrived:
-                pairs = bucket.tensors(buffer)
-                del buffer
                 try:
-                    self.model.load_weights(pairs)
+                    if sparse:
+                        self._touched |= self.held.apply(bucket.patches(buffer))
+                    else:
+                        pairs = bucket.tensors(buffer)
+                        if self._recorder is not None:
+                            self._recorder.add_sources(pairs)
+                            with self._recorder:
+                                self.model.load_weights(pairs)
+                        else:
+                            self.model.load_weights(pairs)
+                        del pairs
                 except Exception as exc:
                     raise RuntimeError(f"{bucket.describe(index)}: loading it into the model "
                                        f"failed: {type(exc).__name__}: {exc}") from exc
-                del pairs
+                del buffer

@@ -5,7 +5,8 @@ routes, with vlmcp's "vlmcp_gloo" backend: the server started with VLLM_SERVER_D
 Trainer rank 0 drives `VllmPushControl(url, timeout_s=...)` for a push of step N; the tensors
 themselves go over the gloo group, not over HTTP:
 
-    probe()            GET  /get_world_size?include_dp=false   the engine's worker count n
+    probe()            GET  /get_world_size?include_dp=true    the engine's worker count n, over
+                                   every data-parallel replica (TP x PP x DP)
     init_transfer(i)   POST /init_weight_transfer_engine {"init_info": i}
                                    returns once the workers joined the group (the caller joins it
                                    on another thread meanwhile)
@@ -80,10 +81,12 @@ class VllmPushControl:
         return self.http.url
 
     def probe(self) -> int:
-        """How many workers the engine has (tensor times pipeline parallel, without data
-        parallel): the ranks it takes in the push's group. Changes nothing on the engine."""
+        """How many workers the engine has, over all its data-parallel replicas (tensor x
+        pipeline x data parallel): the ranks it takes in the push's group, since vLLM's server
+        hands the weight-transfer routes to every replica's workers and each numbers itself
+        `data_parallel_index * world_size + rank` (vllm_gloo). Changes nothing on the engine."""
         try:
-            answer = self.http.get("/get_world_size?include_dp=false")
+            answer = self.http.get("/get_world_size?include_dp=true")
         except EngineError as exc:
             raise EngineError(f"{exc} (checked before the weight push; nothing was sent)") from exc
         size = answer.get("world_size") if isinstance(answer, dict) else None

@@ -11,11 +11,19 @@ a rank holds), from its publish thread, straight from the host copy of step N. E
 engine is a session of vlmcp/engine/push_wire.py over rank 0's `Rendezvous` store (its keys, the
 group's retried formation, the aborts every wait obeys):
 
+    every rank   sparse/<r>: whether it can push sparse (publish.dense_every > 1, the engine
+                 holds the previous push, confirmed by its report, fewer than dense_every - 1
+                 sparse pushes since its last dense one, and the rank holds a base of its whole
+                 share)
+    rank 0       plan: sparse when every rank can, else dense; the push's token and its base;
+                 every rank follows it
     rank 0       (publish.push_dtype set, the engine's first push only) POST
                  /init_weight_transfer_engine {describe: [names]}: worker 0 puts the dtype it
                  holds each tensor in under engines/<e>/dtypes; a tensor travels in that dtype
                  when known, else in push_dtype
-    every rank   meta/<r>: its buckets
+    every rank   meta/<r>: its buckets (sparse: only the changed elements of its share against
+                 its base, push_delta.py, each tensor encoded as its fewest bytes), its changed
+                 and total elements
     rank 0       GET /get_world_size (probe; an unreachable engine: abort, nobody waits), then
                  attempt k = 0, 1, ...: POST /init_weight_transfer_engine (side thread): the
                  workers mark ready and join a gloo group of W + n (trainer r is member r, worker
@@ -33,11 +41,22 @@ group's retried formation, the aborts every wait obeys):
                  rank's buckets, interleaved} (side thread, returns once every bucket is loaded)
       every rank waits for `go`, sends its buckets as above, then sent/<r>
     then
-      rank 0     POST /finish_weight_update {version N} (the engine repacks CPU experts there),
-                 prefix and encoder caches reset, /resume, POST /shutdown_weight_transfer_engine
-      every rank left/<r>; rank 0 then reads every member's error, if any, and deletes the
-                 session's keys once every rank has left it (so the store holds no more keys
-                 after 10,000 pushes than after one)
+      rank 0     POST /finish_weight_update {version N} (the engine repacks CPU experts there,
+                 or a sparse push processes the layers it patched again), prefix and encoder
+                 caches reset, /resume, POST /shutdown_weight_transfer_engine
+      every rank (publish.verify_push, or sparse pushes) waits for every worker's report/<w>
+                 (where each tensor lies, and its checksums, read while the engine serves) and
+                 checks its own share against it (push_check.py): a mismatch fails the push,
+                 naming the tensor; check/<r>
+      every rank done/<r>; rank 0 reads every member's error, if any, and puts the push's
+                 outcome; every rank reads it (the engine's version, whether the next push may
+                 be sparse), then left/<r>; rank 0 deletes the session's keys once every rank
+                 has left it (so the store holds no more keys after 10,000 pushes than after one)
+
+A sparse push that fails anywhere (the engine restarted and no longer holds its base, a patch
+that failed part-way, a failed check) is followed at once by a dense push of the same step into
+that engine (the re-anchor, `push_reanchored` in the row): the engine ends the push serving step
+N whole, never a mix. Each rank's base moves to step N once an engine took it (push_delta.py).
 
 So the engine serves step N whole or not at all: it is paused before the first byte is loaded
 and resumed only after the last was loaded and labelled N; a failure after /start_weight_update
@@ -58,6 +77,7 @@ import dataclasses
 import json
 import logging
 import os
+import secrets
 import socket
 import time
 import urllib.parse
@@ -68,12 +88,15 @@ from typing import Any
 
 import torch
 
-from vlmcp.engine.push_wire import (FORM_ATTEMPTS, POLL_S, PROTOCOL, GroupNotFormed, PushAborted,
-                                    Session, WireBucket, WorkWatch, send_buckets,
+from vlmcp.engine.push_wire import (DENSE_MODE, FORM_ATTEMPTS, POLL_S, PROTOCOL, SPARSE_MODE,
+                                    GroupNotFormed, PushAborted, Session, WireBucket,
+                                    WireTensor, WorkWatch, cut_buckets, send_buckets,
                                     settle_sessions)
 from vlmcp.engine.weight_push_http import PAUSED_NOTE, VllmPushControl
 from vlmcp.errors import EngineError
 from vlmcp.parallel import comm
+from vlmcp.training.weights.push_check import check_share
+from vlmcp.training.weights.push_delta import Delta, PushBase
 from vlmcp.training.weights.sharded_write import PushFailed
 
 logger = logging.getLogger(__name__)
@@ -100,28 +123,12 @@ def buckets_of(share: dict[str, torch.Tensor], src: int, bucket_bytes: int,
     `bucket_bytes` bytes (a larger tensor is a bucket of its own), each floating tensor in its
     `wire_dtype` (`held`: {name: dtype name} the engine holds)."""
     held = held or {}
-    buckets: list[WireBucket] = []
-    names: list[str] = []
-    size = 0
-
-    def close() -> None:
-        nonlocal names, size
-        if names:
-            buckets.append(WireBucket(
-                src, len(buckets), names,
-                [str(wire_dtype(share[n], dtype, held.get(n))).removeprefix("torch.")
-                 for n in names],
-                [list(share[n].shape) for n in names]))
-        names, size = [], 0
-
+    listed = []
     for name, tensor in share.items():
-        nbytes = tensor.numel() * wire_dtype(tensor, dtype, held.get(name)).itemsize
-        if names and size + nbytes > bucket_bytes:
-            close()
-        names.append(name)
-        size += nbytes
-    close()
-    return buckets
+        sent = wire_dtype(tensor, dtype, held.get(name))
+        listed.append(WireTensor(name, str(sent).removeprefix("torch."), list(tensor.shape),
+                                 tensor.numel() * sent.itemsize))
+    return cut_buckets(src, listed, bucket_bytes)
 
 
 def interleaved(per_rank: list[list[WireBucket]]) -> list[WireBucket]:
@@ -143,6 +150,15 @@ class EngineOutcome:
     phases: dict[str, float] = field(default_factory=dict)
     downtime_s: float | None = None
     seconds: float = 0.0
+    #: DENSE_MODE or SPARSE_MODE; whether a failed sparse push was followed by a dense one (the
+    #: problem then is the dense one's, None when it landed); bytes of one engine's copy.
+    mode: str = DENSE_MODE
+    reanchored: bool = False
+    #: Whether the engine serves the step (every rank knows; `problem` is rank 0's view).
+    landed: bool = False
+    bytes: int = 0
+    #: Rank 0: seconds of the delivery check (waiting for the reports and its own share's).
+    check_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -159,6 +175,29 @@ class PushSettings:
     dtype: torch.dtype | None = None
     #: publish.push_staged: the bytes go into the engine's host memory before its pause.
     staged: bool = True
+    #: publish.dense_every: every N-th push into an engine is dense, the others sparse.
+    dense_every: int = 1
+    #: publish.verify_push: check the engine's checksums after every push.
+    verify: bool = True
+
+    @property
+    def hold(self) -> bool:
+        """Whether the engines keep and report where each tensor lies (sparse pushes need it,
+        and so does the check)."""
+        return self.verify or self.dense_every > 1
+
+
+@dataclass
+class _EngineState:
+    """What every rank knows of one engine after its pushes (from each push's outcome): the
+    token of the version it holds (None: unknown, the next push is dense), sparse pushes since
+    its last dense one, whether it holds every element of every pushed tensor somewhere (it can
+    take patches), and {name: the dtype it holds it in} (this rank's share)."""
+
+    token: str | None = None
+    sparse_since: int = 0
+    patchable: bool = True
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)
 
 
 def store_address(settings: PushSettings) -> tuple[str, str | None]:
@@ -206,20 +245,42 @@ class EnginePush:
         self._open: list[str] = []
         #: {engine index: {name: dtype name}} each engine holds (publish.push_dtype only).
         self._held: dict[int, dict[str, str]] = {}
+        #: Rank 0: a name for this run's pushes in the engines' version tokens.
+        self._run = secrets.token_hex(4)
+        self._engines = [_EngineState() for _ in settings.urls]
+        #: This rank's share as last pushed, for sparse pushes (publish.dense_every > 1).
+        self.base = PushBase()
         #: Rank 0: each engine's part of the latest push (read by the publish's row).
         self.outcomes: list[EngineOutcome] = []
-        #: Bytes of one engine's copy of the latest push, over all ranks (rank 0).
+        #: Bytes of one engine's copy of the latest push, over all ranks (rank 0; the largest
+        #: of the engines', a dense one's when any was dense).
         self.pushed_bytes = 0
+        #: Rank 0: changed and total elements of the latest sparse push, over all ranks.
+        self.changed: tuple[int, int] | None = None
 
     def push(self, step: int, share: dict[str, torch.Tensor]) -> None:
         """Push this rank's `share` of step `step` into every engine (every rank, its publish
         thread). Raises PushFailed naming the engines that failed, the step and every failing
         member's error under publish.on_engine_error "error" (on rank 0; another rank raises
         only for its own failures); under "warn" it logs them and returns."""
-        self._seq += 1
-        outcomes = [self._one_engine(step, index, url, share)
-                    for index, url in enumerate(self.settings.urls)]
+        outcomes, self.changed, delta = [], None, None
+        for index, url in enumerate(self.settings.urls):
+            if delta is None and self._sparse_next(index) and self.base.ready_for(share):
+                delta = self.base.delta(share)
+            outcome = self._one_engine(step, index, url, share, delta)
+            if outcome.mode == SPARSE_MODE and not outcome.landed:
+                if self.rank == 0:
+                    logger.warning("engine %s, step %d: the sparse push failed, pushing the "
+                                   "step whole instead (the re-anchor): %s", url, step,
+                                   outcome.problem)
+                outcome = dataclasses.replace(self._one_engine(step, index, url, share, None),
+                                              reanchored=True)
+            outcomes.append(outcome)
         self.outcomes = outcomes
+        self.pushed_bytes = max((o.bytes for o in outcomes), default=0)
+        if self.settings.dense_every > 1 and any(o.landed for o in outcomes):
+            held = next((e.dtypes for e in self._engines if e.token is not None), {})
+            self.base.advance(step, share, held)
         if self.rank == 0:
             self._open = settle_sessions(self.rendezvous.store, self._open, self.world)
         failed = [o for o in outcomes if o.problem]
@@ -236,8 +297,20 @@ class EnginePush:
         """How many keys rank 0's store holds (rank 0)."""
         return self.rendezvous.store.num_keys()
 
-    def _one_engine(self, step: int, index: int, url: str, share: dict[str, torch.Tensor]
-                    ) -> EngineOutcome:
+    def _sparse_next(self, index: int) -> bool:
+        """Whether the next push into engine `index` is sparse (every rank decides alike: the
+        engine's state comes from the pushes' outcomes every rank reads)."""
+        engine = self._engines[index]
+        return (self.settings.dense_every > 1 and engine.token is not None and engine.patchable
+                and engine.sparse_since < self.settings.dense_every - 1
+                and self.base.step is not None)
+
+    def _one_engine(self, step: int, index: int, url: str, share: dict[str, torch.Tensor],
+                    delta: Delta | None) -> EngineOutcome:
+        """One session: push `share` into engine `index`, sparse when `delta` is given and the
+        engine may take it, else dense; check it; every rank learns the outcome."""
+        self._seq += 1
+        engine = self._engines[index]
         outcome = EngineOutcome(url)
         session = Session(self.rendezvous.store, f"push/{self._seq}/{index}/", self.rank,
                           self.world, self.settings.timeout_s)
@@ -246,17 +319,34 @@ class EnginePush:
         driver = _Driver(self, session, step, url, index) if self.rank == 0 else None
         started = time.perf_counter()
         try:
-            held = self._held_dtypes(session, index, driver, share) \
-                if self.settings.dtype is not None else {}
-            buckets = buckets_of(share, self.rank, self.settings.bucket_bytes,
-                                 self.settings.dtype, held)
-            session.put(f"meta/{self.rank}", json.dumps([b.to_json() for b in buckets]))
+            session.put(f"sparse/{self.rank}",
+                        "1" if delta is not None and self._sparse_next(index) else "0")
+            if driver is not None:
+                driver.plan_push(engine.token, f"{self._run}/{step}")
+            plan = json.loads(session.wait_key("plan", "rank 0's plan of the push"))
+            outcome.mode = plan["mode"]
+            if outcome.mode == SPARSE_MODE:
+                buckets = delta.buckets(self.rank, self.settings.bucket_bytes)
+                payload: dict[str, Any] = delta.parts
+                counts = [delta.changed, delta.total]
+            else:
+                held = self._held_dtypes(session, index, driver, share) \
+                    if self.settings.dtype is not None else {}
+                buckets = buckets_of(share, self.rank, self.settings.bucket_bytes,
+                                     self.settings.dtype, held)
+                payload, counts = share, None
+            session.put(f"meta/{self.rank}", json.dumps(
+                {"buckets": [b.to_json() for b in buckets], "counts": counts}))
             if driver is not None:
                 driver.start()
             session = dataclasses.replace(session, workers=int(session.wait_key(
                 "workers", "the engine's worker count")))
             group = self._form(session, driver)
-            self._transfer(session, driver, group, buckets, share)
+            self._transfer(session, driver, group, buckets, payload)
+            if self.settings.hold:
+                checked = time.perf_counter()
+                self._check(session, url, step, plan["token"], share, engine)
+                outcome.check_s = time.perf_counter() - checked
         except PushAborted:
             pass  # another member failed: its own error is the push's (read by rank 0 below)
         except GroupNotFormed as exc:  # every rank saw it; rank 0 reports it
@@ -267,14 +357,57 @@ class EnginePush:
             detail = str(exc) if isinstance(exc, EngineError) else f"{type(exc).__name__}: {exc}"
             session.fail(f"engine {url}, step {step}: {session.who()}: {detail}")
         finally:
-            session.put(f"left/{self.rank}", "1")
-            if driver is not None:
-                outcome.problem = driver.close()
-                outcome.phases, outcome.downtime_s = driver.phases(), driver.downtime_s()
-            elif session.has(f"failed/{self.rank}"):
-                outcome.problem = session.read(f"failed/{self.rank}")
+            self._settle(session, driver, outcome, engine)
             outcome.seconds = time.perf_counter() - started
         return outcome
+
+    def _check(self, session: Session, url: str, step: int, token: str,
+               share: dict[str, torch.Tensor], engine: _EngineState) -> None:
+        """This rank's part of the delivery check: every worker's report against its share
+        (push_check.py); its verdict under check/<r>, a mismatch fails the push naming the
+        tensors."""
+        reports = [json.loads(session.wait_key(f"report/{worker}", f"engine worker {worker}'s "
+                                                                   "report of the push"))
+                   for worker in range(session.workers)]
+        result = check_share(share, reports, token, digests=self.settings.verify)
+        engine.dtypes.update(result.dtypes)
+        session.put(f"check/{self.rank}", json.dumps({"patchable": result.patchable}))
+        if result.problems:
+            more = f" (and {len(result.problems) - 3} more)" if len(result.problems) > 3 else ""
+            raise EngineError(f"the delivery check failed: {'; '.join(result.problems[:3])}"
+                              f"{more}")
+
+    def _settle(self, session: Session, driver: _Driver | None, outcome: EngineOutcome,
+                engine: _EngineState) -> None:
+        """The session's end on every rank: done/<r>; rank 0 reads every member's error and
+        puts the outcome, then releases the engine's side of the group (the other ranks do not
+        wait for that); every rank reads the outcome into the engine's state, then left/<r>."""
+        session.put(f"done/{self.rank}", "1")
+        if driver is not None:
+            problem = driver.close()
+            patchable = all(json.loads(session.read(f"check/{r}"))["patchable"]
+                            for r in range(self.world) if session.has(f"check/{r}"))
+            session.put("outcome", json.dumps({
+                "problem": problem, "patchable": patchable, "bytes": driver.pushed_bytes,
+                "counts": driver.counts}))
+            driver.release()
+            outcome.phases, outcome.downtime_s = driver.phases(), driver.downtime_s()
+        result = json.loads(session.wait_key("outcome", "rank 0's outcome of the push",
+                                             abortable=False))
+        session.put(f"left/{self.rank}", "1")
+        outcome.bytes, outcome.landed = result["bytes"], result["problem"] is None
+        if driver is not None:
+            outcome.problem = result["problem"]
+            if result["counts"] is not None:
+                self.changed = tuple(result["counts"])
+        elif session.has(f"failed/{self.rank}"):
+            outcome.problem = session.read(f"failed/{self.rank}")
+        if result["problem"] is None:
+            plan = json.loads(session.read("plan"))
+            engine.token, engine.patchable = plan["token"], result["patchable"]
+            engine.sparse_since = engine.sparse_since + 1 if outcome.mode == SPARSE_MODE else 0
+        else:
+            engine.token = None
 
     def _held_dtypes(self, session: Session, index: int, driver: _Driver | None,
                      share: dict[str, torch.Tensor]) -> dict[str, str]:
@@ -308,7 +441,7 @@ class EnginePush:
                                    driver.step, exc)
 
     def _transfer(self, session: Session, driver: _Driver | None, group: Any,
-                  buckets: list[WireBucket], share: dict[str, torch.Tensor]) -> None:
+                  buckets: list[WireBucket], payload: dict[str, Any]) -> None:
         """This rank's sends, staged or streamed, and rank 0's control plane around them."""
         workers = range(self.world, session.size)
         with WorkWatch(session) as watch:
@@ -317,7 +450,7 @@ class EnginePush:
                     driver.begin()
                 else:
                     session.wait_key("go", "the engine's pause for the push")
-            send_buckets(watch, group, buckets, share, workers)
+            send_buckets(watch, group, buckets, payload, workers)
             session.put(f"sent/{self.rank}", "ok")
             if driver is not None:
                 if self.settings.staged:
@@ -331,6 +464,11 @@ class _Driver:
 
     def __init__(self, push: EnginePush, session: Session, step: int, url: str, index: int):
         self.push, self.session, self.step, self.url, self.index = push, session, step, url, index
+        #: The push's mode, token and base (`plan_push`).
+        self.plan: dict[str, Any] = {}
+        #: Bytes of the engine's copy of the push, and (sparse) changed and total elements.
+        self.pushed_bytes = 0
+        self.counts: list[int] | None = None
         settings = push.settings
         self.control = VllmPushControl(url, timeout_s=settings.timeout_s,
                                        pause_mode=settings.pause_mode)
@@ -370,10 +508,13 @@ class _Driver:
         """Read every rank's buckets and probe the engine for its worker count (puts `workers`).
         An unreachable engine fails the session before any group is formed."""
         session = self.session
-        per_rank = [[WireBucket(**b) for b in json.loads(session.wait_key(
-            f"meta/{r}", f"rank {r}'s buckets"))] for r in range(self.push.world)]
-        self._buckets = interleaved(per_rank)
-        self.push.pushed_bytes = sum(b.size for b in self._buckets)
+        metas = [json.loads(session.wait_key(f"meta/{r}", f"rank {r}'s buckets"))
+                 for r in range(self.push.world)]
+        self._buckets = interleaved([[WireBucket(**b) for b in meta["buckets"]]
+                                     for meta in metas])
+        self.pushed_bytes = sum(b.size for b in self._buckets)
+        if self.plan["mode"] == SPARSE_MODE:
+            self.counts = [sum(meta["counts"][i] for meta in metas) for i in (0, 1)]
         self._workers = self.control.probe()
         session.put("workers", str(self._workers))
 
@@ -381,7 +522,11 @@ class _Driver:
         """Ask the engine's workers to join attempt `attempt` of the group (on the side thread).
         A request that fails before worker 0 marked itself ready fails the session at once;
         after it, the members' `joined` marks tell the attempt's outcome."""
-        info = self._init_info(world_size=self.push.world + self._workers, attempt=attempt)
+        settings = self.push.settings
+        info = self._init_info(world_size=self.push.world + self._workers, attempt=attempt,
+                               mode=self.plan["mode"], token=self.plan["token"],
+                               base=self.plan["base"], hold=settings.hold,
+                               verify=settings.verify)
         if self.push.settings.staged:
             info["buckets"] = [b.to_json() for b in self._buckets]
         if attempt == 0:
@@ -446,18 +591,31 @@ class _Driver:
     def downtime_s(self) -> float | None:
         return self.control.downtime_s
 
-    def close(self) -> str | None:
-        """After rank 0's part: release the engine's side of the group (after the resume,
-        outside its downtime) and the side thread, without waiting for a request the engine
-        never answered; then wait until every rank has left the session and return every
-        member's error, or None when the engine serves the step."""
+    def plan_push(self, base: str | None, token: str) -> None:
+        """Put the push's plan: sparse (against `base`, the version the engine holds) when every
+        rank marked sparse/<r> (each holds a base of its whole share and the engine may take a
+        patch), else dense; labelled `token` once it lands."""
+        session = self.session
+        sparse = all(session.wait_key(f"sparse/{r}", f"rank {r}'s choice of the push") == "1"
+                     for r in range(self.push.world))
+        self.plan = {"mode": SPARSE_MODE if sparse else DENSE_MODE, "token": token,
+                     "base": base if sparse else None}
+        session.put("plan", json.dumps(self.plan))
+
+    def release(self) -> None:
+        """Release the engine's side of the group (after the resume, outside its downtime) and
+        the side thread, without waiting for a request the engine never answered."""
         if self._joined:
             self.control.release()
         self._side.shutdown(wait=False)
+
+    def close(self) -> str | None:
+        """After rank 0's part: wait until every rank ended its part of the session and return
+        every member's error, or None when the engine serves the step."""
         session = self.session
         try:
-            session.wait_all((f"left/{r}" for r in range(self.push.world)),
-                             "every rank leaving the push", abortable=False)
+            session.wait_all((f"done/{r}" for r in range(self.push.world)),
+                             "every rank's end of the push", abortable=False)
         except TimeoutError as exc:
             logger.warning("engine %s, step %d: %s", self.url, self.step, exc)
         problems = session.failures()

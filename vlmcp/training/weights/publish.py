@@ -182,7 +182,7 @@ class Publisher:
             tuple(url.rstrip("/") for url in publish.engines), int(publish.bucket_mb * 2**20),
             publish.engine_timeout_s, publish.engine_pause, publish.on_engine_error,
             publish.push_host, getattr(torch, publish.push_dtype) if publish.push_dtype else None,
-            publish.push_staged)
+            publish.push_staged, publish.dense_every, publish.verify_push)
             ) if publish.engines else None
         problems = []
         if comm.rank() == 0 and self.root is not None:
@@ -395,7 +395,11 @@ class Publisher:
         `published`, `publish_bytes`; the push's `pushed` (the engines that serve the step now),
         `push_failed`, `push_bytes` (one engine's copy), `push_s` (rank 0's thread),
         `push_downtime_s` (the longest pause-to-resume) and `push_phases_s` (that engine's
-        control plane, per phase)."""
+        control plane, per phase), `push_sparse` (the engines pushed sparse), with a sparse push
+        `push_changed_fraction` (of the share's elements, over all ranks), `push_reanchored`
+        (sparse pushes that failed and were followed by a dense one), `push_check_s` (the
+        longest delivery check), `push_base_bytes` (publish.dense_every > 1: the host bytes rank
+        0 keeps of its share as last pushed, for the next delta)."""
         finished = inflight.write.finished_at if inflight.write is not None else None
         total = (finished or time.perf_counter()) - inflight.started
         background = inflight.critical_s is not None
@@ -427,7 +431,18 @@ class Publisher:
         served = [o for o in outcomes if o.problem is None]
         fields: dict[str, Any] = {"pushed": [o.url for o in served],
                                   "push_bytes": self.push.pushed_bytes,
-                                  "push_s": sum(o.seconds for o in outcomes)}
+                                  "push_s": sum(o.seconds for o in outcomes),
+                                  "push_sparse": [o.url for o in outcomes if o.mode == "sparse"]}
+        if self.push.changed is not None:
+            changed, total = self.push.changed
+            fields["push_changed_fraction"] = changed / total if total else 0.0
+        if self.push.settings.dense_every > 1:
+            fields["push_base_bytes"] = self.push.base.nbytes
+        if any(o.reanchored for o in outcomes):
+            fields["push_reanchored"] = [o.url for o in outcomes if o.reanchored]
+        checks = [o.check_s for o in outcomes if o.check_s is not None]
+        if checks:
+            fields["push_check_s"] = max(checks)
         if len(served) < len(outcomes):
             fields["push_failed"] = [o.url for o in outcomes if o.problem is not None]
         if served:
