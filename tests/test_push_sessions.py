@@ -11,7 +11,8 @@ only the changed elements and leave the weights of a dense push; an engine of tw
 replicas of two tensor-parallel workers gets every tensor in both replicas; a sparse push into a
 restarted engine, or one whose patch fails part-way, is followed by a dense one that lands; a
 delivery check that fails (a tensor held as zeros, one the loader dropped) is one line naming
-the tensor; without publish.verify_push sparse pushes still land, unchecked."""
+the tensor; without publish.verify_push sparse pushes still land, unchecked. A `WorkWatch` ended
+before its owner waited leaves the owner a receive that had arrived and ends the others at once."""
 
 from __future__ import annotations
 
@@ -19,9 +20,12 @@ import contextlib
 import socket
 import time
 import urllib.request
+from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tests.helpers.distributed import run_ranks
 from tests.helpers.fake_push_engine import RESTART, FakePushEngine
@@ -115,8 +119,45 @@ SCENARIOS = {
 }
 
 
-def _every_scenario(urls: dict[str, str]) -> dict[str, list[dict]]:
-    return {name: _push_rank(urls[name], *SCENARIOS[name][1]) for name in SCENARIOS}
+def _watch_rank() -> dict[str, Any]:
+    """Rank 0 sends one of the two buckets rank 1 posted receives for under a WorkWatch; rank 1
+    ends the watch (as a failed push's stop does) before it waits on either, then waits on each
+    and posts a third: per receive, its seconds and whether it arrived (and what), or its
+    error."""
+    from vlmcp.engine.push_wire import Session, WorkWatch
+    from vlmcp.parallel import comm
+
+    rendezvous = comm.Rendezvous.open(TIMEOUT_S, "127.0.0.1")
+    group = dist.ProcessGroupGloo(dist.PrefixStore("watch/", rendezvous.store), comm.rank(), 2,
+                                  timedelta(seconds=TIMEOUT_S))
+    session = Session(rendezvous.store, "watch/session/", comm.rank(), 2, TIMEOUT_S, workers=0)
+    if comm.rank() == 0:
+        group.send([torch.full((4,), 7.0)], 1, 0).wait()
+        session.put("sent", "1")
+        comm.barrier()
+        return {}
+    watch = WorkWatch(session, group)
+    buffers = [torch.zeros(4) for _ in range(3)]
+    works = [watch.post(group.recv([buffers[tag]], 0, tag)) for tag in range(2)]
+    session.wait_key("sent", "rank 0's send")
+    time.sleep(0.5)  # the first bucket has arrived; nobody waited on it yet
+    watch.close()
+    outcomes = {}
+    for tag in range(3):
+        started = time.perf_counter()
+        try:
+            watch.run(works[tag] if tag < 2 else group.recv([buffers[tag]], 0, tag), f"{tag}")
+            outcomes[tag] = ("arrived", buffers[tag].tolist())
+        except RuntimeError as exc:
+            outcomes[tag] = ("ended", str(exc)[:80])
+        outcomes[tag] += (time.perf_counter() - started,)
+    comm.barrier()
+    return outcomes
+
+
+def _every_scenario(urls: dict[str, str]) -> dict[str, Any]:
+    pushes = {name: _push_rank(urls[name], *SCENARIOS[name][1]) for name in SCENARIOS}
+    return {**pushes, "watch": _watch_rank()}
 
 
 @pytest.fixture(scope="module")
@@ -127,11 +168,24 @@ def pushed() -> dict[str, tuple[FakePushEngine, list[dict], list[dict]]]:
         engines = {name: stack.enter_context(FakePushEngine(**settings))
                    for name, (settings, _) in SCENARIOS.items()}
         rank0, rank1 = run_ranks(_every_scenario, 2, {n: e.url for n, e in engines.items()})
-        yield {name: (engines[name], rank0[name], rank1[name]) for name in SCENARIOS}
+        yield {**{name: (engines[name], rank0[name], rank1[name]) for name in SCENARIOS},
+               "watch": rank1["watch"]}
 
 
 def _expected(world: int, step: int = 1) -> dict[str, torch.Tensor]:
     return {name: t for rank in range(world) for name, t in _share(rank, False, step).items()}
+
+
+def test_a_watch_ended_before_its_owner_waited_leaves_an_arrived_receive_to_it_and_ends_the_rest_at_once(
+        pushed):
+    """A gloo operation completes to one wait only: the watch ends its member's operations
+    through a receive of its own, never by waiting on the owner's (which took the arrived
+    bucket's completion and left the owner waiting out the group's timeout: a failed staged
+    push held the engine's shutdown request 120 s, 2 runs of 5 before this fix)."""
+    outcomes = pushed["watch"]
+    assert outcomes[0][:2] == ("arrived", [7.0] * 4), outcomes
+    assert outcomes[1][0] == "ended" and outcomes[2][0] == "ended", outcomes
+    assert all(seconds < TIMEOUT_S / 12 for *_, seconds in outcomes.values()), outcomes
 
 
 @pytest.mark.parametrize("staged", [True, False], ids=["staged", "streamed"])

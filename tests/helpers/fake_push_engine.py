@@ -169,7 +169,7 @@ class FakePushEngine:
                     arrived = staging.result(worker.session.timeout_s)
                     self._keep(worker, arrived)
                 else:
-                    with WorkWatch(worker.session) as watch:
+                    with WorkWatch(worker.session, worker.group) as watch:
                         self._keep(worker, streamed_arrivals(
                             watch, worker.group, parse_buckets(info["buckets"], "update_info",
                                                                allow_empty=True),

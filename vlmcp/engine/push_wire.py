@@ -38,10 +38,14 @@ dropped everywhere, before any byte was sent, and rank 0 asks for attempt k + 1,
 
 **No wait outlives the push's failure.** A member that fails writes `failed/<m>` and `abort`.
 Every wait of the session polls `abort` (`Session.wait_key`), and every gloo send and receive
-runs under a `WorkWatch`: a thread that cancels the member's pending operations once `abort`
-appears. gloo has no cancel; a wait with a 1 ms timeout ends a pending operation (gloo then
-closes the pair it used), also while another thread waits on it, and the waiting thread raises
-at once. So a failed send of one rank ends every other rank's sends and the workers' receives
+runs under a `WorkWatch`: a thread that ends the member's pending operations once `abort`
+appears. gloo has no cancel: `ProcessGroupGloo.abort` leaves a pending receive waiting, and a
+wait that times out closes every pair of the member's gloo context, so that every pending
+operation raises at once and every later one at its post. That timed wait goes to a receive
+of the watch's own that nobody ever sends (the sentinel), never to an operation another thread
+waits on or will wait on: a gloo operation completes to one wait only, so a timed wait on a
+receive that had arrived would take its completion and leave its owner waiting out the group's
+timeout. So a failed send of one rank ends every other rank's sends and the workers' receives
 within a poll, and the error that reaches the user is the failing member's own, never a timeout
 of a bystander.
 """
@@ -69,8 +73,10 @@ DENSE_MODE, SPARSE_MODE = "dense", "sparse"
 FORM_ATTEMPTS = 3
 #: Seconds between two looks at the store while a member waits.
 POLL_S = 0.02
-#: The wait that ends a pending gloo operation (module docstring).
+#: The timed wait on the sentinel that ends a member's pending gloo operations (module docstring).
 _CANCEL = timedelta(milliseconds=1)
+#: The sentinel's tag: above any bucket's (a bucket's tag is its index on its rank).
+_SENTINEL_TAG = 1 << 30
 
 
 class PushAborted(Exception):
@@ -384,17 +390,21 @@ class Session:
 
 
 class WorkWatch:
-    """Runs a member's gloo sends and receives under the session's `abort` (module docstring):
-    `run(work)` waits for one (raising PushAborted when the session aborted), `post(work)` keeps
-    one pending to wait on later, and a thread cancels every pending one once `abort` appears.
-    `close()` stops the thread and cancels what is still pending (the buffers they hold are
-    released with them). Use as a context manager."""
+    """Runs a member's gloo sends and receives on `group` under the session's `abort` (module
+    docstring): `run(work)` waits for one (raising PushAborted when the session aborted), `post(work)`
+    keeps one pending to wait on later, and a thread ends every pending one once `abort` appears,
+    through the watch's sentinel receive. `close()` stops the thread and ends what is still
+    pending (the buffers they hold are released with them); a work posted after it ends at once.
+    Only the thread that posted a work waits on it. Use as a context manager."""
 
-    def __init__(self, session: Session):
+    def __init__(self, session: Session, group: dist.ProcessGroupGloo):
         self.session = session
+        peer = (group.rank() + 1) % group.size()
+        self._sentinel = group.recv([torch.empty(1, dtype=torch.uint8)], peer, _SENTINEL_TAG)
         self._pending: set[Any] = set()
         self._lock = threading.Lock()
         self._closed = threading.Event()
+        self._ended = False
         self.aborted = False
         self._thread = threading.Thread(target=self._watch, daemon=True,
                                         name="vlmcp-push-watch")
@@ -410,9 +420,9 @@ class WorkWatch:
         """Keep `work` (a gloo send or receive) pending under the watch; returns it."""
         with self._lock:
             self._pending.add(work)
-            aborted = self.aborted
-        if aborted:
-            _cancel(work)
+            end = self.aborted or self._closed.is_set()
+        if end:
+            self._end()
         return work
 
     def run(self, work: Any, what: str) -> None:
@@ -436,29 +446,30 @@ class WorkWatch:
             except Exception:  # the store went away with rank 0: the waits' own timeouts end them
                 return
             if aborted:
-                self._cancel_all(True)
+                with self._lock:
+                    self.aborted = True
+                self._end()
                 return
 
-    def _cancel_all(self, aborted: bool) -> None:
+    def _end(self) -> None:
+        """End every pending gloo operation of the member (once): the sentinel's timed wait."""
         with self._lock:
-            self.aborted = self.aborted or aborted
-            pending = list(self._pending)
-        for work in pending:
-            _cancel(work)
+            if self._ended:
+                return
+            self._ended = True
+        try:
+            self._sentinel.wait(_CANCEL)
+        except Exception:  # the point: the timeout closes the member's pairs
+            pass
 
     def close(self) -> None:
-        self._closed.set()
-        self._cancel_all(False)
+        with self._lock:
+            self._closed.set()
+            pending = bool(self._pending)
+        if pending:
+            self._end()
         with self._lock:
             self._pending.clear()
-
-
-def _cancel(work: Any) -> None:
-    """End a pending gloo operation (a completed one is left as it is)."""
-    try:
-        work.wait(_CANCEL)
-    except Exception:  # the point: the pending operation ends with an error
-        pass
 
 
 def send_buckets(watch: WorkWatch, group: dist.ProcessGroupGloo, buckets: list[WireBucket],
@@ -513,7 +524,7 @@ class StagedReceive:
                  member: str):
         check_sources(buckets, session.trainers)
         self._session, self._group, self._buckets, self._member = session, group, buckets, member
-        self._watch = WorkWatch(session)
+        self._watch = WorkWatch(session, group)
         self._stopping = False
         #: (index, bucket, buffer, receive) of every bucket, while the thread waits for them.
         self._posted: list[tuple[int, WireBucket, torch.Tensor, Any]] = []

@@ -425,7 +425,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             staging, self._staging = self._staging, None
             self._load(staging.result(self.init_info.timeout_s))
         else:
-            with WorkWatch(self.session) as watch:
+            with WorkWatch(self.session, self.group) as watch:
                 self._load(streamed_arrivals(watch, self.group, update_info.buckets,
                                              self._member()))
 

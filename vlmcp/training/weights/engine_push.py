@@ -444,7 +444,7 @@ class EnginePush:
                   buckets: list[WireBucket], payload: dict[str, Any]) -> None:
         """This rank's sends, staged or streamed, and rank 0's control plane around them."""
         workers = range(self.world, session.size)
-        with WorkWatch(session) as watch:
+        with WorkWatch(session, group) as watch:
             if not self.settings.staged:
                 if driver is not None:
                     driver.begin()
