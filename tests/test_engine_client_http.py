@@ -56,7 +56,7 @@ def test_a_reload_pauses_loads_resets_both_caches_labels_and_resumes_in_that_ord
     with _client(tmp_path, moe=moe, pause_mode=mode) as (client, fake):
         served = client.serve(1)
     reset = "/reset_prefix_cache" + ("?reset_running_requests=true" if mode == "keep" else "")
-    assert fake.paths() == [f"/pause?mode={mode}&clear_cache=false",
+    assert fake.paths() == [f"/pause?mode={mode}",
                             "/collective_rpc:reload_weights",
                             *(["/collective_rpc:repack_cpu_moe_experts"] if moe else []),
                             reset, "/reset_encoder_cache", "/update_weight_version", "/resume"]
@@ -139,7 +139,7 @@ def test_a_hung_pause_is_a_timeout_error_within_the_clients_timeout_not_unreacha
             client.serve(1)
         seconds = time.perf_counter() - started
     (message,) = info.value.problems
-    assert message.startswith(f"vLLM server {fake.url}: POST /pause?mode=wait&clear_cache=false "
+    assert message.startswith(f"vLLM server {fake.url}: POST /pause?mode=wait "
                               "timed out after 0.5 s; the server may still be doing it")
     assert "POST /resume" in message and "unreachable" not in message
     assert 0.5 <= seconds < 3.0 and client.version == 0

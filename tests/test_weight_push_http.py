@@ -56,7 +56,7 @@ def test_a_push_pauses_starts_updates_finishes_resets_both_caches_and_resumes_in
         _push(fake, pause_mode=mode)
     reset = "/reset_prefix_cache" + ("?reset_running_requests=true" if mode == "keep" else "")
     assert fake.paths() == ["/get_world_size?include_dp=true", "/init_weight_transfer_engine",
-                            f"/pause?mode={mode}&clear_cache=false", "/start_weight_update",
+                            f"/pause?mode={mode}", "/start_weight_update",
                             "/update_weights", "/finish_weight_update", reset,
                             "/reset_encoder_cache", "/resume", "/shutdown_weight_transfer_engine"]
     bodies = dict(fake.calls)
@@ -127,7 +127,7 @@ def test_a_hung_pause_is_an_error_saying_it_timed_out_naming_url_and_step():
         started = time.perf_counter()
         message = _failure(fake)
         seconds = time.perf_counter() - started
-    assert message.startswith(f"vLLM server {fake.url}: POST /pause?mode=wait&clear_cache=false "
+    assert message.startswith(f"vLLM server {fake.url}: POST /pause?mode=wait "
                               f"timed out after {TIMEOUT_S:g} s")
     assert f"pausing {fake.url} for the push of step 7 failed" in message
     assert seconds < 3.0
@@ -136,7 +136,7 @@ def test_a_hung_pause_is_an_error_saying_it_timed_out_naming_url_and_step():
 def test_a_failing_start_resumes_the_intact_old_weights_and_raises_vllms_message():
     with FakeVllm({"/start_weight_update": VLLM_500}) as fake:
         message = _failure(fake)
-    assert fake.paths()[-3:] == ["/pause?mode=wait&clear_cache=false", "/start_weight_update",
+    assert fake.paths()[-3:] == ["/pause?mode=wait", "/start_weight_update",
                                  "/resume"]
     assert message.startswith(f"vLLM server {fake.url}/start_weight_update: HTTP 500: Failed to "
                               "start weight update: engine dead; the push of step 7 into "

@@ -89,10 +89,11 @@ class VllmHttp:
         return json.loads(payload) if payload.strip() else None
 
     def pause(self) -> None:
-        """Pause generation in `pause_mode`. The pause's own cache clearing (vLLM 0.32:
-        deprecated, documented as ignored for mode=keep) is left off: the caller resets the
-        caches once the new weights are in (`reset_prefix_cache`, /reset_encoder_cache)."""
-        self.post(f"/pause?mode={self.pause_mode}&clear_cache=false")
+        """Pause generation in `pause_mode`. vLLM 0.32's router marks the pause's `clear_cache`
+        parameter deprecated, so it is not sent: vLLM clears its caches after draining (its
+        default; ignored for mode=keep), and the caller resets them again once the new weights
+        are in (`reset_prefix_cache`, /reset_encoder_cache), which keep mode needs."""
+        self.post(f"/pause?mode={self.pause_mode}")
 
     def reset_prefix_cache(self) -> None:
         """Leave no KV of the old weights reusable. vLLM's reset is all or nothing and fails while

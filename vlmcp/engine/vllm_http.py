@@ -3,12 +3,11 @@
 `VllmHttpClient(url, weights_dir, model_dir).serve(N)` loads WEIGHTS/step_N into a running
 `vllm serve` started with `VLLM_SERVER_DEV_MODE=1` (which exposes the development endpoints):
 
-    POST /pause?mode=wait&clear_cache=false
-                                   finish the requests in flight (mode=keep: freeze them; they
+    POST /pause?mode=wait          finish the requests in flight (mode=keep: freeze them; they
                                    go on after /resume, so one sample's tokens come from two
-                                   versions: the `weight_versions` spans). The pause's own cache
-                                   clearing is left off (deprecated in vLLM 0.32): the caches
-                                   are reset after the reload, below
+                                   versions: the `weight_versions` spans). No `clear_cache`
+                                   (deprecated in vLLM 0.32): vLLM clears its caches after
+                                   draining, and they are reset again after the reload, below
     POST /collective_rpc           {"method": "reload_weights", "kwargs": {"weights_path": DIR}}
     POST /collective_rpc           {"method": "repack_cpu_moe_experts"}: an MoE policy only
                                    (`vllm_worker`: what vLLM's reload skips on a CPU; once,

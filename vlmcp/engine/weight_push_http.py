@@ -10,7 +10,7 @@ themselves go over the gloo group, not over HTTP:
     init_transfer(i)   POST /init_weight_transfer_engine {"init_info": i}
                                    returns once the workers joined the group (the caller joins it
                                    on another thread meanwhile)
-    begin(N)           POST /pause?mode=wait&clear_cache=false  (or keep, abort)
+    begin(N)           POST /pause?mode=wait  (or keep, abort)
                        POST /start_weight_update
     update(u)          POST /update_weights {"update_info": u}  returns once every bucket the
                                    trainer sends is loaded
