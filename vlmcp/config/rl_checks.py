@@ -20,6 +20,7 @@ from dataclasses import fields
 from typing import Any
 
 from vlmcp.config.schema import BUILTIN_REWARDS, JobConfig, RlSection
+from vlmcp.data.sources import required_string_problem
 
 #: The objectives whose token loss is linear in the advantage for a given token (the same sign for
 #: identical answers): merging identical answers keeps their loss exactly.
@@ -39,11 +40,9 @@ def reward_entry_problems(index: int, entry: Any) -> list[str]:
                 f"got {json.dumps(entry)}"]
     problems = [f"unknown config key '{key}.{name}'" for name in entry if name not in REWARD_KEYS]
     function = entry.get("function")
-    if function is None:
-        problems.append(f"missing required config key '{key}.function'")
-    elif not isinstance(function, str) or not function:
-        problems.append(f"config key '{key}.function': expected a non-empty string, got "
-                        f"{json.dumps(function)}")
+    problem = required_string_problem(entry, "function", key)
+    if problem:
+        problems.append(problem)
     elif function not in BUILTIN_REWARDS and function.count(":") != 1:
         problems.append(f"config key '{key}.function': {function!r} is neither a built-in "
                         f"({', '.join(BUILTIN_REWARDS)}) nor module:function (or "

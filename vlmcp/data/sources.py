@@ -62,6 +62,17 @@ class DataFile:
 # --------------------------------------------------------------------------- the file list
 
 
+
+def required_string_problem(entry: dict[str, Any], name: str, key: str) -> str | None:
+    """The problem of `entry[name]`, config key `key.name`, which must be a non-empty string:
+    missing, or not one; None when it is one."""
+    value = entry.get(name)
+    if value is None:
+        return f"missing required config key '{key}.{name}'"
+    if not isinstance(value, str) or not value:
+        return f"config key '{key}.{name}': expected a non-empty string, got {json.dumps(value)}"
+    return None
+
 def _weight_problem(value: Any, key: str) -> str | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return f"config key '{key}': expected a number, got {json.dumps(value)}"
@@ -88,11 +99,9 @@ def _entry(item: Any, key: str, weighted: bool, problems: list[str]) -> DataFile
                 if name == "weight" else ""
             problems.append(f"unknown config key '{key}.{name}'{hint}")
     path = item.get("path")
-    if path is None:
-        problems.append(f"missing required config key '{key}.path'")
-    elif not isinstance(path, str) or not path:
-        problems.append(f"config key '{key}.path': expected a non-empty string, "
-                        f"got {json.dumps(path)}")
+    problem = required_string_problem(item, "path", key)
+    if problem:
+        problems.append(problem)
     weight = item.get("weight", 1.0)
     if weighted and "weight" in item:
         problem = _weight_problem(weight, f"{key}.weight")
