@@ -13,8 +13,8 @@ in `watch(label)`. When a phase runs past the timeout, the thread reads where th
 thread waits (its innermost `torch.distributed` call, that call's `group` argument, and the
 innermost vlmcp frame), logs one line naming them and the phase, and ends the process with
 `EXIT_HUNG`. The peers' launcher then ends the rest: torchrun stops the other ranks when one
-exits non-zero (SIGTERM, then SIGKILL after its --shutdown-timeout, which also ends a frozen
-rank). No state is kept outside the `Watchdog` object the loop owns.
+exits non-zero (SIGTERM, then SIGKILL 30 s later, which also ends a frozen rank: torch 2.13's
+agent stops a failed group with that fixed grace, not its --shutdown-timeout). No state is kept outside the `Watchdog` object the loop owns.
 
 A collective that fails instead of hanging (a peer rank was killed or its connection dropped:
 gloo's "Connection reset by peer", NCCL's backend errors) raises a RuntimeError from inside
