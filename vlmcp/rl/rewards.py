@@ -27,6 +27,7 @@ import importlib.util
 import math
 import multiprocessing
 import queue
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -67,7 +68,7 @@ def load_reward(spec: RewardSpec) -> Callable[..., Any]:
 
     if spec.function in BUILTINS:
         if spec.function == "math" and importlib.util.find_spec("math_verify") is None:
-            raise ConfigError([f"rl.rewards: the built-in \"math\" needs math-verify: pip "
+            raise ConfigError(["rl.rewards: the built-in \"math\" needs math-verify: pip "
                                "install 'vlmcp[rl]'"])
         return BUILTINS[spec.function]
     module_name, _, attr = spec.function.rpartition(":")
@@ -155,6 +156,8 @@ class _Worker:
         self.process.start()
         child.close()
         self.loaded = False
+        self._stop_lock = threading.Lock()
+        self._stopped = False
 
     def call(self, message: Any, timeout_s: float) -> tuple[str, Any]:
         """Send `message` and wait for the answer; ("timeout", None) after `timeout_s`, ("died",
@@ -176,10 +179,15 @@ class _Worker:
         return "died", self.process.exitcode
 
     def stop(self) -> None:
-        """End the process (it holds no state worth a polite stop)."""
-        self.process.kill()
-        self.process.join()
-        self.conn.close()
+        """End the process (it holds no state worth a polite stop), once: the runner's close and
+        a reward thread replacing a timed-out worker may both stop it."""
+        with self._stop_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            self.process.kill()
+            self.process.join()
+            self.conn.close()
 
 
 @dataclass
@@ -198,6 +206,9 @@ class RewardRunner:
         self.specs, self.timeout_s = list(specs), timeout_s
         self._idle: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
         self._all: list[_Worker] = []
+        #: Guards `_all` and `_closed` between the reward threads and `close`.
+        self._lock = threading.Lock()
+        self._closed = False
         for _ in range(workers):
             self._add_worker()
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="vlmcp-reward")
@@ -208,9 +219,14 @@ class RewardRunner:
         self._idle.put(worker)
 
     def _replace(self, worker: _Worker) -> None:
+        """Stop `worker` and start another in its place, unless the runner is closing (a reward
+        thread still running when `close` came)."""
         worker.stop()
-        self._all.remove(worker)
-        self._add_worker()
+        with self._lock:
+            if worker in self._all:
+                self._all.remove(worker)
+            if not self._closed:
+                self._add_worker()
 
     def submit(self, kwargs: dict[str, Any]) -> Future[GroupRewards]:
         """Score one group (`kwargs`: prompts, completions, completion_ids and the columns, one
@@ -256,5 +272,8 @@ class RewardRunner:
     def close(self) -> None:
         """Stop every reward process (a call still running is cut off)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
-        for worker in list(self._all):
+        with self._lock:
+            self._closed = True
+            workers = list(self._all)
+        for worker in workers:
             worker.stop()
