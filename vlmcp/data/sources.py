@@ -62,7 +62,6 @@ class DataFile:
 # --------------------------------------------------------------------------- the file list
 
 
-
 def required_string_problem(entry: dict[str, Any], name: str, key: str) -> str | None:
     """The problem of `entry[name]`, config key `key.name`, which must be a non-empty string:
     missing, or not one; None when it is one."""
@@ -72,6 +71,7 @@ def required_string_problem(entry: dict[str, Any], name: str, key: str) -> str |
     if not isinstance(value, str) or not value:
         return f"config key '{key}.{name}': expected a non-empty string, got {json.dumps(value)}"
     return None
+
 
 def _weight_problem(value: Any, key: str) -> str | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):

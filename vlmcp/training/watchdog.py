@@ -14,7 +14,8 @@ thread waits (its innermost `torch.distributed` call, that call's `group` argume
 innermost vlmcp frame), logs one line naming them and the phase, and ends the process with
 `EXIT_HUNG`. The peers' launcher then ends the rest: torchrun stops the other ranks when one
 exits non-zero (SIGTERM, then SIGKILL 30 s later, which also ends a frozen rank: torch 2.13's
-agent stops a failed group with that fixed grace, not its --shutdown-timeout). No state is kept outside the `Watchdog` object the loop owns.
+agent stops a failed group with that fixed grace, not its --shutdown-timeout). No state is kept
+outside the `Watchdog` object the loop owns.
 
 A collective that fails instead of hanging (a peer rank was killed or its connection dropped:
 gloo's "Connection reset by peer", NCCL's backend errors) raises a RuntimeError from inside
