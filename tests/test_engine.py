@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ import torch
 from tests.helpers.engine_reference import (NEEDS_ENGINE, NEW_TOKENS, SAMPLES, TAU, Prompt,
                                             demo_allowed_ids, image_request,
                                             reference_logprobs, text_prompt_ids)
+from tests.helpers.in_flight import in_flight
 from tests.helpers.launching import assert_ok, run_vlmcp, tiny_job, write_job
 from tests.helpers.parity import assert_within_bf16_error, bf16_allowance, rel_err
 from tests.helpers.rollout_producer import rollout_line, write_step
@@ -127,51 +126,13 @@ def test_each_published_step_served_in_place_gives_transformers_logprobs_within_
             assert rel_err(stale64, ref64) > 2 * bf16_allowance(ref_bf16, ref64), (step, kind)
 
 
-def _stream_generate(url: str, request: dict, started: threading.Event, out: dict) -> None:
-    """POST a streamed `/inference/v1/generate` request; set `started` at its first tokens and
-    leave in `out` the output's token ids and the final chunk's `weight_versions`."""
-    body = json.dumps({**request, "stream": True}).encode()
-    tokens: list[int] = []
-    try:
-        with urllib.request.urlopen(urllib.request.Request(
-                url + "/inference/v1/generate", data=body,
-                headers={"Content-Type": "application/json"}), timeout=300) as answer:
-            for raw in answer:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                for choice in json.loads(line[len("data: "):]).get("choices", []):
-                    tokens += choice.get("token_ids") or []
-                    if choice.get("weight_versions"):
-                        out["weight_versions"] = choice["weight_versions"]
-                if tokens:
-                    started.set()
-        out["token_ids"] = tokens
-    finally:  # a failed request wakes the test at once instead of after its timeout
-        started.set()
-
-
-def _in_flight(url: str, prompt: list[int], tokens: int) -> tuple[threading.Thread, dict]:
-    """A streamed request of exactly `tokens` new tokens after `prompt`, in a thread; returns
-    (the thread, its `_stream_generate` answer) at its first tokens, so that a reload started
-    then finds it in flight, however fast the CPU is."""
-    request = {"token_ids": prompt, "sampling_params": {
-        "max_tokens": tokens, "min_tokens": tokens, "temperature": 1.0, "logprobs": 0}}
-    answer: dict = {}
-    started = threading.Event()
-    thread = threading.Thread(target=_stream_generate, args=(url, request, started, answer))
-    thread.start()
-    assert started.wait(timeout=300)
-    return thread, answer
-
-
 def test_an_in_flight_reload_labels_each_token_with_the_version_that_sampled_it(
         published, server):
     client = VllmHttpClient(server.url, published["weights"], published["checkpoint"],
                             version=STEPS, pause_mode="keep")
     client.serve(STEPS)
     prompt = text_prompt_ids(published["processor"])
-    thread, answer = _in_flight(server.url, prompt, 400)
+    thread, answer = in_flight(server.url, prompt, 400)
     client.serve(STEPS - 1)
     thread.join(timeout=300)
     assert len(answer["token_ids"]) == 400
@@ -206,7 +167,7 @@ def test_after_an_in_flight_reload_a_prompt_whose_prefix_was_cached_gets_the_new
     for _ in range(2):
         out = client.post("/v1/completions", params)
     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # step 1's KV, cached
-    thread, answer = _in_flight(server.url, text_prompt_ids(published["processor"]), 400)
+    thread, answer = in_flight(server.url, text_prompt_ids(published["processor"]), 400)
     client.serve(2)
     thread.join(timeout=300)
     assert len(answer["token_ids"]) == 400  # the frozen request went on after the reload

@@ -4,7 +4,8 @@ ranks pushes every step into one server (the first dense, the second sparse, eac
 the engine's checksums), and the server's weights after the last push equal, parameter by
 parameter (vLLM's /weight_checker checksums) and in a prompt's logprobs, those of the same step
 reloaded from publish.dir: dense and MoE, ZeRO 2 and 3, expert parallelism 1 and 2,
-publish.push_dtype unset and bf16. Faults: an unreachable URL at
+publish.push_dtype unset and bf16. A LoRA run pushes its merged weights (sparse after the first:
+the adapted tensors alone), which equal vLLM's reload of `vlmcp export --merge`. Faults: an unreachable URL at
 the start, an engine killed in the middle of a push, an engine restarted between steps (brought
 to the latest step at the next push: its sparse push refused, the step pushed dense at once), SIGTERM to the trainer in the middle of a push (the resumed
 run pushes its checkpoint's step first), and under publish.on_engine_error "warn" an engine that
@@ -197,6 +198,50 @@ def test_each_pushed_step_is_the_published_steps_weights_in_the_engine(engine, z
     pushed, pushed_logprobs = _checksums(client), _logprobs(client)
     assert pushed.keys() == engine.base.keys() and pushed != engine.base
     client.serve(2)  # the same step from the disk, vLLM's own reload
+    assert _checksums(client) == pushed
+    assert _logprobs(client) == pushed_logprobs
+
+
+#: The LoRA targets of the push test: attention and DeltaNet projections, and in the MoE the
+#: routed experts' fused parameters (two PEFT wrappers around each experts module).
+LORA = {"dense": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "in_proj_qkv", "down_proj"]},
+        "moe": {"r": 4, "alpha": 8, "target_modules": ["o_proj", "out_proj"],
+                "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}}
+
+
+def test_a_lora_run_pushes_the_merged_weights_that_vllm_reloads_from_the_merged_export(
+        engine, tmp_path):
+    """Step 1 goes dense (the whole merged model: the engine's anchor), step 2 sparse: only the
+    adapted tensors' changed elements (publish.dense_every 2), each checked against the engine's
+    checksums (vlmcp's, of what the engine computes with: vLLM's /weight_checker does not see
+    the prepacked Linear weights on a CPU, all that LoRA changes here). After it the engine's
+    weights (/weight_checker) and a prompt's logprobs equal vLLM's own reload of `vlmcp export
+    --merge` of the step-2 checkpoint (PEFT's merge_and_unload), and the logprobs differ from
+    the engine's before the run. Dense under ZeRO-3 (the merged tensors gathered with DeepSpeed), MoE
+    under ZeRO-2 with the routed experts adapted."""
+    kind = "moe" if engine.moe else "dense"
+    before = _logprobs(engine.client(tmp_path, version=0))
+    path = _job(engine, tmp_path, 2 if engine.moe else 3, dense_every=2)
+    job = json.loads(path.read_text())
+    job["lora"] = LORA[kind]
+    job["train"]["save_every"] = 2
+    write_job(path, job)
+    for number in (1, 2):
+        _write_step(tmp_path / "rollouts", number)
+    assert_ok(run_vlmcp(["train", str(path)], launcher="torchrun", nproc=2, timeout=600))
+    rows = _rows(tmp_path / "out", "pushed")
+    assert [(r["step"], r["pushed"], r["push_sparse"]) for r in rows] == [
+        (1, [engine.url], []), (2, [engine.url], [engine.url])]
+    assert rows[1]["push_bytes"] < rows[0]["push_bytes"] / 2
+    assert 0 < rows[1]["push_changed_fraction"] <= 1 and rows[1]["push_check_s"] > 0
+    client = engine.client(tmp_path / "merged", version=2)
+    pushed, pushed_logprobs = _checksums(client), _logprobs(client)
+    assert pushed.keys() == engine.base.keys() and pushed_logprobs != before
+    merged = tmp_path / "merged" / "step_2"
+    assert_ok(run_vlmcp(["export", str(path), "--tag", "step2", "--out", str(merged),
+                         "--merge"]))
+    (merged / STABLE).write_text("{}")
+    client.serve(2)
     assert _checksums(client) == pushed
     assert _logprobs(client) == pushed_logprobs
 

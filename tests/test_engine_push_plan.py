@@ -104,11 +104,17 @@ def test_an_engine_that_is_not_a_base_url_or_named_twice_is_refused():
                         "config key 'publish.engines' names 'http://h:1/' twice"]
 
 
-def test_lora_with_engines_is_refused_naming_the_way_that_works():
+def test_lora_pushes_into_engines_but_not_under_expert_parallelism_naming_the_way_that_works():
+    job = job_from_dict({**MINIMAL, "lora": {"r": 4}, "publish": {"engines": ["http://h:1"]}})
+    assert job.publish.engines == ["http://h:1"]
     with pytest.raises(ConfigError) as info:
-        job_from_dict({**MINIMAL, "lora": {"r": 4}, "publish": {"engines": ["http://h:1"]}})
-    assert len(info.value.problems) == 1
-    assert "publish the adapter to publish.dir" in info.value.problems[0]
+        job_from_dict({**MINIMAL, "lora": {"r": 4, "target_parameters": ["mlp.experts.down_proj"]},
+                       "parallel": {"ep_size": 2}, "publish": {"engines": ["http://h:1"]}})
+    assert [p for p in info.value.problems if "publish.engines" in p] == [
+        "config key 'publish.engines' with lora.r=4 and 'parallel.ep_size' 2: a LoRA run pushes "
+        "its merged weights, which vlmcp does not compute under expert parallelism; train at "
+        "ep_size 1, or publish the adapter to publish.dir and export it merged (vlmcp export "
+        "--merge)"]
 
 
 def test_engines_alone_publish_with_the_documented_defaults():

@@ -145,7 +145,7 @@ def test_a_resume_sets_aside_steps_published_beyond_its_checkpoint_and_sweeps_le
     (run,) = (weights / SET_ASIDE).iterdir()
     assert sorted(p.name for p in run.iterdir()) == ["step_4", "step_5"]
     assert published_steps(weights) == [3, 2]
-    assert f"resuming at step 3, set aside the published steps 4, 5" in caplog.text
+    assert "resuming at step 3, set aside the published steps 4, 5" in caplog.text
     assert str(run) in caplog.text
 
 

@@ -25,7 +25,6 @@ the engine killed mid-run (the last test: it ends the module's server).
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import signal
 import subprocess

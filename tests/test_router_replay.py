@@ -39,7 +39,6 @@ from vlmcp.data.formats import parse_record
 from vlmcp.data.pack import build_batch
 from vlmcp.data.routes import (RouteSpec, encode_routes, no_route, pack_routes, parse_routes,
                                route_spec)
-from vlmcp.errors import DataError
 from vlmcp.model.packed import PackedVLM
 from vlmcp.model.router_replay import ShardRoutes
 from vlmcp.parallel.shard import ShardPlan

@@ -269,13 +269,15 @@ def _publish_target_checks(publish: PublishSection, pushed_by_rl: bool = False) 
 
 
 def _engine_push_checks(job: JobConfig) -> list[str]:
-    """What the push into engines does not do: LoRA adapters, a rank-0 gather."""
+    """What the push into engines does not do: a LoRA run's merged experts under expert
+    parallelism, a rank-0 gather."""
     if not job.publish.engines:
         return []
-    if job.lora.r:
-        return [f"config key 'publish.engines' with lora.r={job.lora.r}: the push sends full "
-                "weights, not a PEFT adapter; publish the adapter to publish.dir and load it "
-                "through vLLM's LoRA API (docs/rl-loop.md)"]
+    if job.lora.r and job.parallel.ep_size > 1:
+        return [f"config key 'publish.engines' with lora.r={job.lora.r} and 'parallel.ep_size' "
+                f"{job.parallel.ep_size}: a LoRA run pushes its merged weights, which vlmcp does "
+                "not compute under expert parallelism; train at ep_size 1, or publish the "
+                "adapter to publish.dir and export it merged (vlmcp export --merge)"]
     if not job.publish.sharded:
         return ["config key 'publish.sharded' is false with 'publish.engines': every rank pushes "
                 "its own share; keep it true"]

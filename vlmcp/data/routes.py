@@ -124,7 +124,7 @@ def _compact(value: dict[str, Any], num_tokens: int, source: str) -> tuple[np.nd
     missing = [key for key in ("data", "shape", "dtype") if key not in value]
     unknown = sorted(set(value) - {"data", "shape", "dtype", "start"})
     if missing or unknown:
-        raise _fail(source, f"compact form needs data, shape, dtype (and optionally start); "
+        raise _fail(source, "compact form needs data, shape, dtype (and optionally start); "
                             + (f"{missing} missing" if missing else f"unknown keys {unknown}"))
     shape, dtype, start = value["shape"], value["dtype"], value.get("start", 0)
     if not (isinstance(shape, list) and len(shape) == 3 and all(_int(n) and n >= 0 for n in shape)):

@@ -7,7 +7,9 @@ installs into the engine venv; vLLM's own backends (`nccl`, `ipc`) need CUDA and
 
 Every trainer rank sends the share it would write (training/weights/shards.py: whole tensors, HF
 names as in the published safetensors, under ZeRO-3 gathered to their writer, under EP the experts
-a rank holds), from its publish thread, straight from the host copy of step N. Each push into one
+a rank holds), from its publish thread, straight from the host copy of step N; a LoRA run's
+ranks send the merged weights (training/weights/lora_push.py: the adapted tensors, and the whole
+merged model in a dense push), from the training's thread. Each push into one
 engine is a session of vlmcp/engine/push_wire.py over rank 0's `Rendezvous` store (its keys, the
 group's retried formation, the aborts every wait obeys):
 
@@ -74,6 +76,7 @@ or logged and reported in the publish's row ("warn").
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -81,6 +84,7 @@ import secrets
 import socket
 import time
 import urllib.parse
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -258,23 +262,28 @@ class EnginePush:
         #: Rank 0: changed and total elements of the latest sparse push, over all ranks.
         self.changed: tuple[int, int] | None = None
 
-    def push(self, step: int, share: dict[str, torch.Tensor]) -> None:
+    def push(self, step: int, share: dict[str, torch.Tensor],
+             whole: Callable[[], dict[str, torch.Tensor]] | None = None) -> None:
         """Push this rank's `share` of step `step` into every engine (every rank, its publish
-        thread). Raises PushFailed naming the engines that failed, the step and every failing
-        member's error under publish.on_engine_error "error" (on rank 0; another rank raises
-        only for its own failures); under "warn" it logs them and returns."""
+        thread). `whole`: where `share` holds only the tensors that change from push to push
+        (a LoRA run's, training/weights/lora_push.py), this rank's part of the whole model, which
+        a dense push sends; called at most once, by every rank at the same point, and only when
+        some engine gets a dense push. Raises PushFailed naming the engines that failed, the step
+        and every failing member's error under publish.on_engine_error "error" (on rank 0;
+        another rank raises only for its own failures); under "warn" it logs them and returns."""
         outcomes, self.changed, delta = [], None, None
+        dense = functools.cache(whole) if whole is not None else (lambda: share)
         for index, url in enumerate(self.settings.urls):
             if delta is None and self._sparse_next(index) and self.base.ready_for(share):
                 delta = self.base.delta(share)
-            outcome = self._one_engine(step, index, url, share, delta)
+            outcome = self._one_engine(step, index, url, share, delta, dense)
             if outcome.mode == SPARSE_MODE and not outcome.landed:
                 if self.rank == 0:
                     logger.warning("engine %s, step %d: the sparse push failed, pushing the "
                                    "step whole instead (the re-anchor): %s", url, step,
                                    outcome.problem)
-                outcome = dataclasses.replace(self._one_engine(step, index, url, share, None),
-                                              reanchored=True)
+                outcome = dataclasses.replace(
+                    self._one_engine(step, index, url, share, None, dense), reanchored=True)
             outcomes.append(outcome)
         self.outcomes = outcomes
         self.pushed_bytes = max((o.bytes for o in outcomes), default=0)
@@ -306,9 +315,11 @@ class EnginePush:
                 and self.base.step is not None)
 
     def _one_engine(self, step: int, index: int, url: str, share: dict[str, torch.Tensor],
-                    delta: Delta | None) -> EngineOutcome:
-        """One session: push `share` into engine `index`, sparse when `delta` is given and the
-        engine may take it, else dense; check it; every rank learns the outcome."""
+                    delta: Delta | None, dense: Callable[[], dict[str, torch.Tensor]]
+                    ) -> EngineOutcome:
+        """One session: push into engine `index` sparse (`delta`, the changes of `share`) when
+        `delta` is given and the engine may take it, else dense (`dense()`, this rank's part of
+        the whole model); check what was pushed; every rank learns the outcome."""
         self._seq += 1
         engine = self._engines[index]
         outcome = EngineOutcome(url)
@@ -328,13 +339,14 @@ class EnginePush:
             if outcome.mode == SPARSE_MODE:
                 buckets = delta.buckets(self.rank, self.settings.bucket_bytes)
                 payload: dict[str, Any] = delta.parts
-                counts = [delta.changed, delta.total]
+                counts, pushed = [delta.changed, delta.total], share
             else:
-                held = self._held_dtypes(session, index, driver, share) \
+                pushed = dense()
+                held = self._held_dtypes(session, index, driver, pushed) \
                     if self.settings.dtype is not None else {}
-                buckets = buckets_of(share, self.rank, self.settings.bucket_bytes,
+                buckets = buckets_of(pushed, self.rank, self.settings.bucket_bytes,
                                      self.settings.dtype, held)
-                payload, counts = share, None
+                payload, counts = pushed, None
             session.put(f"meta/{self.rank}", json.dumps(
                 {"buckets": [b.to_json() for b in buckets], "counts": counts}))
             if driver is not None:
@@ -345,7 +357,7 @@ class EnginePush:
             self._transfer(session, driver, group, buckets, payload)
             if self.settings.hold:
                 checked = time.perf_counter()
-                self._check(session, url, step, plan["token"], share, engine)
+                self._check(session, url, step, plan["token"], pushed, engine)
                 outcome.check_s = time.perf_counter() - checked
         except PushAborted:
             pass  # another member failed: its own error is the push's (read by rank 0 below)

@@ -58,7 +58,9 @@ labelled policy version N, in memory (training/weights/engine_push.py): each ran
 share to the push on its publish thread, before writing it, so the push carries step N's bytes
 exactly as the directory does, fenced the same way; publish.dir, when set, is then written only
 after every `publish.dir_every`-th step (the durable record), and a step that is only pushed
-writes nothing to the disk. The publish's row then also says which engines serve the step.
+writes nothing to the disk. The publish's row then also says which engines serve the step. A
+LoRA run pushes the merged weights (training/weights/lora_push.py) on the training's thread,
+before rank 0 writes the adapter.
 
 At the start (`Publisher(...)`), rank 0 removes the `.tmp-step_*` and `.old-step_*` directories
 an interrupted run left behind (a network filesystem can keep them), and a resume at step S sets
@@ -93,11 +95,12 @@ from vlmcp.training.weights.hf_format import (saved_tensors, state_bytes, write_
                                               write_hf_files, write_model_config, write_on_rank0)
 from vlmcp.training.weights.expert_shards import is_gathered_slice
 from vlmcp.training.weights.engine_push import EnginePush, PushSettings
-from vlmcp.training.weights.sharded_write import ShardedWrite
+from vlmcp.training.weights.sharded_write import PushFailed, ShardedWrite
 from vlmcp.training.weights.shards import (SharePlan, StagedShare, buffers_held_bytes,
                                            bytes_to_stage, gather_share, gathers_by_modules,
                                            partitioned)
 from vlmcp.training.weights.lora_export import trained_state_dict, write_adapter_files
+from vlmcp.training.weights.lora_push import MergedShare, merged_share
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +164,8 @@ class Publisher:
         self.buffer_bytes = int(job.publish.buffer_mb * 2**20)
         self.stop_wait_s = job.publish.stop_wait_s
         self._plan: SharePlan | None = None
+        #: A LoRA run's merged weights for the push, made at its first push.
+        self._merged: MergedShare | None = None
         #: This rank's host copy of its share for background writes, reused from publish to
         #: publish (the previous write has finished before the next copy).
         self._staging: dict[str, torch.Tensor] = {}
@@ -251,8 +256,11 @@ class Publisher:
                             "still in flight (at most one publish is)", done, waited, previous)
         out = self.root / f"step_{done}" if write else None
         if self.adapter is not None or not self.sharded:
-            self._publish_on_rank0(done, out)
-            self._inflight = _InFlight(done, out, started, waited, None)
+            if push:
+                self._push_merged(done)
+            if out is not None:
+                self._publish_on_rank0(done, out)
+            self._inflight = _InFlight(done, out, started, waited, None, pushed=push)
             self._unreturned += self._settle(wait=True)
             return self.unreturned_rows()
         plan = self._share_plan()
@@ -455,6 +463,22 @@ class Publisher:
         if self._plan is None:
             self._plan = SharePlan.of(self.module.hf_model, comm.world_size())
         return self._plan
+
+    def _push_merged(self, done: int) -> None:
+        """A LoRA run's push of step `done` (every rank, on the training's thread): the merged
+        weights of the adapted tensors, and of the whole model where an engine gets a dense push
+        (training/weights/lora_push.py). CheckpointError on every rank when it failed (under
+        publish.on_engine_error "error")."""
+        if self._merged is None:
+            self._merged = merged_share(self.module)
+        problems = []
+        try:
+            self.push.push(done, self._merged.trained(), self._merged.whole)
+        except Exception as exc:  # agreed below: every rank stops at the same point
+            problems.append(str(exc) if isinstance(exc, PushFailed) else
+                            f"pushing the merged weights of step {done}: "
+                            f"{type(exc).__name__}: {exc}")
+        fail_together(problems, CheckpointError)
 
     def _publish_on_rank0(self, done: int, out: Path) -> None:
         """Rank 0 writes the whole step with save_pretrained (the adapter under LoRA), every

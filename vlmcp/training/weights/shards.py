@@ -134,8 +134,24 @@ def _full_shape(tensor: torch.Tensor) -> tuple[int, ...]:
     return tuple(getattr(tensor, "ds_shape", tensor.shape))
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
+def full_nbytes(tensor: torch.Tensor) -> int:
+    """Bytes of the whole tensor, also of a ZeRO-3 partitioned parameter."""
     return int(torch.Size(_full_shape(tensor)).numel()) * tensor.element_size()
+
+
+def balanced_owners(sizes: dict[str, int], world: int,
+                    holders: dict[str, tuple[int, ...]] | None = None) -> dict[str, int]:
+    """{key: its rank}: `sizes` ({key: bytes}, in order) spread over ranks 0 .. `world` - 1,
+    largest first onto the least loaded rank (ties: the lower rank, then the earlier key), a key
+    of `holders` only onto one of its ranks. A pure function: every rank computes the same."""
+    holders = holders or {}
+    load = [0] * world
+    owner: dict[str, int] = {}
+    for key in sorted(sizes, key=lambda k: -sizes[k]):  # stable: order on ties
+        rank = min(holders.get(key, range(world)), key=lambda r: (load[r], r))
+        owner[key] = rank
+        load[rank] += sizes[key]
+    return owner
 
 
 @dataclass(frozen=True)
@@ -158,14 +174,8 @@ class SharePlan:
         (training/weights/expert_shards.py)."""
         tensors = saved_tensors(hf_model)
         keys = tuple(tensors)
-        sizes = {key: _nbytes(value) for key, value in tensors.items()}
-        holders = expert_holders(hf_model, writers)
-        load = [0] * writers
-        owner: dict[str, int] = {}
-        for key in sorted(keys, key=lambda k: -sizes[k]):  # stable: state-dict order on ties
-            rank = min(holders.get(key, range(writers)), key=lambda r: (load[r], r))
-            owner[key] = rank
-            load[rank] += sizes[key]
+        sizes = {key: full_nbytes(value) for key, value in tensors.items()}
+        owner = balanced_owners(sizes, writers, expert_holders(hf_model, writers))
         used = tuple(r for r in range(writers) if any(owner[k] == r for k in keys))
         keys_of = tuple(tuple(k for k in keys if owner[k] == r) for r in used)
         numel = sum(int(torch.Size(_full_shape(tensors[k])).numel()) for k in keys
