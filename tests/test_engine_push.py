@@ -9,7 +9,9 @@ the adapted tensors alone), which equal vLLM's reload of `vlmcp export --merge`.
 the start, an engine killed in the middle of a push, an engine restarted between steps (brought
 to the latest step at the next push: its sparse push refused, the step pushed dense at once), SIGTERM to the trainer in the middle of a push (the resumed
 run pushes its checkpoint's step first), and under publish.on_engine_error "warn" an engine that
-went down reported in the row while training goes on. One server per model."""
+went down reported in the row while training goes on. A keep-mode push landing in the middle of
+an answer: the engine labels each token with the version that sampled it. One server per model,
+and one the fault tests share (started again where a test killed or stopped it)."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.engine_reference import NEEDS_ENGINE
+from tests.helpers.in_flight import in_flight
 from tests.helpers.launching import (assert_ok, launched, run_vlmcp, tiny_job, vlmcp_frames,
                                      write_job)
 from vlmcp.data.rollouts import STABLE, step_dir
@@ -42,6 +45,8 @@ IDS = [1, 10, 11, 12, 13, 2]
 LABELS = [-100, -100, 11, 12, 13, 2]
 #: A long generation that holds a wait-mode pause (the push's first step) for many seconds.
 HOLD = {"prompt": [1, 10, 11], "max_tokens": 1900, "ignore_eos": True, "temperature": 1.0}
+#: New tokens of an answer that a push lands in the middle of (within --max-model-len).
+LONG_ANSWER = 2000
 
 
 def _line() -> str:
@@ -100,6 +105,10 @@ class Engine:
     def stop(self) -> None:
         if self.server is not None:
             self.server.stop()
+
+    def running(self) -> bool:
+        process = self.server.process if self.server is not None else None
+        return process is not None and process.poll() is None
 
     def client(self, weights: Path, version: int) -> VllmHttpClient:
         return VllmHttpClient(self.url, weights, self.checkpoint, version=version)
@@ -279,14 +288,49 @@ def _hold_the_pause(engine: Engine) -> threading.Thread:
     return thread
 
 
+@pytest.fixture(scope="module")
+def spare_engine(tmp_path_factory):
+    """A server of the fault tests' own on a dense checkpoint (not `engine`'s: they kill, stop
+    and restart it), started by `fresh_engine`."""
+    root = tmp_path_factory.mktemp("spare")
+    checkpoint = build_tiny_checkpoint(root / "checkpoint", seed=0, **VLLM_CPU_HEADS)
+    spare = Engine(checkpoint, root / "server.log")
+    yield spare
+    spare.stop()
+
+
 @pytest.fixture
-def fresh_engine(tmp_path):
-    """A server of its own on a fresh dense checkpoint, for a test that kills or restarts it."""
-    checkpoint = build_tiny_checkpoint(tmp_path / "checkpoint", seed=0, **VLLM_CPU_HEADS)
-    engine = Engine(checkpoint, tmp_path / "server.log")
-    engine.start()
-    yield engine
-    engine.stop()
+def fresh_engine(spare_engine):
+    """The spare server, running: started again where a test before killed or stopped it. A
+    test's run pushes dense first whatever the server holds (a new run knows no version of it)."""
+    if not spare_engine.running():
+        spare_engine.start()
+    return spare_engine
+
+
+@NEEDS_ENGINE
+def test_a_keep_mode_push_landing_mid_answer_labels_each_token_with_the_version_that_sampled_it(
+        fresh_engine, tmp_path):
+    """publish.engine_pause "keep": step 2's push (sparse, publish.dense_every 2) lands while an
+    answer is being generated; the answer goes on after it, its tokens before the push labelled
+    version 1 by the engine, those after it version 2."""
+    engine = fresh_engine
+    job = _job(engine, tmp_path, 2, engine_pause="keep", dense_every=2)
+    _write_step(tmp_path / "rollouts", 1)
+    log = tmp_path / "train.log"
+    with launched(["train", str(job)], log, wait_s=300) as proc:
+        _wait_for(lambda: _serving(engine, 1), "step 1's push", proc)
+        thread, answer = in_flight(engine.url, IDS[:3], LONG_ANSWER)
+        _write_step(tmp_path / "rollouts", 2)
+        thread.join(timeout=300)
+    assert proc.returncode == 0, log.read_text()[-3000:]
+    rows = _rows(tmp_path / "out", "pushed")
+    assert [(r["step"], r["push_sparse"]) for r in rows] == [(1, []), (2, [engine.url])]
+    assert len(answer["token_ids"]) == LONG_ANSWER
+    spans = answer["weight_versions"]
+    assert [span["version"] for span in spans] == ["1", "2"], spans
+    assert spans[0]["start"] == 0 < spans[0]["end"] == spans[1]["start"] < LONG_ANSWER == \
+        spans[1]["end"]
 
 
 @NEEDS_ENGINE
