@@ -284,7 +284,12 @@ def _add_bench_other_measures(bench: argparse.ArgumentParser) -> None:
                             "(publish.engines) at bucket sizes of 64, 256 and 1024 MiB; reports "
                             "the engine's downtime per update, the training's critical path, the "
                             "bytes written to disk and where the push's time goes, --repeats "
-                            "rounds each")
+                            "rounds each; then sparse pushes (publish.dense_every) after one "
+                            "AdamW step at the RL demo's rate and at 1e-6")
+    bench.add_argument("--push-models", default=None,
+                       help="--engine-push: the models to time, comma-separated: demo (seconds "
+                            "to minutes), large (about 1.1 GB in bf16; needs about 20 GB of free "
+                            "memory); default both")
     bench.add_argument("--rl", action="store_true",
                        help="instead of a step benchmark: the whole loop (`vlmcp rl`, one vLLM "
                             "server from the engine venv, one trainer rank) on the demo model and "

@@ -19,6 +19,13 @@ cores; where they do not, the steps would not slow the engine down either):
     streamed_<B> the same with publish.push_staged false: the engine pauses first and loads each
                  bucket as it arrives (B: the bucket size of STREAMED_MB)
 
+Then, per learning rate of `SPARSE_LRS` (the RL demo's, and an RL-typical 1e-6), a fresh world
+trains the same model with AdamW at that rate (bf16, so the engine's dtype is the trainer's) and
+pushes into the same engine with publish.dense_every past the run's end: an untimed dense push
+(the anchor), then `--repeats` times one training step and its push, sparse: only the elements
+one AdamW step changed in bf16 (`sparse_lr<rate>`, with `changed_fraction`, `push_bytes` and the
+delivery check's `check_s`, which runs after the resume, outside the downtime).
+
 Each sample: `downtime_s`, the engine's time not serving (pause to resume, measured by the client
 that drives it), `critical_s`, what the training waited (the slowest rank's `publish_s`),
 `total_s` (until the engine served the step: rank 0's publish total plus, for files, the
@@ -27,8 +34,10 @@ reload), and the bytes the trainer ranks and the engine process wrote to the dis
 `phases_s`: stage (staged: the transfer, while the engine serves, outside the downtime), then the
 engine's control plane: pause, start, update (vLLM's load of every bucket; streamed, also the
 transfer), finish (vLLM's layerwise finalisation and the CPU expert repack), caches, resume.
-Values are min / median / max over the repeats; `ratios` compare medians with the files way, and
-`best_bucket_mb` is the bucket size of the lowest median downtime.
+Values are min / median / max over the repeats; `ratios` compare medians with the files way (a
+sparse way's bytes with the dense staged push's), and `best_bucket_mb` is the bucket size of the
+lowest median downtime. `--push-models` picks the models (default both: the large one needs about
+20 GB of free memory).
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ import torch
 
 from vlmcp.bench.jobs import published_after, scratch_folder, short_job, started_run
 from vlmcp.bench.procs import run_fresh
+from vlmcp.demo.rl import RL_LR
 from vlmcp.parallel import comm
 
 #: The widened model: about 0.55 G parameters, 1.1 GB in bf16.
@@ -56,6 +66,10 @@ LARGE = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 8,
 BUCKETS_MB = (64, 256, 1024)
 #: The bucket size (MiB) the streamed push (publish.push_staged false) is timed at.
 STREAMED_MB = 256
+#: The learning rates (AdamW) the sparse pushes are timed at: the RL demo's, and 1e-6.
+SPARSE_LRS = (RL_LR, 1e-6)
+#: The models `--push-models` chooses from.
+PUSH_MODELS = ("demo", "large")
 _SAMPLES, _SAMPLE_LEN = 4, 16
 
 
@@ -152,6 +166,50 @@ class PushBenchTask:
         return sample
 
 
+@dataclass(frozen=True)
+class SparsePushBenchTask:
+    """One world training with AdamW at `job`'s rate and pushing into the engine of `job`'s
+    publish.engines, sparse after an untimed dense anchor (see the module docstring); returns
+    rank 0's samples."""
+
+    job: dict
+    repeats: int
+
+    def run(self, device: torch.device) -> dict[str, Any]:
+        from vlmcp.training.loop import train_step
+        from vlmcp.training.weights.publish import Publisher
+
+        run, step = started_run(self.job)
+        publisher = Publisher(run.job, run.engine, run.module, start_step=step)
+        samples = []
+        for repeat in range(self.repeats + 1):
+            if repeat:
+                train_step(run, step)
+                step += 1
+            rows, step = published_after(run, publisher, step, train_meanwhile=False)
+            row = rows[0]
+            slowest = torch.tensor([row["publish_s"]], dtype=torch.float64)
+            comm.all_reduce_max(slowest)
+            if comm.rank() != 0:
+                continue
+            if row.get("push_failed") or not row.get("pushed"):
+                raise RuntimeError(f"the push of step {step} failed: {row.get('push_failed')}")
+            if repeat:
+                if not row["push_sparse"]:
+                    raise RuntimeError(f"the push of step {step} was not sparse: {row}")
+                samples.append({"critical_s": float(slowest[0]),
+                                "downtime_s": row["push_downtime_s"],
+                                "total_s": row["publish_total_s"],
+                                "push_bytes": row["push_bytes"],
+                                "changed_fraction": row["push_changed_fraction"],
+                                "check_s": row["push_check_s"],
+                                "base_bytes": row["push_base_bytes"],
+                                "phases_s": row["push_phases_s"]})
+        publisher.close()
+        comm.shutdown()
+        return {"samples": samples}
+
+
 def _spread(values: list[float]) -> dict[str, float]:
     return {"min": round(min(values), 4), "median": round(statistics.median(values), 4),
             "max": round(max(values), 4)}
@@ -160,6 +218,8 @@ def _spread(values: list[float]) -> dict[str, float]:
 def _summary(ways: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     for way, runs in ways.items():
+        if not runs:
+            continue
         summary[way] = {key: _spread([run[key] for run in runs]) for key in runs[0]
                         if isinstance(runs[0][key], (int, float))}
         if "phases_s" in runs[0]:
@@ -172,9 +232,13 @@ def _summary(ways: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     summary["ratios"] = {
         f"{way}_downtime_vs_files": round(summary[way]["downtime_s"]["median"]
                                           / files["downtime_s"]["median"], 3)
-        for way in ways if way != "files"}
+        for way in ways if way != "files" and way in summary}
     summary["ratios"]["best_push_critical_vs_files"] = round(
         summary[best]["critical_s"]["median"] / files["critical_s"]["median"], 3)
+    dense = summary[f"push_{STREAMED_MB}"]["push_bytes"]["median"]
+    summary["ratios"].update({
+        f"{way}_bytes_vs_dense": round(summary[way]["push_bytes"]["median"] / dense, 4)
+        for way in ways if way.startswith("sparse_") and way in summary})
     return summary
 
 
@@ -201,6 +265,13 @@ def _bench_model(name: str, config: dict[str, Any], root: Path, args: argparse.N
                         publish={"dir": str(root / name / "unused")})
         row = run_fresh(PushBenchTask(job, server.url, server.process.pid, str(model_dir),
                                       str(root / name), args.repeats), 2, distributed=False)
+        for lr in SPARSE_LRS:
+            sparse = short_job({"path": str(model_dir), "dtype": "bfloat16"}, job["data"],
+                               root / name / f"sparse-{lr:g}", 10_000, zero_stage=3,
+                               publish={"engines": [server.url], "dense_every": 10**6})
+            sparse["optimizer"] = {"type": "adamw", "lr": lr}
+            row["ways"][f"sparse_lr{lr:g}"] = run_fresh(
+                SparsePushBenchTask(sparse, args.repeats), 2, distributed=False)["samples"]
     finally:
         server.stop()
     weights = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
@@ -212,9 +283,22 @@ def run_engine_push_bench(args: argparse.Namespace) -> dict[str, Any]:
     """The `--engine-push` report (see the module docstring)."""
     from vlmcp.demo.image import DEMO_MODEL
 
+    configs = {"demo": DEMO_MODEL, "large": LARGE}
     with scratch_folder(args.scratch, "vlmcp-bench-push-") as root:
-        models = {"demo": _bench_model("demo", DEMO_MODEL, root, args),
-                  "large": _bench_model("large", LARGE, root, args)}
+        models = {name: _bench_model(name, configs[name], root, args)
+                  for name in push_models(args.push_models)}
     return {"mode": "engine_push", "world": 2, "zero_stage": 3, "dtype": "bfloat16",
             "buckets_mb": list(BUCKETS_MB), "streamed_mb": STREAMED_MB, "repeats": args.repeats,
+            "sparse_lrs": list(SPARSE_LRS), "sparse_optimizer": "adamw",
             "cpus": os.cpu_count(), "models": models}
+
+
+def push_models(given: str | None) -> list[str]:
+    """The models of `--push-models` (None: every one), in `PUSH_MODELS` order; ValueError
+    naming an unknown one."""
+    names = [n.strip() for n in given.split(",") if n.strip()] if given else list(PUSH_MODELS)
+    unknown = [n for n in names if n not in PUSH_MODELS]
+    if unknown or not names:
+        raise ValueError(f"--push-models: expected a comma-separated list of "
+                         f"{', '.join(PUSH_MODELS)}, got {given!r}")
+    return [n for n in PUSH_MODELS if n in names]
