@@ -300,12 +300,15 @@ def _wire(buckets: list[Any], share: dict[str, Any]) -> list[tuple[dict[str, Any
 
 
 def _nudged(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`weights` with every 97th element of every third tensor times 1.5 (a change bf16 sees)."""
+    """`weights` with every 97th element of every third tensor times 1.5 (a change bf16 sees:
+    sent as indices), and every third element of the next ones (sent as a bitmap)."""
     out = {}
     for index, (name, tensor) in enumerate(sorted(weights.items())):
         tensor = tensor.clone()
         if index % 3 == 0:
             tensor.view(-1)[::97] *= 1.5
+        elif index % 3 == 1:
+            tensor.view(-1)[::3] *= 1.5
         out[name] = tensor
     return out
 
@@ -326,7 +329,8 @@ def test_a_sparse_patch_after_a_held_push_gives_vllms_reload_and_every_checksum_
     base = PushBase()
     base.advance(1, on_b, checked.dtypes)
     delta = base.delta(on_c)
-    assert 0 < delta.changed < delta.total / 50
+    assert 0 < delta.changed < delta.total / 4
+    assert {encoding[0] for encoding in delta.encodings.values()} >= {"index", "bitmap"}
     _, reports = _push(url, on_c, "2", "sparse-2", True,
                        _held("run/2", mode="sparse", base="run/1"),
                        buckets=_wire(delta.buckets(0, BUCKET_BYTES), delta.parts))

@@ -145,7 +145,10 @@ def test_each_encoding_of_a_change_decodes_to_the_same_patch_and_the_cheapest_is
                                                        torch.bfloat16)
         patch = push_patch.decode("w", kind, changed.numel(), (10, 100), torch.bfloat16, data)
         rebuilt = base.clone().view(-1)
-        rebuilt[patch.indices if not patch.dense else slice(None)] = patch.values
+        assert (patch.mask is not None) == (kind == push_patch.BITMAP)
+        assert patch.flat_indices().tolist() == (list(range(1000)) if patch.dense
+                                                 else changed.tolist())
+        rebuilt[patch.flat_indices()] = patch.values
         assert torch.equal(rebuilt.view(10, 100), new)
     # 143 of 1000 bf16 elements: the bitmap (125 + 286 bytes) beats indices (858) and dense
     assert push_patch.cheapest(1000, 143, torch.bfloat16) == push_patch.BITMAP

@@ -218,10 +218,18 @@ def test_a_frozen_rank_ends_the_whole_job_naming_the_collective(checkpoint, para
                                                 out, parallel=parallel, max_steps=100000,
                                                 collective_timeout_s=15))
     log = tmp_path / "log"
-    # After the first rank exits, torchrun SIGTERMs the others and SIGKILLs them 30 s later.
+    # After the first rank exits, torchrun SIGTERMs the others and SIGKILLs them 30 s later (a
+    # fixed grace in torch 2.13's agent): a stopped rank would pay those 30 s. Once torchrun sent
+    # it SIGTERM the test resumes it, and the pending SIGTERM ends it at once.
     with _after_the_first_row(job, out, log) as (proc, workers):
-        _rank(workers, 1).send_signal(signal.SIGSTOP)
+        frozen = _rank(workers, 1)
+        frozen.send_signal(signal.SIGSTOP)
         stopped_at = time.monotonic()
+        closing = f"Sending process {frozen.pid} closing signal SIGTERM"
+        while closing not in log.read_text() and proc.poll() is None:
+            assert time.monotonic() - stopped_at < 90, log.read_text()[-3000:]
+            time.sleep(0.2)
+        frozen.resume()
         proc.wait(timeout=90)
         gone = psutil.wait_procs(workers, timeout=max(1.0, 90 - (time.monotonic() - stopped_at)))
         assert not gone[1], f"still alive: {gone[1]}"

@@ -82,16 +82,27 @@ def parse_encoding(encoding: Any, numel: int, where: str) -> tuple[str, int]:
 @dataclass
 class Patch:
     """One tensor of a push, decoded: `values` (1-D, the engine's dtype) at the flat checkpoint
-    positions `indices` (1-D int64, increasing), or every value when `indices` is None."""
+    positions `indices` (1-D int64, increasing; an index encoding), or where `mask` is true (1-D
+    bool over the tensor's elements; a bitmap encoding: no int64 index per element is made
+    unless a placement needs one), or every value when both are None."""
 
     name: str
     shape: tuple[int, ...]
     values: torch.Tensor
     indices: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
 
     @property
     def dense(self) -> bool:
-        return self.indices is None
+        return self.indices is None and self.mask is None
+
+    def flat_indices(self) -> torch.Tensor:
+        """The changed elements' flat checkpoint positions (1-D int64, increasing)."""
+        if self.indices is not None:
+            return self.indices
+        if self.mask is not None:
+            return torch.nonzero(self.mask).reshape(-1)
+        return torch.arange(self.numel)
 
     @property
     def numel(self) -> int:
@@ -142,9 +153,13 @@ def decode(name: str, kind: str, count: int, shape: tuple[int, ...], dtype: torc
     else:
         width = (numel + 7) // 8
         shifts = torch.arange(8, dtype=torch.uint8)
-        mask = ((data[:width, None] >> shifts) & 1).reshape(-1)[:numel]
-        indices = torch.nonzero(mask).reshape(-1)
+        mask = ((data[:width, None] >> shifts) & 1).reshape(-1)[:numel].bool()
         values = _as(data[width:], dtype)
+        marked = int(mask.sum())
+        if marked != count or values.numel() != count:
+            raise ValueError(f"{name}: {kind} patch marks {marked} elements and holds "
+                             f"{values.numel()} values, not the {count} its encoding says")
+        return Patch(name, shape, values, mask=mask)
     if indices.numel() != count or values.numel() != count:
         raise ValueError(f"{name}: {kind} patch holds {indices.numel()} indices and "
                          f"{values.numel()} values, not the {count} its encoding says")

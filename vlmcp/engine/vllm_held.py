@@ -28,8 +28,11 @@ and runs the layer's post-load step again. On a CPU that holds a second copy of 
 weight (about the model's size, in the engine's dtype); on a GPU, where the unquantized weights
 are not repacked, nothing.
 
-**Patches** (`apply`): each changed element goes to every place the loader put it, found through
-the placements' regions (`push_patch.Region.locate`), in place; every layer whose post-load step
+**Patches** (`apply`): each changed element goes to every place the loader put it, in place:
+where a placement holds the whole tensor in order in one contiguous run (a whole parameter, a
+fused projection's rows, one expert of a stacked weight) straight by the patch's mask or indices,
+elsewhere through the placements' regions (`push_patch.Region.locate`, an int64 multi-index per
+changed element); every layer whose post-load step
 ran is processed again afterwards, the rest (norms, embeddings a kernel reads directly) is
 already current. **Checksums** (`checksums`): per placement, the digest of the target region read
 in the source region's order: equal to the trainer's digest of the same source region exactly
@@ -140,6 +143,25 @@ class LoadRecorder(TorchDispatchMode):
     def landed(self) -> dict[int, list[Placement]]:
         """{storage address: the placements in it} of the tensors still alive."""
         return {address: list(entries) for address, entries in self._landing.items()}
+
+
+def _in_order(placement: Placement, numel: int) -> bool:
+    """Whether `placement` puts the whole checkpoint tensor (`numel` elements, row-major) into
+    one contiguous run of its target storage, element i at the run's element i (the usual case:
+    a whole parameter, a fused projection's rows, one expert of a stacked weight)."""
+    return (placement.source.whole(numel) and placement.target.contiguous()
+            and placement.target.numel == numel)
+
+
+def _write_in_order(flat: torch.Tensor, offset: int, patch: Patch) -> None:
+    """Write a sparse `patch` into `flat[offset : offset + numel]` by its mask or indices, with
+    no per-element multi-index (what `Region.locate` builds for any other placement)."""
+    run = flat[offset:offset + patch.numel]
+    values = patch.values.to(flat.dtype).to(flat.device)
+    if patch.mask is not None:
+        run.masked_scatter_(patch.mask.to(flat.device), values)
+    else:
+        run[patch.indices.to(flat.device)] = values
 
 
 def _whole(tensor: torch.Tensor) -> bool:
@@ -304,8 +326,10 @@ class HeldWeights:
                 if patch.dense:
                     values = placement.source.read(patch.values).to(flat.dtype)
                     placement.target.read(flat).copy_(values)
+                elif _in_order(placement, patch.numel):
+                    _write_in_order(flat, placement.target.offset, patch)
                 else:
-                    inside, multi = placement.source.locate(patch.indices)
+                    inside, multi = placement.source.locate(patch.flat_indices())
                     if not multi.numel():
                         continue
                     positions = placement.target.positions(multi).to(flat.device)
