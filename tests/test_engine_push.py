@@ -1,17 +1,18 @@
 """The push into a running vLLM (publish.engines) against the real engine in its own process (the
-engine venv, `make engine`, with vlmcp's gloo backend): `vlmcp train` under torchrun on 2 CPU
-ranks pushes every step into one server (the first dense, the second sparse, each checked against
-the engine's checksums), and the server's weights after the last push equal, parameter by
-parameter (vLLM's /weight_checker checksums) and in a prompt's logprobs, those of the same step
-reloaded from publish.dir: dense and MoE, ZeRO 2 and 3, expert parallelism 1 and 2,
-publish.push_dtype unset and bf16. A LoRA run pushes its merged weights (sparse after the first:
-the adapted tensors alone), which equal vLLM's reload of `vlmcp export --merge`. Faults: an unreachable URL at
-the start, an engine killed in the middle of a push, an engine restarted between steps (brought
-to the latest step at the next push: its sparse push refused, the step pushed dense at once), SIGTERM to the trainer in the middle of a push (the resumed
-run pushes its checkpoint's step first), and under publish.on_engine_error "warn" an engine that
-went down reported in the row while training goes on. A keep-mode push landing in the middle of
-an answer: the engine labels each token with the version that sampled it. One server per model,
-and one the fault tests share (started again where a test killed or stopped it)."""
+engine venv, `make engine`, with vlmcp's gloo backend): `vlmcp train` under torchrun on 2 CPU ranks
+pushes every step into one server (the first dense, the second sparse, each checked against the
+engine's checksums), and the server's weights after the last push equal, parameter by parameter
+(vLLM's /weight_checker checksums) and in a prompt's logprobs, those of the same step reloaded from
+publish.dir: dense and MoE, ZeRO 2 and 3, expert parallelism 1 and 2, publish.push_dtype unset and
+bf16. A LoRA run pushes its merged weights (sparse after the first: the adapted tensors alone),
+which equal vLLM's reload of `vlmcp export --merge`. Faults: an unreachable URL at the start, an
+engine killed in the middle of a push, an engine restarted between steps (brought to the latest
+step at the next push: its sparse push refused, the step pushed dense at once), SIGTERM to the
+trainer in the middle of a push (the resumed run pushes its checkpoint's step first), and under
+publish.on_engine_error "warn" an engine that went down reported in the row while training goes on.
+A keep-mode push landing in the middle of an answer: the engine labels each token with the version
+that sampled it. One server per model, and one the fault tests share (started again where a test
+killed or stopped it)."""
 
 from __future__ import annotations
 
@@ -226,8 +227,8 @@ def test_a_lora_run_pushes_the_merged_weights_that_vllm_reloads_from_the_merged_
     the prepacked Linear weights on a CPU, all that LoRA changes here). After it the engine's
     weights (/weight_checker) and a prompt's logprobs equal vLLM's own reload of `vlmcp export
     --merge` of the step-2 checkpoint (PEFT's merge_and_unload), and the logprobs differ from
-    the engine's before the run. Dense under ZeRO-3 (the merged tensors gathered with DeepSpeed), MoE
-    under ZeRO-2 with the routed experts adapted."""
+    the engine's before the run. Dense under ZeRO-3 (the merged tensors gathered with
+    DeepSpeed), MoE under ZeRO-2 with the routed experts adapted."""
     kind = "moe" if engine.moe else "dense"
     before = _logprobs(engine.client(tmp_path, version=0))
     path = _job(engine, tmp_path, 2 if engine.moe else 3, dense_every=2)

@@ -239,7 +239,7 @@ def _summary(ways: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         for way in ways if way != "files" and way in summary}
     summary["ratios"]["best_push_critical_vs_files"] = round(
         summary[best]["critical_s"]["median"] / files["critical_s"]["median"], 3)
-    dense = summary[f"push_{STREAMED_MB}"]["push_bytes"]["median"]
+    dense = summary[best]["push_bytes"]["median"]  # every staged bucket size sends the same
     summary["ratios"].update({
         f"{way}_bytes_vs_dense": round(summary[way]["push_bytes"]["median"] / dense, 4)
         for way in ways if way.startswith("sparse_") and way in summary})

@@ -393,9 +393,9 @@ class WorkWatch:
     """Runs a member's gloo sends and receives on `group` under the session's `abort` (module
     docstring): `run(work)` waits for one (raising PushAborted when the session aborted),
     `post(work)` keeps one pending to wait on later, and a thread ends every pending one once
-    `abort` appears, through the watch's sentinel receive. `close()` stops the thread and ends what is still
-    pending (the buffers they hold are released with them); a work posted after it ends at once.
-    Only the thread that posted a work waits on it. Use as a context manager."""
+    `abort` appears, through the watch's sentinel receive. `close()` stops the thread and ends
+    what is still pending (the buffers they hold are released with them); a work posted after it
+    ends at once. Only the thread that posted a work waits on it. Use as a context manager."""
 
     def __init__(self, session: Session, group: dist.ProcessGroupGloo):
         self.session = session

@@ -121,11 +121,6 @@ class MergedShare:
         #: This rank's trained tensors of the latest `trained()` call.
         self._trained: dict[str, torch.Tensor] = {}
 
-    @property
-    def trained_keys(self) -> list[str]:
-        """The merged names of the tensors training changes (every rank's)."""
-        return [t.key for t in self.tensors if t.trained]
-
     def trained(self) -> dict[str, torch.Tensor]:
         """{merged name: host tensor} of this rank's trained tensors, now."""
         self._trained = self._compute(lambda t: t.trained)
@@ -139,20 +134,16 @@ class MergedShare:
                 for t in self.tensors if self.owners[t.key] == self.rank}
 
     def _compute(self, wanted: Callable[[MergedTensor], bool]) -> dict[str, torch.Tensor]:
+        import deepspeed
+
         out = {}
         for tensor in self.tensors:
             if not wanted(tensor):
                 continue
-            mine = self.owners[tensor.key] == self.rank
-            params = tensor.parameters()
-            if any(hasattr(p, "ds_id") for p in params):
-                import deepspeed
-
-                with deepspeed.zero.GatheredParameters(params):
-                    if mine:
-                        out[tensor.key] = tensor.value()
-            elif mine:
-                out[tensor.key] = tensor.value()
+            # a no-op where ZeRO-3 partitioned none of them (DeepSpeed checks `ds_id` itself)
+            with deepspeed.zero.GatheredParameters(tensor.parameters()):
+                if self.owners[tensor.key] == self.rank:
+                    out[tensor.key] = tensor.value()
         return out
 
 
